@@ -1,0 +1,1 @@
+"""The server side: scheduler, radix cache, model runner. Only protocol.py and client.py are torch-free."""

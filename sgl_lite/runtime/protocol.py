@@ -1,0 +1,189 @@
+"""The wire format: msgspec Structs in one tagged union per direction, encoded as msgpack.
+
+Client and server both import this module, so it stays torch-free. Every message carries a `type`
+tag (the struct's class name in snake case); `decode_request` / `decode_reply` accept exactly the
+union of their direction and raise `msgspec.ValidationError`/`DecodeError` naming the field at
+fault for anything else. No pickle anywhere.
+
+`SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
+sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Union[list[int], None] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: Union[int, None] = None
+    # Constrained decoding (at most one): a regex, a JSON Schema (string or object), an EBNF grammar.
+    regex: Union[str, None] = None
+    json_schema: Union[str, dict[str, Any], None] = None
+    ebnf: Union[str, None] = None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field when a value is out of range."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0; got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens]; got {self.min_new_tokens}")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number; got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1; got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2]; got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2]; got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2]; got {self.repetition_penalty}")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids or ():
+                if not 0 <= tok < vocab_size:
+                    raise ValueError(f"stop_token_ids contains {tok}, outside the vocabulary [0, {vocab_size})")
+        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
+            raise ValueError("only one of regex, json_schema, ebnf may be given")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def sampling_params_from_dict(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    """Convert a user dict (Engine, HTTP) into SamplingParams; ValueError names an unknown or mistyped key."""
+    if isinstance(params, SamplingParams):
+        out = params
+    else:
+        try:
+            out = msgspec.convert(params or {}, SamplingParams)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid sampling_params: {e}") from None
+    out.validate()
+    return out
+
+
+# ---------------------------------------------------------------- client -> server
+
+
+class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Generate (or, with max_new_tokens=0, only prefill: a prefix-cache hint)."""
+
+    rid: str
+    text: Union[str, None] = None
+    input_ids: Union[list[int], None] = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    # Input-token logprobs are returned from this prompt position on (-1: none, output only).
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    priority: Union[int, None] = None
+    api_key: Union[str, None] = None
+
+
+class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    rid: str
+    api_key: Union[str, None] = None
+
+
+class FlushCacheReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    rid: str
+    api_key: Union[str, None] = None
+
+
+class ServerInfoReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    rid: str
+    api_key: Union[str, None] = None
+
+
+class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    rid: str
+    api_key: Union[str, None] = None
+
+
+Request = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+
+
+# ---------------------------------------------------------------- server -> client
+
+
+class TokenChunk(msgspec.Struct, tag=True):
+    """A streamed piece of output: `text` is the new text since the last chunk (never broken UTF-8)."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Finished(msgspec.Struct, tag=True):
+    """The one final message of a successful generate: whole text and ids, meta_info as the Engine's."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ErrorReply(msgspec.Struct, tag=True):
+    """The one final message of a failed request; `message` names the field or limit at fault."""
+
+    rid: str
+    message: str
+    code: str = "bad_request"  # bad_request | unauthorized | queue_full | aborted | internal
+
+
+class InfoReply(msgspec.Struct, tag=True):
+    """Answer to ServerInfoReq / FlushCacheReq / HealthReq / AbortReq: a free-form dict."""
+
+    rid: str
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+Reply = Union[TokenChunk, Finished, ErrorReply, InfoReply]
+
+
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Request | Reply) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> Request:
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _reply_decoder.decode(data)

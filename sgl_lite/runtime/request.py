@@ -1,0 +1,96 @@
+"""A request's in-process state, shared by the scheduler, the radix cache and the model runner.
+
+Invariants:
+- `fill_ids` (prompt + output so far) is the token sequence the request's KV should hold.
+- `kv_len` tokens of `fill_ids` have KV in slots `req_to_token[req_pool_idx, :kv_len]`.
+  The first `prefix_len` of those are shared with the radix cache (locked through `last_node`);
+  the rest belong to this request alone until it is inserted into the cache.
+- A request is in exactly one place: waiting queue, running batch, or finished.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_lite.runtime.protocol import SamplingParams
+
+
+class FinishKind(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # aborted by the client, by preemption limits, or by an error
+
+
+@dataclass
+class FinishReason:
+    kind: FinishKind
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None  # for ABORT: why
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind.value}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+
+    # KV state (see the module docstring).
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None  # the radix node locked for this request's cached prefix
+    cached_tokens: int = 0  # prompt tokens served from the cache (reported in meta_info)
+
+    # Scheduling bookkeeping.
+    queue_enter_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_retractions: int = 0
+    num_preemptions: int = 0
+    is_chunked: bool = False  # a chunk of its prompt is computed but not all of it
+
+    # Logprobs, filled by the model runner when return_logprob is set.
+    input_token_logprobs: list[float] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    # Constrained decoding matcher (runtime/grammar.py), None when unconstrained.
+    grammar: Any = None
+    # Per-request sampling generator (seeded requests), created by the sampler on first use.
+    generator: Any = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_sampling(self) -> bool:
+        """False for prefill-only hints (max_new_tokens == 0)."""
+        return self.sampling_params.max_new_tokens > 0

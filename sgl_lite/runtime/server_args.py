@@ -1,0 +1,103 @@
+"""Every runtime flag in one dataclass, shared by the Engine, the server and the CLI.
+
+Names and defaults follow SGLang's `ServerArgs` wherever SGLang has the flag, so that users can
+switch without relearning (`--schedule-policy`, `--max-prefill-tokens`, ...). Flags that SGLang
+lacks are marked as sgl_lite's own in their help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+
+
+@dataclass
+class ServerArgs:
+    # Model and device.
+    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default)."})
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
+    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
+    attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
+    context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
+    random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
+
+    # KV memory.
+    mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU, 0.85 on CUDA."})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
+
+    # Batching and admission (SGLang's PrefillAdder budgets).
+    max_running_requests: int | None = field(default=None, metadata={"help": "Max requests in the running batch (default: derived from the pool, at most 256)."})
+    max_queued_requests: int | None = field(default=None, metadata={"help": "Max waiting requests; new ones are rejected when full (None: unbounded)."})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new tokens in one prefill batch."})
+    prefill_max_requests: int | None = field(default=None, metadata={"help": "Max requests in one prefill batch (None: unbounded)."})
+    chunked_prefill_size: int | None = field(default=None, metadata={"help": "Prompts longer than this are prefilled in chunks (None: 2048 on CPU, 8192 on CUDA; -1 disables)."})
+    schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
+
+    # Queue policy.
+    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
+    lpm_fallback_threshold: int = field(default=128, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128)."})
+    in_batch_prefix_caching_check_threshold: int = field(default=32, metadata={"help": "sgl_lite: in-batch prefix de-duplication applies to requests whose cached prefix is shorter than this."})
+    in_batch_prefix_caching_deprioritize_threshold: int = field(default=32, metadata={"help": "sgl_lite: such a request waits a round when it shares at least this many tokens with one admitted this round."})
+
+    # Priority scheduling.
+    enable_priority_scheduling: bool = field(default=False, metadata={"help": "Order by request priority first, with threshold preemption of running requests."})
+    schedule_low_priority_values_first: bool = field(default=False, metadata={"help": "Smaller priority values are more urgent (default: larger values are)."})
+    priority_scheduling_preemption_threshold: int = field(default=10, metadata={"help": "Preempt a running request only when a waiting one is more urgent by more than this."})
+    abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
+
+    # Server process.
+    host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
+    port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
+    api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
+    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
+    log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag when a value is out of range."""
+        for name in ("schedule_policy", "dtype", "device", "attention_backend"):
+            choices = _FIELDS[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
+                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{_flag(name)} must be positive; got {value}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(f"--schedule-conservativeness must be positive; got {self.schedule_conservativeness}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from keyword arguments, naming any unknown one (Engine(**server_args) uses this)."""
+        unknown = sorted(set(kwargs) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
