@@ -1,24 +1,417 @@
-"""SPEC STUB (replaced by the implementation): the scheduler's public interface.
+"""The scheduler: a waiting queue, a running batch, and one forward per `step()`.
+
+Each step (SGLang 0.5.7's event loop, without overlap):
+1. prefill first: the policy orders the waiting queue; the in-flight chunked request (if any) goes
+   first, then `PrefillAdder` admits requests within the KV / prefill / chunk budgets, preempting
+   running requests of much lower priority when priority scheduling is on;
+2. else decode: one token for every running request; when free + evictable slots cannot hold one
+   token each, requests are retracted (fewest decoded first) back to the queue and the new-token
+   ratio is re-estimated; otherwise the ratio decays towards its minimum.
+3. outputs: append tokens, check stops, cache finished requests' KV in the radix tree.
+
+Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, req_kv.py owns slot
+bookkeeping (and the accounting `check_invariant` verifies), stop_checker.py decides finishes,
+scheduler_admission.py validates requests before they are queued.
+A request that leaves (finish, abort, retraction, preemption) gives its computed KV to the tree
+(`cache_finished_req`), so a retracted or preempted request resumes from its cached prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key, priority_sort_key
+from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
+from sgl_lite.runtime.req_kv import ReqKV
+from sgl_lite.runtime.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.scheduler_admission import AdmissionChecks
+from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# SGLang's SGLANG_RETRACT_DECODE_STEPS: after a retraction, reserve this many steps per remaining request.
+RETRACT_DECODE_STEPS = 20
+
+
+class QueueFullError(ValueError):
+    """The waiting queue holds --max-queued-requests requests."""
+
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunnerBase, *, tokenizer=None,
-                 eos_token_ids: Iterable[int] = (), context_length: int) -> None
-        Builds SlotAllocator(runner.num_slots), RadixCache, the policy. `tokenizer` (has .decode)
-        is needed only for stop strings.
-    def add_request(self, req: Req) -> None
-        Validates (prompt + max_new_tokens within context_length, priority rules, queue limit) and
-        queues. Raises ValueError with a message naming the field or limit at fault; nothing is
-        queued then. A queue-full rejection raises QueueFullError(ValueError).
-    def abort_request(self, rid: str) -> bool
-        Waiting or running: the request ends with FinishKind.ABORT; its KV is released; it is
-        reported by the next step(). False when the rid is unknown.
-    def step(self) -> list[Req]
-        Runs at most one forward (prefill batch first, else decode batch) and returns every request
-        whose state changed: new output tokens, finished (any reason, including aborts and queue
-        evictions since the last step). Finished requests are removed and their KV cached/freed.
-    def has_work(self) -> bool
-    def flush_cache(self) -> bool            only when idle; False otherwise
-    def check_invariant(self) -> None        AssertionError unless free + evictable + protected == total
-                                             and (when idle) no request row or slot in use
-    def stats(self) -> dict                  waiting, running, slot counts, hit counters, retractions, ...
-"""
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: ModelRunnerBase,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Iterable[int] = (),
+        context_length: int,
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.context_length = context_length
+        self.req_to_token = runner.req_to_token
+        self.num_slots: int = runner.num_slots  # type: ignore[attr-defined]
+        self.kv = ReqKV(self.num_slots, self.req_to_token, args.disable_radix_cache)
+        self.allocator, self.tree_cache = self.kv.allocator, self.kv.tree_cache
+        self.policy = SchedulePolicy(args, self.tree_cache)
+        self.max_running_requests = min(args.max_running_requests or self.req_to_token.max_requests,
+                                        self.req_to_token.max_requests)
+        on_cuda = self.req_to_token.table.device.type == "cuda"
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else (8192 if on_cuda else 2048)
+        self.chunk_size: int | None = None if chunk == -1 else chunk
+        self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
+        self.checks = AdmissionChecks(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
+        self.batch_is_full = False  # set when admission hit the KV budget or the running limit
+        self._reports: list[Req] = []  # finished outside a forward (aborts, evictions), reported next step
+        self._live: dict[str, Req] = {}
+
+        self.num_retractions = 0
+        self.num_preemptions = 0
+        self.num_forward_steps = 0
+        self.cached_tokens_total = 0
+        self.prompt_tokens_total = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Req) -> None:
+        """Validate and queue `req`; ValueError (QueueFullError when full) names what is wrong."""
+        if req.rid in self._live:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        matcher_future = self.checks.validate(req)
+        if self.checks.priority_default is not None and req.priority is None:
+            req.priority = self.checks.priority_default
+        self._make_queue_room(req)
+        req.queue_enter_time = time.monotonic()
+        self._live[req.rid] = req
+        if matcher_future is not None:
+            self.grammar_pending.append((req, matcher_future))
+        else:
+            self.waiting.append(req)
+        if self.args.enable_priority_scheduling:
+            self.batch_is_full = False  # a more urgent newcomer may preempt
+
+    def _make_queue_room(self, req: Req) -> None:
+        limit = self.args.max_queued_requests
+        queued = len(self.waiting) + len(self.grammar_pending)
+        if limit is None or queued < limit:
+            return
+        if self.args.enable_priority_scheduling and self.waiting:
+            low_first = self.args.schedule_low_priority_values_first
+            # Least urgent, newest among equals (SGLang's _abort_on_queued_limit).
+            worst = max(self.waiting, key=lambda r: (priority_sort_key(r, low_first), r.queue_enter_time))
+            if priority_sort_key(req, low_first) < priority_sort_key(worst, low_first):
+                self.waiting.remove(worst)
+                self._finish(worst, FinishReason(FinishKind.ABORT, message="The request is aborted by a higher priority request."))
+                self._reports.append(worst)
+                return
+        raise QueueFullError(f"the request queue is full (--max-queued-requests {limit})")
+
+    def abort_request(self, rid: str) -> bool:
+        req = self._live.get(rid)
+        if req is None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+            self.batch_is_full = False
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
+        self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
+        self._reports.append(req)
+        return True
+
+    def live_request_ids(self) -> list[str]:
+        """Every request queued, running or awaiting its grammar (not yet finished)."""
+        return list(self._live)
+
+    def take_reports(self) -> list[Req]:
+        """Finished-outside-a-forward requests (aborts, queue evictions) not yet returned by step()."""
+        reports, self._reports = self._reports, []
+        return reports
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self.grammar_pending or self._reports)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[Req]:
+        """Run at most one forward; return every request with new output or a finish since the last step."""
+        changed, self._reports = self._reports, []
+        self._collect_grammars(changed)
+        batch = self._prefill_batch()
+        if batch is None:
+            batch = self._decode_batch(changed)
+        if batch is not None:
+            self.num_forward_steps += 1
+            output = self.runner.forward(batch)
+            if batch.is_decode:
+                self._process_decode(batch, output, changed)
+            else:
+                self._process_prefill(batch, output, changed)
+        if not self.running and self.chunked_req is None:
+            self.new_token_ratio = self.init_new_token_ratio
+        return changed
+
+    def _collect_grammars(self, changed: list[Req]) -> None:
+        still_pending = []
+        for req, future in self.grammar_pending:
+            if not future.done():
+                still_pending.append((req, future))
+                continue
+            try:
+                req.grammar = future.result()
+            except ValueError as e:
+                self._finish(req, FinishReason(FinishKind.ABORT, message=str(e)))
+                changed.append(req)
+                continue
+            self.waiting.append(req)
+        self.grammar_pending = still_pending
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_batch(self) -> ForwardBatch | None:
+        if self.chunked_req is None and (not self.waiting or (self.batch_is_full and self.running)):
+            return None
+        matches = self.policy.order(self.waiting) if self.waiting else {}
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.args.max_prefill_tokens, self.chunk_size)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        rows_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
+        max_new = self.args.prefill_max_requests
+        admitted: list[Req] = []
+        for req in list(self.waiting):
+            if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
+                break
+            match = matches.get(req) or self.tree_cache.match_prefix(prefix_match_key(req))
+            if len(admitted) >= rows_left:
+                freed = self._preempt_for(req, match, adder, need_row=True)
+                if not freed:
+                    self.batch_is_full = True
+                    break
+                rows_left += freed
+            alone = not self.running and not adder.plans and self.chunked_req is None
+            ok, result = adder.add_one_req(req, match, alone)
+            if not ok and result is AddResult.NO_TOKEN:
+                freed = self._preempt_for(req, match, adder, need_row=False)
+                if freed:
+                    rows_left += freed
+                    ok, result = adder.add_one_req(req, match, alone)
+            if ok:
+                admitted.append(req)
+            if result is not AddResult.CONTINUE:
+                if result is AddResult.NO_TOKEN:
+                    self.batch_is_full = True
+                break
+        if not adder.plans:
+            return None
+        admitted_set = set(admitted)
+        self.waiting = [r for r in self.waiting if r not in admitted_set]
+        for plan in adder.plans:
+            if plan.match is not None:
+                self.kv.start(plan.req, plan.match)
+                if plan.req.num_retractions == 0 and plan.req.num_preemptions == 0:
+                    plan.req.cached_tokens = plan.match.length
+                    self.cached_tokens_total += plan.match.length
+                    self.prompt_tokens_total += len(plan.req.input_ids)
+        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans], is_decode=False)
+
+    def _preempt_for(self, req: Req, match: Any, adder: PrefillAdder, need_row: bool) -> int:
+        """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
+
+        Returns how many were preempted (0: none, and nothing changed).
+        """
+        if not self.args.enable_priority_scheduling or not self.running:
+            return 0
+        low_first = self.args.schedule_low_priority_values_first
+        threshold = self.args.priority_scheduling_preemption_threshold
+        urgency = priority_sort_key(req, low_first)
+        # Least urgent first; among equals the most recently queued first.
+        candidates = sorted(self.running, key=lambda r: (-priority_sort_key(r, low_first), -r.queue_enter_time))
+        short = adder.tokens_short(req, match)
+        victims: list[Req] = []
+        for r in candidates:
+            if short <= 0 and (victims or not need_row):
+                break
+            if priority_sort_key(r, low_first) - urgency <= threshold:
+                break  # candidates only get more urgent from here
+            victims.append(r)
+            short -= reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len)
+        if not victims or short > 0:
+            return 0
+        for r in victims:
+            self.running.remove(r)
+            adder.release_running(r)
+            self._requeue(r)
+            r.num_preemptions += 1
+            self.num_preemptions += 1
+        logger.debug("preempted %d request(s) for %s", len(victims), req.rid)
+        return len(victims)
+
+    def _process_prefill(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req]) -> None:
+        # What this batch leaves in the tree or frees can change what fits: look at the queue again.
+        self.batch_is_full = False
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += batch.extend_lens[i]
+            if req.kv_len < req.seq_len:
+                req.is_chunked = True
+                self.tree_cache.cache_unfinished_req(req)
+                self.chunked_req = req
+                continue
+            req.is_chunked = False
+            if self.chunked_req is req:
+                self.chunked_req = None
+            if not req.wants_sampling:  # a prefill-only cache hint
+                self._finish(req, FinishReason(FinishKind.LENGTH))
+                changed.append(req)
+                continue
+            self._append_token(req, output.next_token_ids[i])
+            changed.append(req)
+            if not req.finished:
+                self.running.append(req)
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_batch(self, changed: list[Req]) -> ForwardBatch | None:
+        if not self.running:
+            return None
+        if not self.kv.ensure_free(len(self.running)):
+            self._retract(changed)
+            if not self.running:
+                return None
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
+        return self.kv.build_batch([(r, 1) for r in self.running], is_decode=True)
+
+    def _retract(self, changed: list[Req]) -> None:
+        """SGLang's retract_decode: put back the requests with the fewest outputs (then longest prompts)."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while not self.kv.ensure_free(len(order)):
+            if len(order) == 1:
+                if self.chunked_req is not None:
+                    chunked, self.chunked_req = self.chunked_req, None
+                    self._requeue(chunked)
+                    chunked.num_retractions += 1
+                    self.num_retractions += 1
+                    continue
+                lone = order.pop()
+                self._finish(lone, FinishReason(
+                    FinishKind.ABORT,
+                    message=f"out of KV cache memory: {lone.seq_len} tokens need more than the "
+                            f"{self.num_slots}-slot pool (raise --max-total-tokens)"))
+                changed.append(lone)
+                break
+            victim = order.pop()
+            self._requeue(victim)
+            victim.num_retractions += 1
+            retracted.append(victim)
+        kept = set(order)
+        self.running = [r for r in self.running if r in kept]
+        self.num_retractions += len(retracted)
+        self.batch_is_full = False
+        decoded = sum(len(r.output_ids) for r in self.running)
+        max_new = sum(r.sampling_params.max_new_tokens for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
+        logger.debug("retracted %d request(s); new_token_ratio %.3f", len(retracted), self.new_token_ratio)
+
+    def _process_decode(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req]) -> None:
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += 1
+            self._append_token(req, output.next_token_ids[i])
+            changed.append(req)
+        if any(r.finished for r in self.running):
+            self.running = [r for r in self.running if not r.finished]
+            self.batch_is_full = False
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def _append_token(self, req: Req, token: int | None) -> None:
+        assert token is not None, f"the runner returned no token for {req.rid}"
+        req.output_ids.append(int(token))
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if req.grammar is not None:
+            req.grammar.accept_token(int(token))
+        reason = self.stop_checker.check(req)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _requeue(self, req: Req) -> None:
+        """Retraction / preemption: back to the queue (bypassing its limit), resuming from the cache."""
+        self.kv.release(req)
+        req.is_chunked = False
+        if req.return_logprob:
+            req.input_token_logprobs.clear()  # the re-prefill scores the prompt again
+        req.queue_enter_time = time.monotonic()
+        self.waiting.append(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        self.kv.release(req)
+        self._live.pop(req.rid, None)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.kv.flush()
+        return True
+
+    def check_invariant(self) -> None:
+        """AssertionError unless every slot and row is accounted for (and, when idle, none is in use)."""
+        self.tree_cache.check_integrity()
+        error = self.kv.accounting_error(self._live.values())
+        assert error is None, error
+        if not self.has_work():
+            assert not self._live, f"idle but requests are live: {list(self._live)}"
+            assert self.tree_cache.protected_size() == 0, "idle but slots are locked in the radix tree"
+            assert self.req_to_token.available_size == self.req_to_token.max_requests, "idle but a row is in use"
+        for req in self.running:
+            assert req.kv_len == req.seq_len - 1, f"{req.rid}: running with kv_len {req.kv_len}, seq_len {req.seq_len}"
+
+    def stats(self) -> dict[str, Any]:
+        prompt = self.prompt_tokens_total
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_chunked": int(self.chunked_req is not None),
+            "num_grammar_pending": len(self.grammar_pending),
+            "slots_total": self.num_slots,
+            "slots_free": self.allocator.available_size,
+            "slots_evictable": self.tree_cache.evictable_size(),
+            "slots_protected": self.tree_cache.protected_size(),
+            "cached_tokens_total": self.cached_tokens_total,
+            "prompt_tokens_total": prompt,
+            "cache_hit_rate": self.cached_tokens_total / prompt if prompt else 0.0,
+            "num_retractions": self.num_retractions,
+            "num_preemptions": self.num_preemptions,
+            "num_forward_steps": self.num_forward_steps,
+            "new_token_ratio": self.new_token_ratio,
+            "schedule_policy": self.policy.policy,
+            "max_running_requests": self.max_running_requests,
+            "chunked_prefill_size": self.chunk_size,
+        }
+

@@ -1,0 +1,145 @@
+"""Cost of one scheduling round (policy ordering + prefill admission) against the waiting-queue length.
+
+For each policy and each queue length N, the waiting queue is kept at N requests (each admitted
+request is replaced by a fresh one) while rounds run with the deterministic fake runner of the
+tests. Prompts share one of 32 cached prefixes (64-256 tokens) plus a random 16-64-token suffix, and
+max_new_tokens=1, so every step is a prefill round admitting up to --max-running requests.
+lpm and dfs-weight run twice: with the default --lpm-fallback-threshold (128: above it they order
+as fcfs) and with the fallback disabled (threshold above the queue length).
+
+    python scripts/bench_scheduler.py [--sizes 128 1000 10000] [--rounds 10] [--out bench_scheduler.json]
+
+Prints a table of microseconds per round (ordering + admission; and the whole step, forward of
+the fake runner included) and writes JSON, plus a PNG plot when matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fake_runner import FakeRunner  # noqa: E402
+
+from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
+from sgl_lite.runtime.request import Req  # noqa: E402
+from sgl_lite.runtime.scheduler import Scheduler  # noqa: E402
+from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
+
+VOCAB = 32000
+NUM_PREFIXES = 32
+NO_FALLBACK = 10**9
+CONFIGS = [
+    ("fcfs", {}), ("lof", {}), ("random", {}),
+    ("lpm", {}), ("lpm (no fallback)", {"lpm_fallback_threshold": NO_FALLBACK}),
+    ("dfs-weight", {}), ("dfs-weight (no fallback)", {"lpm_fallback_threshold": NO_FALLBACK}),
+]
+
+
+class Workload:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.prefixes = [[self.rng.randrange(2, VOCAB) for _ in range(self.rng.randrange(64, 257))] for _ in range(NUM_PREFIXES)]
+        self.count = 0
+
+    def request(self) -> Req:
+        suffix = [self.rng.randrange(2, VOCAB) for _ in range(self.rng.randrange(16, 65))]
+        self.count += 1
+        params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+        return Req(f"b{self.count}", self.rng.choice(self.prefixes) + suffix, params, arrival_time=float(self.count))
+
+
+def bench_one(policy: str, extra: dict, num_waiting: int, rounds: int, max_running: int) -> dict:
+    runner = FakeRunner(num_slots=2_000_000, max_running_requests=max_running, context_length=512,
+                        vocab_size=VOCAB, record=False, check_kv=False)
+    args = ServerArgs(schedule_policy=policy.split(" ")[0], max_running_requests=max_running, random_seed=0,
+                      chunked_prefill_size=-1, **extra)
+    sched = Scheduler(args, runner, eos_token_ids=(), context_length=512)
+    work = Workload(seed=1)
+    for prefix in work.prefixes:  # warm the cache with every shared prefix
+        slots = sched.allocator.alloc(len(prefix))
+        sched.tree_cache.insert(prefix, slots)
+    for _ in range(num_waiting):
+        sched.add_request(work.request())
+
+    timed: list[float] = []
+    original = sched._prefill_batch
+
+    def timed_prefill():
+        start = time.perf_counter()
+        batch = original()
+        timed.append(time.perf_counter() - start)
+        return batch
+
+    sched._prefill_batch = timed_prefill  # type: ignore[method-assign]
+    step_times: list[float] = []
+    admitted: list[int] = []
+    for _ in range(rounds):
+        before = len(sched.waiting)
+        start = time.perf_counter()
+        sched.step()
+        step_times.append(time.perf_counter() - start)
+        admitted.append(before - len(sched.waiting))
+        for _ in range(num_waiting - len(sched.waiting)):
+            sched.add_request(work.request())
+    sched.check_invariant()
+    return {
+        "policy": policy,
+        "num_waiting": num_waiting,
+        "active_policy": sched.policy.active_policy(num_waiting),
+        "schedule_us_median": statistics.median(timed) * 1e6,
+        "step_us_median": statistics.median(step_times) * 1e6,
+        "admitted_per_round": statistics.mean(admitted),
+        "rounds": rounds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 1000, 10000])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--out", default="bench_scheduler.json")
+    opts = parser.parse_args()
+
+    results = []
+    print(f"{'policy':<26}{'waiting':>9}{'active':>12}{'sched us':>12}{'step us':>12}{'admitted':>10}")
+    for policy, extra in CONFIGS:
+        for n in opts.sizes:
+            r = bench_one(policy, extra, n, opts.rounds, opts.max_running)
+            results.append(r)
+            print(f"{policy:<26}{n:>9}{r['active_policy']:>12}{r['schedule_us_median']:>12.0f}"
+                  f"{r['step_us_median']:>12.0f}{r['admitted_per_round']:>10.1f}", flush=True)
+    Path(opts.out).write_text(json.dumps({"max_running": opts.max_running, "results": results}, indent=2))
+    print(f"wrote {opts.out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, _ in CONFIGS:
+        rows = [r for r in results if r["policy"] == policy]
+        ax.plot([r["num_waiting"] for r in rows], [r["schedule_us_median"] for r in rows], marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("waiting requests")
+    ax.set_ylabel("ordering + admission per round (us, median)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    png = str(Path(opts.out).with_suffix(".png"))
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

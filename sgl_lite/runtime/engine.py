@@ -1,0 +1,166 @@
+"""Engine: the runtime in-process, driven from the calling thread (SGLang's `sgl.Engine` shape).
+
+    with Engine(model_path="smollm2-135m", max_total_tokens=8192) as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+        out["text"], out["output_ids"], out["meta_info"]["cached_tokens"]
+
+`generate` queues the request(s) and steps the scheduler until they finish. A list of prompts (or
+of input_ids lists) gives a list of outputs, in input order, with a progress bar above
+PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts whose "text" is the new text
+since the previous chunk; the last one carries the full meta_info.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from sgl_lite.runtime.core import RuntimeCore
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.server_args import ServerArgs
+
+PROGRESS_BAR_MIN = 32
+
+
+class Engine:
+    def __init__(self, model_path: str = "smollm2-135m", **server_args: Any) -> None:
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        self.core = RuntimeCore.from_args(self.args)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | SamplingParams | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        priority: int | None = None,
+        stream: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        texts: list[str | None]
+        ids: list[list[int] | None]
+        if is_batch:
+            n = len(prompt) if prompt is not None else len(input_ids)  # type: ignore[arg-type]
+            texts = list(prompt) if prompt is not None else [None] * n
+            ids = list(input_ids) if input_ids is not None else [None] * n  # type: ignore[arg-type]
+        else:
+            texts, ids = [prompt], [input_ids]  # type: ignore[list-item]
+        n = len(texts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != n:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * n
+        reqs = [
+            self.core.make_req(
+                f"engine-{next(self._ids)}", texts[i], ids[i], params_list[i],
+                return_logprob=return_logprob,
+                logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                top_logprobs_num=top_logprobs_num or 0, priority=priority, stream=stream,
+            )
+            for i in range(n)
+        ]
+        if stream:
+            if is_batch:
+                raise ValueError("stream=True takes a single prompt")
+            return self._stream(reqs[0])
+        self._queue(reqs)
+        self._run(reqs, progress=n > PROGRESS_BAR_MIN)
+        outputs = [self._output(r) for r in reqs]
+        return outputs if is_batch else outputs[0]
+
+    def _queue(self, reqs: list[Req]) -> None:
+        """Queue all or none: a rejected request aborts those queued before it."""
+        scheduler = self.core.scheduler
+        for i, req in enumerate(reqs):
+            try:
+                scheduler.add_request(req)
+            except ValueError:
+                for queued in reqs[:i]:
+                    scheduler.abort_request(queued.rid)
+                self._drain()
+                raise
+
+    def _run(self, reqs: list[Req], progress: bool) -> None:
+        scheduler = self.core.scheduler
+        pending = {r.rid for r in reqs}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        try:
+            while pending:
+                for req in scheduler.step():
+                    if req.finished and req.rid in pending:
+                        pending.discard(req.rid)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:  # e.g. KeyboardInterrupt: leave nothing behind in the scheduler
+                scheduler.abort_request(rid)
+            self._drain()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _stream(self, req: Req) -> Iterator[dict]:
+        self._queue([req])
+        scheduler = self.core.scheduler
+        sent_text, sent_ids = "", 0
+        try:
+            while not req.finished:
+                changed = scheduler.step()
+                if req not in changed or req.finished:
+                    continue
+                text = self.core.decode(req.output_ids, req.sampling_params)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 character: wait for the rest
+                yield {"text": text[len(sent_text):], "output_ids": req.output_ids[sent_ids:], "meta_info": {}}
+                sent_text, sent_ids = text, len(req.output_ids)
+        finally:
+            if not req.finished:
+                scheduler.abort_request(req.rid)
+                self._drain()
+        final = self._output(req)
+        # A stop string streamed before it was complete is cut from the final text: then nothing new is left.
+        yield {"text": final["text"][len(sent_text):] if final["text"].startswith(sent_text) else "",
+               "output_ids": req.output_ids[sent_ids:], "meta_info": final["meta_info"]}
+
+    def _drain(self) -> None:
+        """Drop the reports of requests this engine aborted (nobody waits for them)."""
+        self.core.scheduler.take_reports()
+
+    def _output(self, req: Req) -> dict:
+        return {"text": self.core.output_text(req), "output_ids": list(req.output_ids), "meta_info": self.core.meta_info(req)}
+
+    # ------------------------------------------------------------------ admin
+
+    def flush_cache(self) -> bool:
+        return self.core.scheduler.flush_cache()
+
+    def get_server_info(self) -> dict:
+        return self.core.server_info()
+
+    def shutdown(self) -> None:
+        scheduler = self.core.scheduler
+        for rid in scheduler.live_request_ids():
+            scheduler.abort_request(rid)
+        self._drain()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,159 @@
+"""Prefill admission: which waiting requests join this round's prefill batch, and how many tokens each.
+
+SGLang 0.5.7's `PrefillAdder`, page size 1. Budgets, all in tokens:
+- rem_total_tokens = free + evictable - (reserved output of running requests, scaled by the
+  new-token ratio) - (input + reserved output of requests admitted this round). A request is
+  admitted only when its input + min(max_new_tokens, CLIP) is below it (NO_TOKEN otherwise).
+- cur_rem_tokens = free + evictable - inputs admitted this round: what the allocation can still get.
+- rem_input_tokens = --max-prefill-tokens; a request that would exhaust it joins only an empty batch.
+- rem_chunk_tokens = --chunked-prefill-size; a request longer than what is left is truncated to
+  that and becomes the (single) chunked request, which ends the round.
+
+A request admitted here has its matched prefix locked (inc_lock_ref) at once, so the evictable
+size the next request sees already excludes it. The scheduler unlocks on release.
+
+One sgl_lite addition: a request that would run alone (nothing running, nothing admitted, no
+chunk in flight) skips the output reservation check, so that a request whose prompt fits the pool
+is never starved by a reservation no one else holds (SGLang can wait on it for ever).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from sgl_lite.runtime.memory import SlotAllocator
+from sgl_lite.runtime.radix_cache import MatchResult, RadixCache
+from sgl_lite.runtime.request import Req
+
+# SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: reservations assume at most this many new tokens.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class AddResult(enum.Enum):
+    CONTINUE = "continue"
+    NO_TOKEN = "no_token"  # out of KV budget: the running batch counts as full
+    OTHER = "other"  # out of prefill-batch budget (input or chunk tokens)
+
+
+@dataclass
+class PlannedExtend:
+    req: Req
+    # New admissions: the cached prefix to start from (locked). None for the in-flight chunked request.
+    match: MatchResult | None
+    extend_len: int
+
+
+def remaining_output(req: Req) -> int:
+    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+
+
+def reserved_output(req: Req, new_token_ratio: float) -> float:
+    """What the budget holds back for a running request's future tokens."""
+    return min(remaining_output(req), CLIP_MAX_NEW_TOKENS) * new_token_ratio
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        tree_cache: RadixCache,
+        allocator: SlotAllocator,
+        running: Sequence[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunk_size: int | None,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.new_token_ratio = new_token_ratio
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunk_size
+        self.rem_total_offset = sum(reserved_output(r, new_token_ratio) for r in running)
+        self.cur_rem_offset = 0
+        self.plans: list[PlannedExtend] = []
+        self.new_chunked_req: Req | None = None
+        self.hit_tokens = 0
+
+    # ------------------------------------------------------------------ budgets
+
+    def _available_and_evictable(self) -> int:
+        return self.allocator.available_size + self.tree_cache.evictable_size()
+
+    @property
+    def rem_total_tokens(self) -> float:
+        return self._available_and_evictable() - self.rem_total_offset
+
+    @property
+    def cur_rem_tokens(self) -> int:
+        return self._available_and_evictable() - self.cur_rem_offset
+
+    def budget_state(self) -> AddResult:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddResult.OTHER
+        return AddResult.CONTINUE
+
+    def _update_budget(self, extend_len: int, reserved_new_tokens: int) -> None:
+        self.rem_total_offset += extend_len + reserved_new_tokens
+        self.cur_rem_offset += extend_len
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_len
+
+    def release_running(self, req: Req) -> None:
+        """A running request was preempted: its output reservation is no longer held."""
+        self.rem_total_offset -= reserved_output(req, self.new_token_ratio)
+
+    # ------------------------------------------------------------------ admission
+
+    def add_chunked_req(self, req: Req) -> None:
+        """The in-flight chunked request goes first; it takes what the chunk budget and memory allow."""
+        remaining = req.seq_len - req.kv_len
+        n = min(remaining, self.cur_rem_tokens)
+        if self.rem_chunk_tokens is not None:
+            n = min(n, self.rem_chunk_tokens)
+        if n <= 0:
+            self.new_chunked_req = req  # still in flight; no memory this round, decode or retraction frees some
+            return
+        self.plans.append(PlannedExtend(req, None, n))
+        last_chunk = n == remaining
+        self._update_budget(n, min(remaining_output(req), CLIP_MAX_NEW_TOKENS) if last_chunk else 0)
+        if not last_chunk:
+            self.new_chunked_req = req
+
+    def add_one_req(self, req: Req, match: MatchResult, alone: bool) -> tuple[bool, AddResult]:
+        """Try to admit `req` starting from `match`; returns (admitted, budget state)."""
+        extend_len = req.seq_len - match.length
+        total_tokens = extend_len + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
+        if not alone and total_tokens >= self.rem_total_tokens:
+            return False, AddResult.NO_TOKEN
+        if extend_len >= self.rem_input_tokens and self.plans:
+            return False, AddResult.OTHER
+        self.tree_cache.inc_lock_ref(match.last_node)
+        # Locking turned part of the evictable size protected: check again.
+        if not alone and total_tokens >= self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(match.last_node)
+            return False, AddResult.NO_TOKEN
+        if self.rem_chunk_tokens is None or extend_len <= self.rem_chunk_tokens:
+            if extend_len > self.cur_rem_tokens:
+                self.tree_cache.dec_lock_ref(match.last_node)
+                return False, AddResult.NO_TOKEN
+            self.plans.append(PlannedExtend(req, match, extend_len))
+            self._update_budget(extend_len, min(remaining_output(req), CLIP_MAX_NEW_TOKENS))
+        else:
+            chunk = min(self.rem_chunk_tokens, self.cur_rem_tokens)
+            if chunk <= 0:
+                self.tree_cache.dec_lock_ref(match.last_node)
+                return False, AddResult.OTHER
+            self.plans.append(PlannedExtend(req, match, chunk))
+            self.new_chunked_req = req
+            self._update_budget(chunk, 0)
+        self.hit_tokens += match.length
+        return True, self.budget_state()
+
+    def tokens_short(self, req: Req, match: MatchResult) -> float:
+        """How many more budget tokens `req` needs to pass the NO_TOKEN check (<= 0: none)."""
+        total_tokens = req.seq_len - match.length + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
+        return total_tokens - self.rem_total_tokens + 1

@@ -1,0 +1,92 @@
+"""Who owns which KV slot: the bookkeeping between requests, the slot allocator and the radix tree.
+
+A request holding a req_to_token row owns `kv_len - prefix_len` private slots (row[prefix_len:kv_len]);
+its first `prefix_len` slots belong to the tree and are locked through `req.last_node`. Every other
+slot is free or in the tree. So at any time:
+
+    free + evictable + protected + sum(private of row holders) == num_slots
+
+`accounting_error` checks exactly that; the scheduler asserts it after steps and in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sgl_lite.runtime.forward_batch import ForwardBatch
+from sgl_lite.runtime.memory import ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.radix_cache import MatchResult, RadixCache
+from sgl_lite.runtime.request import Req
+
+
+class ReqKV:
+    def __init__(self, num_slots: int, req_to_token: ReqToTokenPool, disable_cache: bool) -> None:
+        self.num_slots = num_slots
+        self.req_to_token = req_to_token
+        self.allocator = SlotAllocator(num_slots, req_to_token.table.device)
+        self.tree_cache = RadixCache(self.allocator, req_to_token, disable=disable_cache)
+
+    def start(self, req: Req, match: MatchResult) -> None:
+        """Give an admitted request a row holding its cached prefix (already locked by admission)."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            raise RuntimeError("admission exceeded the request rows (scheduler bug)")
+        req.req_pool_idx = row
+        req.last_node = match.last_node
+        req.prefix_len = req.kv_len = match.length
+        self.req_to_token.table[row, : match.length] = match.slots
+
+    def release(self, req: Req) -> None:
+        """Give the request's computed KV to the radix tree (or free it) and return its row."""
+        if req.req_pool_idx is None:
+            return
+        self.tree_cache.cache_finished_req(req)
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    def ensure_free(self, num_tokens: int) -> bool:
+        """Evict until `num_tokens` slots are free; False (evicting nothing) when free + evictable is short."""
+        short = num_tokens - self.allocator.available_size
+        if short > 0:
+            if short > self.tree_cache.evictable_size():
+                return False
+            self.tree_cache.evict(short)
+        return self.allocator.available_size >= num_tokens
+
+    def build_batch(self, parts: list[tuple[Req, int]], is_decode: bool) -> ForwardBatch:
+        """Allocate slots for `n` new tokens of each (req, n) and write them into the rows."""
+        total = sum(n for _, n in parts)
+        slots = self.allocator.alloc(total) if self.ensure_free(total) else None
+        if slots is None:
+            raise RuntimeError(f"KV allocation of {total} slots failed after admission (budget bug)")
+        table, offset = self.req_to_token.table, 0
+        for req, n in parts:
+            assert req.req_pool_idx is not None
+            table[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots[offset : offset + n]
+            offset += n
+        return ForwardBatch(
+            reqs=[r for r, _ in parts],
+            prefix_lens=[r.kv_len for r, _ in parts],
+            extend_lens=[n for _, n in parts],
+            out_cache_loc=slots,
+            sample=[r.kv_len + n == r.seq_len and r.wants_sampling for r, n in parts],
+            is_decode=is_decode,
+        )
+
+    def flush(self) -> None:
+        """Drop the tree and every slot and row (only when no request holds any)."""
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token.clear()
+
+    def accounting_error(self, live: Iterable[Req]) -> str | None:
+        """None when every slot and row is accounted for; else what is off."""
+        holders = [r for r in live if r.req_pool_idx is not None]
+        private = sum(r.kv_len - r.prefix_len for r in holders)
+        free, evictable, protected = self.allocator.available_size, self.tree_cache.evictable_size(), self.tree_cache.protected_size()
+        if free + evictable + protected + private != self.num_slots:
+            return (f"slot accounting: free {free} + evictable {evictable} + protected {protected} + private {private} "
+                    f"!= total {self.num_slots}")
+        if len(holders) + self.req_to_token.available_size != self.req_to_token.max_requests:
+            return f"req_to_token rows: {len(holders)} held + {self.req_to_token.available_size} free != {self.req_to_token.max_requests}"
+        return None

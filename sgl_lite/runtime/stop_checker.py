@@ -1,0 +1,65 @@
+"""When a request stops, and how its final text drops the stop marker (SGLang's check_finished).
+
+Order of checks after each new token (the first that applies wins):
+1. max_new_tokens reached, or the sequence fills the context: LENGTH;
+2. unless ignore_eos: the token is in stop_token_ids or is an EOS id: STOP(matched=token);
+3. the grammar matcher terminated: STOP(matched=token);
+4. a stop string occurs in the decoded tail of the output: STOP(matched=string).
+Checks 2-4 wait until min_new_tokens outputs exist (the sampler masks EOS until then as well).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.request import FinishKind, FinishReason, Req
+
+# Byte-level BPE can spend up to 4 tokens on one character; decode this many tokens per stop-string char.
+_TOKENS_PER_CHAR = 4
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], context_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.context_length = context_length
+
+    def check(self, req: Req) -> FinishReason | None:
+        params = req.sampling_params
+        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length:
+            return FinishReason(FinishKind.LENGTH)
+        if len(req.output_ids) < params.min_new_tokens:
+            return None
+        token = req.output_ids[-1]
+        if not params.ignore_eos and (token in self.eos_token_ids or token in (params.stop_token_ids or ())):
+            return FinishReason(FinishKind.STOP, matched=token)
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason(FinishKind.STOP, matched=token)
+        stops = params.stop_strings()
+        if stops:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer")
+            window = _TOKENS_PER_CHAR * max(len(s) for s in stops) + 1
+            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+            for stop in stops:
+                if stop in tail:
+                    return FinishReason(FinishKind.STOP, matched=stop)
+        return None
+
+
+def trim_stop(text: str, reason: FinishReason | None, params: SamplingParams) -> str:
+    """Cut the final text before the matched stop string (unless no_stop_trim)."""
+    if reason is None or params.no_stop_trim or not isinstance(reason.matched, str):
+        return text
+    cut = text.find(reason.matched)
+    return text[:cut] if cut >= 0 else text
+
+
+def output_ids_for_text(output_ids: list[int], reason: FinishReason | None, params: SamplingParams) -> list[int]:
+    """The ids whose text is returned: a matched stop token is left out (unless no_stop_trim)."""
+    if reason is not None and reason.kind is FinishKind.STOP and isinstance(reason.matched, int) and not params.no_stop_trim:
+        if output_ids and output_ids[-1] == reason.matched:
+            return output_ids[:-1]
+    return output_ids
