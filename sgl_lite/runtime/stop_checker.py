@@ -2,10 +2,10 @@
 
 Order of checks after each new token (the first that applies wins):
 1. max_new_tokens reached, or the sequence fills the context: LENGTH;
-2. unless ignore_eos: the token is in stop_token_ids or is an EOS id: STOP(matched=token);
-3. the grammar matcher terminated: STOP(matched=token);
+2. the grammar matcher terminated (it accepted EOS after a complete match): STOP(matched=token);
+3. unless ignore_eos: the token is in stop_token_ids or is an EOS id: STOP(matched=token);
 4. a stop string occurs in the decoded tail of the output: STOP(matched=string).
-Checks 2-4 wait until min_new_tokens outputs exist (the sampler masks EOS until then as well).
+Checks 3-4 wait until min_new_tokens outputs exist (the sampler masks EOS until then as well).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ class StopChecker:
         params = req.sampling_params
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length:
             return FinishReason(FinishKind.LENGTH)
+        token = req.output_ids[-1]
+        # A terminated grammar admits no further token, so it ends the request even before
+        # min_new_tokens (the sampler likewise lets a grammar that allows only EOS win).
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason(FinishKind.STOP, matched=token)
         if len(req.output_ids) < params.min_new_tokens:
             return None
-        token = req.output_ids[-1]
         if not params.ignore_eos and (token in self.eos_token_ids or token in (params.stop_token_ids or ())):
-            return FinishReason(FinishKind.STOP, matched=token)
-        if req.grammar is not None and req.grammar.is_terminated():
             return FinishReason(FinishKind.STOP, matched=token)
         stops = params.stop_strings()
         if stops:

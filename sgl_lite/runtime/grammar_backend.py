@@ -1,0 +1,240 @@
+"""The compile side of constrained decoding: xgrammar TokenizerInfo/compiler for one model, the
+compile cache, and the per-request matcher. See grammar.py for how the runtime uses them.
+
+JSON schemas are compiled without free whitespace (compact `{"a": 1, "b": [2, 3]}`): with arbitrary
+whitespace allowed, small models and random logits can loop on spaces and newlines for ever.
+
+xgrammar 0.2.8 lets raw control characters (U+0000-U+001F, e.g. a tab) into strings that carry a
+minLength/maxLength, which makes the output invalid JSON (RFC 8259; json.loads rejects it). We
+convert the schema to EBNF ourselves and tighten that character class before compiling
+(see json_schema_ebnf); tests/test_grammar.py checks both the upstream behaviour and our fix.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import xgrammar
+
+from sgl_lite.runtime.protocol import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GrammarKey = tuple[str, str]  # (kind: "regex" | "json_schema" | "ebnf", canonical text)
+
+# Compiled grammars kept (LRU). Each holds a per-token mask cache of the vocabulary, so the bound matters.
+COMPILED_CACHE_SIZE = 128
+
+
+def grammar_key(params: SamplingParams) -> GrammarKey | None:
+    """The cache key of the request's constraint, or None when it is unconstrained.
+
+    A json_schema given as a dict, or as a string holding valid JSON, is re-serialized without
+    spaces so that equal schemas share one compiled grammar. Key order is kept: it is the order of
+    the properties in the output. An unparsable string is kept as is; compiling it reports the error.
+    """
+    if params.regex is not None:
+        return ("regex", params.regex)
+    if params.ebnf is not None:
+        return ("ebnf", params.ebnf)
+    if params.json_schema is not None:
+        schema = params.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                return ("json_schema", params.json_schema)
+        return ("json_schema", json.dumps(schema, separators=(",", ":")))
+    return None
+
+
+# The character class xgrammar uses for length-bounded JSON strings, and the RFC 8259 one.
+_LENIENT_JSON_STRING_CHAR = r'[^\"\\\r\n]'
+_STRICT_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema_text: str) -> str:
+    """The EBNF of a JSON schema (compact separators), with strings free of raw control characters."""
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    return ebnf.replace(_LENIENT_JSON_STRING_CHAR, _STRICT_JSON_STRING_CHAR)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (stateful: never share between requests).
+
+    Wraps xgrammar's matcher; rollback is unlimited in xgrammar >= 0.2.
+    """
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, key: GrammarKey, vocab_size: int) -> None:
+        self.key = key
+        self.vocab_size = vocab_size
+        self._compiled = compiled
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self.stop_token_ids: list[int] = list(self._matcher.stop_token_ids)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) when the grammar does not allow it.
+
+        After termination nothing is accepted (the request should have finished on the stop token).
+        """
+        if self._matcher.is_terminated():
+            return False
+        accepted = self._matcher.accept_token(int(token_id))
+        if not accepted:
+            logger.warning("grammar %s rejected token %d", self.key[0], token_id)
+        return accepted
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted after a complete match: the request is done."""
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """True when the output so far is a complete match (a stop token would be accepted)."""
+        return self._matcher.is_completed()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def reset(self) -> None:
+        """Back to the start of the grammar (for a request whose output is recomputed from scratch)."""
+        self._matcher.reset()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed-next-token bits into `bitmask[row]`; False when every token is allowed.
+
+        A terminated matcher allows only its stop tokens (a request that should already have
+        finished then ends with EOS instead of failing the whole batch).
+        """
+        if self._matcher.is_terminated():
+            bitmask[row].zero_()
+            for tok in self.stop_token_ids:
+                bit = 1 << (tok % 32)
+                bitmask[row, tok // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 two's complement
+            return True
+        return self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer/model, once per distinct spec, on worker threads.
+
+    `vocab_size` is the MODEL's vocabulary (the logits width), which may exceed len(tokenizer):
+    the extra ids are never allowed by a grammar.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_workers: int = 1,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        stop_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else None
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
+        )
+        # One compile thread per worker: the box is shared with the model's forward pass.
+        self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=max_workers, cache_enabled=True)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._compiled: OrderedDict[GrammarKey, concurrent.futures.Future[xgrammar.CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def is_constrained(params: SamplingParams) -> bool:
+        return grammar_key(params) is not None
+
+    def validate(self, params: SamplingParams) -> None:
+        """Raise ValueError naming the field ("invalid regex: ...") when the constraint does not parse.
+
+        Parsing is tokenizer-independent and fast; the vocabulary-level compile happens in
+        request_matcher, off the caller's thread.
+        """
+        key = grammar_key(params)
+        if key is None:
+            return
+        kind, text = key
+        try:
+            if kind == "regex":
+                xgrammar.Grammar.from_regex(text)
+            elif kind == "json_schema":
+                json_schema_ebnf(text)
+            else:
+                xgrammar.Grammar.from_ebnf(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
+
+    def request_matcher(self, params: SamplingParams) -> concurrent.futures.Future[GrammarMatcher]:
+        """A Future of a fresh matcher for the request's constraint.
+
+        The compile of each distinct spec runs once on the executor and is shared; every call gets
+        its own matcher. The Future raises ValueError("invalid <kind>: ...") when compiling fails.
+        """
+        key = grammar_key(params)
+        if key is None:
+            raise ValueError("request_matcher called for a request without regex, json_schema or ebnf")
+        compiled_future = self.compiled_future(key)
+        matcher_future: concurrent.futures.Future[GrammarMatcher] = concurrent.futures.Future()
+
+        def build_matcher(done: concurrent.futures.Future[xgrammar.CompiledGrammar]) -> None:
+            try:
+                matcher_future.set_result(GrammarMatcher(done.result(), key, self.vocab_size))
+            except Exception as e:  # the compile error, already a ValueError naming the field
+                matcher_future.set_exception(e)
+
+        # Runs on the compile thread when it finishes, or right here when already compiled.
+        compiled_future.add_done_callback(build_matcher)
+        return matcher_future
+
+    def compiled_future(self, key: GrammarKey) -> concurrent.futures.Future[xgrammar.CompiledGrammar]:
+        """The (cached) compile of `key`; the same Future object for the same key while it is cached."""
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is not None:
+                self._compiled.move_to_end(key)
+                return future
+            future = self._executor.submit(self._compile, key)
+            self._compiled[key] = future
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return future
+
+    def _compile(self, key: GrammarKey) -> xgrammar.CompiledGrammar:
+        kind, text = key
+        try:
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            if kind == "json_schema":
+                return self._compiler.compile_grammar(json_schema_ebnf(text))
+            return self._compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar messages look like "[18:28:53] /project/cpp/regex_converter.cc:83: Check failed: (x) is false: <message>".
+_XGRAMMAR_ERROR_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|h):\d+:\s*)?(Check failed: .*? is false:\s*)?")
+
+
+# xgrammar echoes the whole input in some messages; an error reply needs only the start of it.
+_MAX_ERROR_CHARS = 300
+
+
+def _first_line(error: BaseException) -> str:
+    """The human part of an xgrammar error: its first line without the C++ location prefix."""
+    lines = str(error).strip().splitlines()
+    text = _XGRAMMAR_ERROR_PREFIX.sub("", lines[0]) if lines else ""
+    text = text or type(error).__name__
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
