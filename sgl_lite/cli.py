@@ -1,0 +1,133 @@
+"""The `sgl-lite` command: serve, generate, fetch-model, demo.
+
+`serve` has one option per ServerArgs field, generated from the dataclass (flag name, type, choices,
+default and help all come from the field), so the CLI can never fall behind the runtime's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import sys
+import types
+import typing
+from typing import Any, Callable
+
+import click
+
+from sgl_lite.runtime.server_args import ServerArgs
+
+_FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
+
+
+def _field_base_type(annotation: Any) -> type:
+    """`int | None` -> int; plain types unchanged."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return base
+    return annotation
+
+
+def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
+    flag = "--" + f.name.replace("_", "-")
+    help_text = f.metadata.get("help", "")
+    base = _field_base_type(annotation)
+    if base is bool:
+        decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
+        return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
+    choices = f.metadata.get("choices")
+    click_type: Any = click.Choice(choices) if choices else base
+    return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text)
+
+
+def server_arg_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate `command` with one click option per ServerArgs field, in declaration order."""
+    hints = typing.get_type_hints(ServerArgs)
+    for f in reversed(dataclasses.fields(ServerArgs)):
+        command = _server_arg_option(f, hints[f.name])(command)
+    return command
+
+
+def build_server_args(values: dict[str, Any]) -> ServerArgs:
+    """ServerArgs from parsed options; a validation error becomes a click error naming the flag."""
+    try:
+        return ServerArgs(**values)
+    except ValueError as e:
+        match = _FLAG_IN_MESSAGE.search(str(e))
+        raise click.BadParameter(str(e), param_hint=match.group(1) if match else None) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+def main() -> None:
+    """sgl-lite: an SGLang-style LLM runtime (RadixAttention, continuous batching) and prompt DSL."""
+
+
+@main.command()
+@server_arg_options
+def serve(**values: Any) -> None:
+    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM."""
+    args = build_server_args(values)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sgl_lite.runtime.loader import LoaderError
+    from sgl_lite.runtime.server import run_server
+
+    try:
+        run_server(args)
+    except LoaderError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.option("--address", required=True, help="Server address, e.g. tcp://127.0.0.1:30000.")
+@click.option("--prompt", required=True, help="Prompt text (sent as is, no chat template).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--api-key", default=None, help="Key the server was started with (--api-key).")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=600.0, show_default=True,
+              help="Seconds to wait for the runtime before giving up.")
+def generate(address: str, prompt: str, max_new_tokens: int, temperature: float, stream: bool,
+             api_key: str | None, timeout: float) -> None:
+    """Send one generate request to a running server and print the answer."""
+    from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    with RuntimeClient(address, api_key=api_key, timeout=timeout) as client:
+        try:
+            if stream:
+                for chunk in client.generate_stream(prompt, sampling_params=params):
+                    click.echo(chunk.text, nl=False)
+                click.echo()
+            else:
+                click.echo(client.generate(prompt, sampling_params=params).text)
+        except RuntimeRequestError as e:
+            raise click.ClickException(f"{e.code}: {e.message}") from None
+        except RuntimeUnavailableError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@main.command("fetch-model")
+@click.argument("model", default="smollm2-135m")
+def fetch_model(model: str) -> None:
+    """Resolve MODEL (alias, .gguf file or HF folder) into a cached HF folder and print its path."""
+    from sgl_lite.runtime.loader import LoaderError, resolve_model_path
+
+    try:
+        click.echo(str(resolve_model_path(model)))
+    except LoaderError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.option("--model-path", default="smollm2-135m", show_default=True, help="Model to run the demo on.")
+def demo(model_path: str) -> None:
+    """Run a short demo on the default model (in-process, no server needed)."""
+    from sgl_lite.demo import run_demo
+
+    run_demo(model_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Thread-safe, torch-free client of a runtime server (ZeroMQ DEALER, msgspec messages).
+
+The transport (client_transport.py) owns the socket in a background thread and routes each reply by
+rid to the sink of the request that asked: a `queue.Queue` for the blocking calls, an asyncio queue
+(fed with `loop.call_soon_threadsafe`) for the async ones. Every wait is bounded by `timeout`, and
+the transport's health checks fail pending requests early when the runtime dies: nothing ever
+hangs on a dead runtime (RuntimeUnavailableError). Error replies raise RuntimeRequestError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import msgspec
+
+from sgl_lite.runtime import protocol
+from sgl_lite.runtime.client_transport import (
+    ClientTransport,
+    Item,
+    RuntimeRequestError,
+    RuntimeUnavailableError,
+    Sink,
+)
+from sgl_lite.runtime.protocol import ErrorReply, Finished, InfoReply, SamplingParams, TokenChunk
+
+__all__ = ["RuntimeClient", "RuntimeRequestError", "RuntimeUnavailableError"]
+
+_ABORT_ANSWER_WAIT_S = 5.0
+
+
+class RuntimeClient:
+    """`timeout` bounds every wait for a reply. The health check fires after `health_interval` s of
+    silence while requests are pending; `health_timeout` is generous because the runtime answers
+    between scheduler steps, and one large prefill step on a slow CPU can take many seconds."""
+
+    def __init__(self, address: str, api_key: str | None = None, timeout: float = 600.0, *,
+                 health_interval: float = 2.0, health_timeout: float = 30.0) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout = timeout
+        self._transport = ClientTransport(address, api_key, health_interval, health_timeout)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None,
+                 sampling_params: dict[str, Any] | SamplingParams | None = None, **options: Any) -> Finished:
+        """Blocking generate; options: return_logprob, logprob_start_len, top_logprobs_num, priority, rid."""
+        rid, request = self._generate_req(text, input_ids, sampling_params, stream=False, **options)
+        replies: queue.Queue[Item] = queue.Queue()
+        self._submit(rid, request, replies.put, is_generate=True)
+        return self._expect(self._wait(replies, rid), Finished)
+
+    def generate_stream(self, text: str | None = None, input_ids: list[int] | None = None,
+                        sampling_params: dict[str, Any] | SamplingParams | None = None,
+                        **options: Any) -> Iterator[TokenChunk]:
+        """Sends the request now; the iterator yields TokenChunks, the last one with the full meta_info.
+        Closing the iterator early aborts the request."""
+        rid, request = self._generate_req(text, input_ids, sampling_params, stream=True, **options)
+        replies: queue.Queue[Item] = queue.Queue()
+        self._submit(rid, request, replies.put, is_generate=True)
+        return self._iterate_stream(rid, replies)
+
+    async def async_generate(self, text: str | None = None, input_ids: list[int] | None = None,
+                             sampling_params: dict[str, Any] | SamplingParams | None = None,
+                             **options: Any) -> Finished:
+        rid, request = self._generate_req(text, input_ids, sampling_params, stream=False, **options)
+        replies: asyncio.Queue[Item] = asyncio.Queue()
+        self._submit(rid, request, self._async_sink(replies), is_generate=True)
+        return self._expect(await self._async_wait(replies, rid), Finished)
+
+    async def async_generate_stream(self, text: str | None = None, input_ids: list[int] | None = None,
+                                    sampling_params: dict[str, Any] | SamplingParams | None = None,
+                                    **options: Any) -> AsyncIterator[TokenChunk]:
+        """The request is sent when iteration starts; leaving the loop early aborts it."""
+        rid, request = self._generate_req(text, input_ids, sampling_params, stream=True, **options)
+        replies: asyncio.Queue[Item] = asyncio.Queue()
+        self._submit(rid, request, self._async_sink(replies), is_generate=True)
+        done = False
+        try:
+            while True:
+                reply = self._expect(await self._async_wait(replies, rid), (TokenChunk, Finished))
+                if isinstance(reply, Finished):
+                    done = True
+                    return
+                yield reply
+        except RuntimeRequestError:
+            done = True
+            raise
+        finally:
+            if not done:
+                self._transport.abandon(rid)
+
+    def abort(self, rid: str) -> None:
+        """Abort one of this client's requests; RuntimeRequestError when the runtime does not know it."""
+        if self._transport.is_pending(rid):
+            # Its waiter receives the ErrorReply (code "aborted"); the runtime sends nothing else.
+            self._transport.send(protocol.AbortReq(rid, api_key=self.api_key))
+            return
+        replies: queue.Queue[Item] = queue.Queue()
+        # Only an unknown rid gets an answer (an ErrorReply naming it); silence means it was aborted.
+        self._submit(rid, protocol.AbortReq(rid, api_key=self.api_key), replies.put, is_generate=False)
+        try:
+            reply = replies.get(timeout=min(self.timeout, _ABORT_ANSWER_WAIT_S))
+        except queue.Empty:
+            self._transport.abandon(rid)
+            return
+        self._expect(reply, InfoReply)
+
+    def flush_cache(self) -> bool:
+        return bool(self._call(protocol.FlushCacheReq(self._new_rid(), api_key=self.api_key)).get("flushed"))
+
+    def server_info(self) -> dict[str, Any]:
+        return self._call(protocol.ServerInfoReq(self._new_rid(), api_key=self.api_key))
+
+    def health(self, timeout: float = 5.0) -> bool:
+        try:
+            self._call(protocol.HealthReq(self._new_rid(), api_key=self.api_key), timeout=timeout)
+            return True
+        except (RuntimeUnavailableError, RuntimeRequestError):
+            return False
+
+    def close(self) -> None:
+        """Abort this client's in-flight generate requests, then stop its I/O thread."""
+        self._transport.close()
+
+    def __enter__(self) -> RuntimeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ request plumbing
+
+    def _generate_req(self, text: str | None, input_ids: list[int] | None,
+                      sampling_params: dict[str, Any] | SamplingParams | None, *, stream: bool,
+                      rid: str | None = None, **options: Any) -> tuple[str, protocol.GenerateReq]:
+        if isinstance(sampling_params, SamplingParams):
+            params = sampling_params
+        else:
+            try:
+                params = msgspec.convert(sampling_params or {}, SamplingParams)
+            except msgspec.ValidationError as e:
+                raise RuntimeRequestError(f"invalid sampling_params: {e}") from None
+        rid = rid or self._new_rid()
+        return rid, protocol.GenerateReq(rid, text=text, input_ids=input_ids, sampling_params=params,
+                                         stream=stream, api_key=self.api_key, **options)
+
+    @staticmethod
+    def _new_rid() -> str:
+        return uuid.uuid4().hex
+
+    def _submit(self, rid: str, msg: protocol.Request, sink: Sink, *, is_generate: bool) -> None:
+        self._transport.submit(rid, msg, sink, is_generate=is_generate)
+
+    def _call(self, msg: protocol.Request, timeout: float | None = None) -> dict[str, Any]:
+        replies: queue.Queue[Item] = queue.Queue()
+        self._submit(msg.rid, msg, replies.put, is_generate=False)
+        return self._expect(self._wait(replies, msg.rid, timeout), InfoReply).info
+
+    def _wait(self, replies: queue.Queue[Item], rid: str, timeout: float | None = None) -> Item:
+        wait_s = self.timeout if timeout is None else timeout
+        try:
+            return replies.get(timeout=wait_s)
+        except queue.Empty:
+            self._transport.abandon(rid)
+            return RuntimeUnavailableError(f"runtime at {self.address} is not responding: no answer to request {rid} within {wait_s:g} s")
+
+    async def _async_wait(self, replies: asyncio.Queue[Item], rid: str) -> Item:
+        try:
+            return await asyncio.wait_for(replies.get(), self.timeout)
+        except asyncio.TimeoutError:
+            self._transport.abandon(rid)
+            return RuntimeUnavailableError(f"runtime at {self.address} is not responding: no answer to request {rid} within {self.timeout:g} s")
+        except asyncio.CancelledError:
+            self._transport.abandon(rid)
+            raise
+
+    @staticmethod
+    def _async_sink(replies: asyncio.Queue[Item]) -> Sink:
+        loop = asyncio.get_running_loop()
+
+        def sink(item: Item) -> None:
+            try:
+                loop.call_soon_threadsafe(replies.put_nowait, item)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is waiting any more
+
+        return sink
+
+    @staticmethod
+    def _expect(item: Item, kinds: type | tuple[type, ...]) -> Any:
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, ErrorReply):
+            raise RuntimeRequestError(item.message, item.code)
+        if not isinstance(item, kinds):
+            raise RuntimeRequestError(f"unexpected reply {type(item).__name__} for request {item.rid}", "internal")
+        return item
+
+    def _iterate_stream(self, rid: str, replies: queue.Queue[Item]) -> Iterator[TokenChunk]:
+        done = False
+        try:
+            while True:
+                reply = self._expect(self._wait(replies, rid), (TokenChunk, Finished))
+                if isinstance(reply, Finished):
+                    done = True
+                    return
+                yield reply
+        except RuntimeRequestError:
+            done = True
+            raise
+        finally:
+            if not done:
+                self._transport.abandon(rid)

@@ -1,0 +1,153 @@
+"""Start a runtime server in a child process and wait until it serves (`sgl.Runtime(...)`).
+
+The child is `python -m sgl_lite.cli serve ... --port 0`; it prints `SGL_LITE_READY <address>` on
+stdout once it accepts requests. Its stderr (the logs) is kept in a bounded buffer so a start-up
+failure can be reported with its last lines, and is drained continuously so the child never blocks
+on a full pipe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.server import READY_PREFIX
+from sgl_lite.runtime.server_args import ServerArgs
+
+STDERR_TAIL_LINES = 40
+_live_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+class RuntimeLaunchError(RuntimeError):
+    """The server process exited or did not become ready in time."""
+
+
+def server_flags(args: ServerArgs) -> list[str]:
+    """Command-line flags reproducing `args` (only the values that differ from the defaults)."""
+    flags: list[str] = []
+    defaults = ServerArgs()
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(args, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+class Runtime:
+    """A runtime server process on a free loopback port (or `host="ipc://..."`)."""
+
+    def __init__(self, model_path: str = "smollm2-135m", *, startup_timeout: float = 600.0,
+                 client_timeout: float = 600.0, **server_args: Any) -> None:
+        server_args.setdefault("port", 0)
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        self.api_key = self.args.api_key
+        self._client_timeout = client_timeout
+        self._client: RuntimeClient | None = None
+        self._endpoint: Any = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._ready = threading.Event()
+        self.address = ""
+        cmd = [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(self.args)]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=_child_env(), start_new_session=True)
+        _live_runtimes.add(self)
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._wait_ready(startup_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def client(self) -> RuntimeClient:
+        if self._client is None:
+            self._client = RuntimeClient(self.address, api_key=self.api_key, timeout=self._client_timeout)
+        return self._client
+
+    @property
+    def endpoint(self) -> Any:
+        if self._endpoint is None:
+            from sgl_lite.lang.endpoint import RuntimeEndpoint
+
+            self._endpoint = RuntimeEndpoint(self.address, api_key=self.api_key)
+        return self._endpoint
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the server aborts in-flight requests and closes), then SIGKILL if it lingers."""
+        for owned in (self._endpoint, self._client):
+            close = getattr(owned, "close", None)
+            if close is not None:
+                close()
+        self._endpoint = self._client = None
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        _live_runtimes.discard(self)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._stderr_tail)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.process.poll() is not None:
+                # The stderr reader may still hold the last lines; give it a moment to finish.
+                time.sleep(0.2)
+                raise RuntimeLaunchError(
+                    f"runtime server exited with code {self.process.returncode} before it was ready; "
+                    f"last log lines:\n{self.stderr_tail()}")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeLaunchError(f"runtime server not ready after {timeout:g} s; last log lines:\n{self.stderr_tail()}")
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if not self._ready.is_set() and line.startswith(READY_PREFIX + " "):
+                self.address = line.split(maxsplit=1)[1].strip()
+                self._ready.set()
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self._stderr_tail.append(line.rstrip("\n"))
+
+
+def _child_env() -> dict[str, str]:
+    """The child must import this very sgl_lite, installed or not."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for runtime in list(_live_runtimes):
+        runtime.shutdown(timeout=5.0)

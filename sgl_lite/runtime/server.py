@@ -1,0 +1,340 @@
+"""The runtime process's front door: one ZeroMQ ROUTER socket in front of one RuntimeCore.
+
+A single thread owns the socket and the scheduler. Each loop iteration reads every waiting message
+(non-blocking while the scheduler has work, otherwise blocking up to IDLE_POLL_MS so that shutdown
+requests are noticed), then runs one `scheduler.step()` and replies to whoever asked for each
+changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted.
+
+Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
+identity: two clients may use the same rid, and a client can only abort its own requests.
+
+Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
+vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
+notice a dead client before its request would have produced output, identities with requests in
+flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import os
+import signal
+import time
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from sgl_lite.runtime import protocol
+from sgl_lite.runtime.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.request import FinishKind, Req
+from sgl_lite.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100
+MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
+KEEPALIVE_S = 1.0
+SHUTDOWN_LINGER_MS = 1000
+READY_PREFIX = "SGL_LITE_READY"
+REQUEST_TYPES = tuple(t.__name__ for t in typing.get_args(protocol.Request))  # the wire tags
+
+
+class _Envelope(msgspec.Struct):
+    """A lenient view of any incoming map, to find a rid and api_key for the reply even when the
+    message itself is invalid. Unknown fields are ignored and every field accepts any type."""
+
+    type: Any = None
+    rid: Any = None
+    api_key: Any = None
+
+
+@dataclass
+class _InFlight:
+    identity: bytes
+    rid: str  # the client's rid (the scheduler's is identity-prefixed)
+    stream_state: IncrementalDetokenizer | None  # None for non-streaming requests
+    abort_message: str | None = None  # set when we aborted it (client, disconnect, shutdown)
+    client_gone: bool = False  # replies cannot be delivered any more
+
+
+def _wire_value(obj: Any) -> Any:
+    """Encode hook: server info may hold paths, dtypes, enums; they travel as strings."""
+    return str(obj)
+
+
+class RuntimeServer:
+    def __init__(self, core: Any, args: ServerArgs, context: zmq.Context | None = None) -> None:
+        self._core = core
+        self._args = args
+        self._context = context or zmq.Context.instance()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
+        self._socket: zmq.Socket | None = None
+        self._inflight: dict[str, _InFlight] = {}
+        self._stop_requested = False
+        self._last_keepalive = time.monotonic()
+        self.address = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Unbounded send queue: a chunk may never be dropped (stream deltas must add up), and a
+        # slow reader only costs memory until it reads or disconnects.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
+        # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
+        # hostile peer can never make the server buffer more than that.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._args.max_message_bytes)
+        host = self._args.host
+        if host.startswith("ipc://"):
+            # Owner-only from the moment the socket file exists (the umask), and after (the chmod).
+            previous_umask = os.umask(0o177)
+            try:
+                sock.bind(host)
+            finally:
+                os.umask(previous_umask)
+            os.chmod(host[len("ipc://") :], 0o600)
+            self.address = host
+        elif self._args.port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            self.address = f"tcp://{host}:{port}"
+        else:
+            self.address = f"tcp://{host}:{self._args.port}"
+            sock.bind(self.address)
+        self._socket = sock
+        return self.address
+
+    def request_shutdown(self) -> None:
+        """Ask the loop to stop after the current step (safe to call from a signal handler)."""
+        self._stop_requested = True
+
+    def serve_forever(self) -> None:
+        assert self._socket is not None, "bind() first"
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        scheduler = self._core.scheduler
+        try:
+            while not self._stop_requested:
+                busy = scheduler.has_work()
+                if poller.poll(0 if busy else IDLE_POLL_MS):
+                    self._read_messages()
+                # has_work() stays true while an abort awaits its report by step().
+                if scheduler.has_work():
+                    for req in scheduler.step():
+                        self._reply_for(req)
+                self._keepalive()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        scheduler = self._core.scheduler
+        for key, flight in list(self._inflight.items()):
+            scheduler.abort_request(key)
+            if not flight.client_gone:
+                self._send(flight.identity, protocol.ErrorReply(flight.rid, "server shutting down", "aborted"))
+        if self._inflight:
+            logger.info("aborted %d in-flight request(s) on shutdown", len(self._inflight))
+            # Everything is aborted, so this step runs no forward: it only collects the abort
+            # reports, leaving the scheduler idle for whoever owns the core next (tests, Engine).
+            scheduler.step()
+        self._inflight.clear()
+        if self._socket is not None:
+            self._socket.close(linger=SHUTDOWN_LINGER_MS)
+            self._socket = None
+
+    # ------------------------------------------------------------------ incoming
+
+    def _read_messages(self) -> None:
+        assert self._socket is not None
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity, payload = frames[0], frames[-1]
+        if len(frames) != 2:
+            self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
+            return
+        envelope = self._envelope(payload)
+        rid = envelope.rid if envelope is not None and isinstance(envelope.rid, str) else ""
+        if not self._authorized(envelope):
+            self._send(identity, protocol.ErrorReply(rid, "missing or wrong api_key", "unauthorized"))
+            return
+        if len(payload) > self._args.max_message_bytes:
+            limit = self._args.max_message_bytes
+            self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
+            return
+        try:
+            msg = protocol.decode_request(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            self._send(identity, protocol.ErrorReply(rid, self._describe_invalid(envelope, e)))
+            return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as e:  # a bug must cost one request, not the server
+            logger.exception("internal error handling %s", type(msg).__name__)
+            self._send(identity, protocol.ErrorReply(msg.rid, f"internal error: {e}", "internal"))
+
+    @staticmethod
+    def _envelope(payload: bytes) -> _Envelope | None:
+        try:
+            return msgspec.msgpack.decode(payload, type=_Envelope)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+
+    @staticmethod
+    def _describe_invalid(envelope: _Envelope | None, error: Exception) -> str:
+        if envelope is None:
+            return f"undecodable request (expected a msgpack map with a 'type' field): {error}"
+        if isinstance(envelope.type, str) and envelope.type not in REQUEST_TYPES:
+            return f"unknown message type {envelope.type!r}; expected one of {', '.join(REQUEST_TYPES)}"
+        return f"invalid request: {error}"
+
+    def _authorized(self, envelope: _Envelope | None) -> bool:
+        expected = self._args.api_key
+        given = envelope.api_key if envelope is not None else None
+        if expected is None:
+            return True
+        if not isinstance(given, str):
+            return False
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def _dispatch(self, identity: bytes, msg: protocol.Request) -> None:
+        scheduler = self._core.scheduler
+        if isinstance(msg, protocol.GenerateReq):
+            self._add_generate(identity, msg)
+        elif isinstance(msg, protocol.AbortReq):
+            key = self._key(identity, msg.rid)
+            flight = self._inflight.get(key)
+            if flight is None or not scheduler.abort_request(key):
+                self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
+            else:
+                flight.abort_message = "aborted by the client"
+        elif isinstance(msg, protocol.FlushCacheReq):
+            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(scheduler.flush_cache())}))
+        elif isinstance(msg, protocol.ServerInfoReq):
+            self._send(identity, protocol.InfoReply(msg.rid, self._core.server_info()))
+        elif isinstance(msg, protocol.HealthReq):
+            self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
+
+    def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
+        # Imported here: the scheduler needs torch, and this module must stay importable without it
+        # (the torch-free launcher imports READY_PREFIX from here).
+        from sgl_lite.runtime.scheduler import QueueFullError
+
+        key = self._key(identity, msg.rid)
+        if key in self._inflight:
+            self._send(identity, protocol.ErrorReply(msg.rid, f"request id {msg.rid!r} is already in flight"))
+            return
+        try:
+            req = self._core.make_req(
+                key, msg.text, msg.input_ids, msg.sampling_params,
+                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
+            )
+            self._core.scheduler.add_request(req)
+        except QueueFullError as e:
+            self._send(identity, protocol.ErrorReply(msg.rid, str(e), "queue_full"))
+            return
+        except ValueError as e:
+            self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
+            return
+        stream_state = None
+        if msg.stream:
+            hold_back = stop_hold_back_chars(msg.sampling_params.stop_strings())
+            stream_state = IncrementalDetokenizer(functools.partial(self._core.decode, params=req.sampling_params), hold_back)
+        self._inflight[key] = _InFlight(identity, msg.rid, stream_state)
+
+    @staticmethod
+    def _key(identity: bytes, rid: str) -> str:
+        return f"{identity.hex()}/{rid}"
+
+    # ------------------------------------------------------------------ outgoing
+
+    def _reply_for(self, req: Req) -> None:
+        flight = self._inflight.get(req.rid)
+        if flight is None:
+            return
+        if req.finished:
+            del self._inflight[req.rid]
+        if flight.client_gone:
+            return
+        reason = req.finished_reason
+        if reason is not None and reason.kind == FinishKind.ABORT:
+            message = flight.abort_message or reason.message or "request aborted"
+            self._send(flight.identity, protocol.ErrorReply(flight.rid, message, "aborted"))
+        elif reason is not None:
+            text = self._core.output_text(req)
+            meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
+            if flight.stream_state is not None:
+                last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
+                                           flight.stream_state.new_ids(req.output_ids), meta_info)
+                self._send(flight.identity, last)
+            self._send(flight.identity, protocol.Finished(flight.rid, text, list(req.output_ids), meta_info))
+        elif flight.stream_state is not None:
+            delta = flight.stream_state.update(req.output_ids)
+            if delta:
+                ids = flight.stream_state.new_ids(req.output_ids)
+                progress = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids)}
+                self._send(flight.identity, protocol.TokenChunk(flight.rid, delta, ids, progress))
+
+    def _keepalive(self) -> None:
+        now = time.monotonic()
+        if now - self._last_keepalive < KEEPALIVE_S:
+            return
+        self._last_keepalive = now
+        for identity in {f.identity for f in self._inflight.values() if not f.client_gone}:
+            self._send(identity, protocol.InfoReply("", {"keepalive": True}))
+
+    def _send(self, identity: bytes, msg: protocol.Reply) -> bool:
+        assert self._socket is not None
+        try:
+            self._socket.send_multipart([identity, self._encoder.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+        self._client_gone(identity)
+        return False
+
+    def _client_gone(self, identity: bytes) -> None:
+        gone = [key for key, f in self._inflight.items() if f.identity == identity and not f.client_gone]
+        for key in gone:
+            flight = self._inflight[key]
+            flight.client_gone = True
+            flight.abort_message = "client disconnected"
+            self._core.scheduler.abort_request(key)
+        if gone:
+            logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
+
+
+def run_server(args: ServerArgs) -> None:
+    """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
+
+    The ready line `SGL_LITE_READY <address>` on stdout is what the launcher waits for; everything
+    else goes to the log (stderr).
+    """
+    from sgl_lite.runtime.core import RuntimeCore
+
+    core = RuntimeCore.from_args(args)
+    server = RuntimeServer(core, args)
+    address = server.bind()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.request_shutdown())
+    # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
+    logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
+    print(f"{READY_PREFIX} {address}", flush=True)
+    logger.info("ready")
+    server.serve_forever()
+    logger.info("server stopped")
