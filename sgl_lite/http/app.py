@@ -1,0 +1,169 @@
+"""The HTTP front: an OpenAI-compatible and SGLang-native API over one runtime, as a FastAPI app.
+
+It talks to the runtime only through `RuntimeClient`. With an API key, every route but /health
+requires `Authorization: Bearer <key>` (/health stays open so that load balancers and sglang-router
+can probe liveness without the secret; it reveals nothing but up/down).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Callable
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sgl_lite.http.errors import HttpError, from_runtime_error
+from sgl_lite.http.generation import RequestRunner
+from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
+from sgl_lite.http.model_context import ModelContextCache
+from sgl_lite.http.native import flush_cache_response, generate
+from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from sgl_lite.http.openai_serving import OpenAIServing
+from sgl_lite.http.validation import validation_error
+from sgl_lite.runtime.client import RuntimeClient
+
+logger = logging.getLogger(__name__)
+
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
+HEALTH_TIMEOUT_S = 2.0
+
+
+def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    """Build the app over `client`; the caller owns the client (and closes it after the server stops)."""
+    app = FastAPI(title="sgl_lite", version="0.1.0", docs_url=None, redoc_url=None)
+    metrics = HttpMetrics()
+    runner = RequestRunner(client, metrics)
+    contexts = ModelContextCache(client.server_info, served_model_name)
+    serving = OpenAIServing(runner, contexts)
+    app.state.metrics = metrics
+
+    def count(endpoint: str) -> Callable[[str], None]:
+        return lambda outcome: metrics.count_request(endpoint, outcome)
+
+    async def require_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise HttpError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+
+    protected = [Depends(require_api_key)]
+
+    @app.exception_handler(HttpError)
+    async def _http_error(request: Request, exc: HttpError) -> Response:
+        _count_failure(request, metrics, exc)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        error = validation_error(exc)
+        _count_failure(request, metrics, error)
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException) -> Response:
+        return HttpError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        error = from_runtime_error(exc)
+        if error.code == "internal":
+            logger.exception("unhandled error on %s", request.url.path)
+        _count_failure(request, metrics, error)
+        return error.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = await anyio.to_thread.run_sync(lambda: _probe(client.health))
+        if healthy:
+            return Response(status_code=200)
+        raise HttpError(503, "the runtime is not answering", code="runtime_unavailable")
+
+    @app.get("/health_generate", dependencies=protected)
+    async def health_generate() -> Response:
+        body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
+        await generate(runner, body, lambda outcome: None)
+        return Response(status_code=200)
+
+    @app.get("/v1/models", dependencies=protected)
+    async def models() -> dict[str, Any]:
+        context = await contexts.get()
+        return {"object": "list", "data": [{
+            "id": context.served_model_name, "object": "model", "created": 0, "owned_by": "sgl_lite",
+            "root": context.model_info.get("model_path"), "max_model_len": context.context_length,
+        }]}
+
+    @app.post("/v1/chat/completions", dependencies=protected)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        response = await serving.chat(body, count("/v1/chat/completions"))
+        _count_unless_streaming(metrics, "/v1/chat/completions", body.stream)
+        return response
+
+    @app.post("/v1/completions", dependencies=protected)
+    async def completions(body: CompletionRequest) -> Response:
+        response = await serving.completions(body, count("/v1/completions"))
+        _count_unless_streaming(metrics, "/v1/completions", body.stream)
+        return response
+
+    @app.post("/generate", dependencies=protected)
+    async def native_generate(body: GenerateRequest) -> Response:
+        response = await generate(runner, body, count("/generate"))
+        _count_unless_streaming(metrics, "/generate", body.stream)
+        return response
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=protected)
+    async def flush_cache() -> Response:
+        return flush_cache_response(await _call(client.flush_cache))
+
+    @app.get("/get_model_info", dependencies=protected)
+    async def get_model_info() -> dict[str, Any]:
+        info = (await contexts.get()).model_info
+        return {"model_path": info.get("model_path"), "tokenizer_path": info.get("tokenizer_path", info.get("model_path")),
+                "is_generation": True}
+
+    @app.api_route("/get_server_info", methods=["GET"], dependencies=protected)
+    @app.api_route("/server_info", methods=["GET"], dependencies=protected)
+    async def server_info() -> dict[str, Any]:
+        return await _call(client.server_info)
+
+    @app.get("/metrics", dependencies=protected)
+    async def prometheus_metrics() -> Response:
+        try:
+            info = await _call(client.server_info)
+        except HttpError:
+            info = None  # still export what the front measured; runtime_up says the runtime is gone
+        return Response(metrics.render(info), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _probe(health: Callable[..., bool]) -> bool:
+    try:
+        return bool(health(timeout=HEALTH_TIMEOUT_S))
+    except Exception:
+        return False
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    """A blocking RuntimeClient call, off the event loop, with runtime errors mapped to HttpError."""
+    try:
+        return await anyio.to_thread.run_sync(fn)
+    except Exception as e:
+        raise from_runtime_error(e) from e
+
+
+def _count_unless_streaming(metrics: HttpMetrics, endpoint: str, stream: bool) -> None:
+    # A stream is counted when it ends (by sse_response), since it can still fail after the headers.
+    if not stream:
+        metrics.count_request(endpoint, "success")
+
+
+def _count_failure(request: Request, metrics: HttpMetrics, error: HttpError) -> None:
+    if request.url.path in GENERATION_ENDPOINTS:
+        metrics.count_request(request.url.path, error.outcome)

@@ -1,0 +1,82 @@
+"""What the HTTP front needs to know about the served model, fetched once from the runtime's server_info.
+
+Fetched lazily (the HTTP front may start before the runtime is ready) and then kept: the model,
+its chat template and its vocabulary do not change while a runtime runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import anyio
+
+from sgl_lite.http.chat_template import ChatTemplate, ChatTemplateError
+from sgl_lite.http.errors import HttpError, from_runtime_error
+from sgl_lite.http.token_text import TokenTexts
+
+
+@dataclass
+class ModelContext:
+    served_model_name: str
+    context_length: int | None
+    chat_template: ChatTemplate | None
+    chat_template_error: str | None  # why chat_template is None
+    token_texts: TokenTexts
+    model_info: dict[str, Any]
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any], served_model_name: str | None) -> ModelContext:
+        model_path = info.get("model_path")
+        name = served_model_name or info.get("served_model_name") or (Path(model_path).name if model_path else "default")
+        template: ChatTemplate | None = None
+        error: str | None = None
+        try:
+            template = ChatTemplate(info.get("chat_template"), _token_str(info.get("bos_token")),
+                                    _token_str(info.get("eos_token")))
+        except ChatTemplateError as e:
+            error = str(e)
+        return cls(
+            served_model_name=str(name),
+            context_length=info.get("context_length"),
+            chat_template=template,
+            chat_template_error=error,
+            token_texts=TokenTexts(model_path),
+            model_info=info,
+        )
+
+    def require_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise HttpError(400, self.chat_template_error or "the model has no chat template", param="messages")
+        return self.chat_template
+
+
+def _token_str(value: Any) -> str | None:
+    """bos/eos as text: server_info may give a string, a list of strings (several EOS), or None."""
+    if isinstance(value, list):
+        return value[0] if value and isinstance(value[0], str) else None
+    return value if isinstance(value, str) else None
+
+
+class ModelContextCache:
+    def __init__(self, server_info: Callable[[], dict[str, Any]], served_model_name: str | None) -> None:
+        self._server_info = server_info
+        self._served_model_name = served_model_name
+        self._context: ModelContext | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> ModelContext:
+        if self._context is None:
+            async with self._lock:
+                if self._context is None:
+                    try:
+                        # Off the event loop: server_info is a blocking call and the tokenizer file is parsed.
+                        self._context = await anyio.to_thread.run_sync(self._fetch)
+                    except Exception as e:
+                        raise from_runtime_error(e) from e
+        return self._context
+
+    def _fetch(self) -> ModelContext:
+        return ModelContext.from_server_info(self._server_info(), self._served_model_name)

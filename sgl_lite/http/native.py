@@ -1,0 +1,98 @@
+"""SGLang's native worker API: /generate (single or batch, optionally streamed) and cache control.
+
+/generate answers {"text", "output_ids", "meta_info"} (a list of them for a batch). Streaming sends,
+like SGLang, the cumulative text and output ids so far in each event, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, Response
+
+from sgl_lite.http.errors import bad_request
+from sgl_lite.http.generation import GenerationInput, RequestRunner
+from sgl_lite.http.openai_protocol import GenerateRequest
+from sgl_lite.http.sse import sse_response
+from sgl_lite.runtime.protocol import sampling_params_from_dict
+
+
+def _as_batch(body: GenerateRequest) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
+    """The prompts as (text, input_ids) pairs, and whether the body was a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("exactly one of text and input_ids must be given", "text")
+    if isinstance(body.text, str):
+        return [(body.text, None)], False
+    if body.text is not None:
+        return [(t, None) for t in body.text], True
+    ids = body.input_ids or []
+    if ids and all(isinstance(i, list) for i in ids):
+        return [(None, list(i)) for i in ids], True  # type: ignore[arg-type]
+    return [(None, list(ids))], False  # type: ignore[arg-type]
+
+
+def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad_request(f"{name} has {len(value)} entries but the batch has {count} prompts", name)
+        return value
+    return [value] * count
+
+
+def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], bool]:
+    prompts, is_batch = _as_batch(body)
+    if not prompts:
+        raise bad_request("the batch is empty", "text" if body.text is not None else "input_ids")
+    params_list = _per_item(body.sampling_params, len(prompts), "sampling_params")
+    rids = _per_item(body.rid, len(prompts), "rid") if isinstance(body.rid, list) else [None] * len(prompts)
+    if isinstance(body.rid, str):
+        if is_batch:
+            raise bad_request("rid must be a list with one id per prompt for a batch", "rid")
+        rids = [body.rid]
+    inputs = []
+    for (text, input_ids), params, rid in zip(prompts, params_list, rids):
+        try:
+            sampling = sampling_params_from_dict(params)
+        except ValueError as e:
+            raise bad_request(str(e), "sampling_params") from None
+        extra = {"rid": rid} if rid else {}
+        inputs.append(GenerationInput(text, input_ids, sampling, return_logprob=body.return_logprob,
+                                      top_logprobs_num=body.top_logprobs_num,
+                                      logprob_start_len=body.logprob_start_len, priority=body.priority, **extra))
+    return inputs, is_batch
+
+
+async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None]) -> Response:
+    inputs, is_batch = generation_inputs(body)
+    if body.stream:
+        return await sse_response(_stream_events(runner, inputs, is_batch), on_stream_end)
+    generations = await runner.collect_many(inputs)
+    results = [{"text": g.text, "output_ids": g.output_ids, "meta_info": {**g.meta_info, "id": r.rid}}
+               for g, r in zip(generations, inputs)]
+    return JSONResponse(results if is_batch else results[0])
+
+
+async def _stream_events(runner: RequestRunner, inputs: list[GenerationInput],
+                         is_batch: bool) -> AsyncIterator[dict[str, Any]]:
+    texts = [""] * len(inputs)
+    output_ids: list[list[int]] = [[] for _ in inputs]
+    async with aclosing(runner.stream_many(inputs)) as deltas:
+        async for index, delta in deltas:
+            texts[index] += delta.text
+            output_ids[index].extend(delta.output_ids)
+            event: dict[str, Any] = {"text": texts[index], "output_ids": list(output_ids[index]),
+                                     "meta_info": {**delta.meta_info, "id": inputs[index].rid}}
+            if is_batch:
+                event["index"] = index
+            yield event
+
+
+def flush_cache_response(flushed: bool) -> Response:
+    if flushed:
+        return Response("Cache flushed.\n", media_type="text/plain")
+    return JSONResponse(
+        {"error": {"message": "cache not flushed: the runtime has requests in flight; retry when idle",
+                   "type": "invalid_request_error", "param": None, "code": "busy"}},
+        status_code=400,
+    )

@@ -1,0 +1,208 @@
+"""Request shapes of the OpenAI-compatible API (pydantic) and their mapping to runtime SamplingParams.
+
+Field names, types and defaults follow OpenAI's API; SGLang's extra sampling fields (priority,
+ignore_eos, min_tokens, regex, ebnf, top_k, min_p, repetition_penalty, stop_token_ids, ...) are
+accepted as well, as SGLang's own server does. Unknown fields are ignored (OpenAI clients and SDKs
+send optional fields this server has no use for); fields whose value cannot be honoured are
+rejected by `unsupported_field` with a message naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The largest n (choices per prompt) one request may ask for: each choice is one runtime request.
+MAX_CHOICES = 64
+MAX_TOP_LOGPROBS = 20
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's, then SGLang's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # SGLang's extras.
+    priority: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    regex: str | None = None
+    ebnf: str | None = None
+    top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be -1 (off) or >= 1")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, choice_index: int) -> dict[str, Any]:
+        """Runtime sampling params (SGLang names) for choice `choice_index` of this request.
+
+        With a seed and n > 1, choice i uses seed + i so that the choices differ but stay reproducible.
+        """
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None:
+            params["max_new_tokens"] = max_tokens
+        for name in ("stop", "stop_token_ids", "regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if self.seed is not None:
+            params["seed"] = self.seed + choice_index
+        json_schema = self.json_schema()
+        if json_schema is not None:
+            params["json_schema"] = json_schema
+        return params
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema that response_format asks for; json_object means any JSON object."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format.json_schema.schema is required when response_format.type is json_schema")
+        return fmt.json_schema.schema_
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, message) for a field given a value this server cannot honour, else None."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server"
+        return None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI deprecated max_tokens in favour of max_completion_tokens; the newer one wins.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) is not supported by this server"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        return super().unsupported_field()
+
+    def top_logprobs_num(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix (fill-in-the-middle) is not supported by this server"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported by this server"
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo together with logprobs is not supported by this server"
+        if self.echo and not self.prompt_texts_known():
+            return "echo", "echo is supported for text prompts only"
+        return super().unsupported_field()
+
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """Each prompt as (text, None) or (None, token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [(prompt, None)]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, None) for p in prompt]  # type: ignore[misc]
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]  # type: ignore[arg-type]
+        return [(None, list(p)) for p in prompt]  # type: ignore[arg-type, union-attr]
+
+    def prompt_texts_known(self) -> bool:
+        return isinstance(self.prompt, str) or all(isinstance(p, str) for p in self.prompt)
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    rid: Union[str, list[str], None] = None
+    priority: int | None = None

@@ -1,0 +1,250 @@
+"""/v1/chat/completions and /v1/completions: OpenAI requests -> runtime requests -> OpenAI responses.
+
+Each of the n choices (times each prompt, for completions) is one runtime request; they run
+concurrently and their streams are interleaved, each chunk naming its choice index.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, Response
+
+from sgl_lite.http.chat_template import ChatTemplateError, message_text
+from sgl_lite.http.errors import HttpError, bad_request
+from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
+from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs
+from sgl_lite.http.model_context import ModelContext, ModelContextCache
+from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from sgl_lite.http.sse import sse_response
+from sgl_lite.runtime.protocol import sampling_params_from_dict
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def finish_reason_name(finish_reason: dict[str, Any] | None) -> str:
+    return _FINISH_REASONS.get((finish_reason or {}).get("type", "stop"), "stop")
+
+
+def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
+    """Token usage: prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+    per_prompt = len(generations) // max(prompts, 1)
+    firsts = [g.meta_info for g in generations[::per_prompt]] if generations else []
+    prompt_tokens = sum(int(m.get("prompt_tokens") or 0) for m in firsts)
+    completion_tokens = sum(int(g.meta_info.get("completion_tokens") or len(g.output_ids)) for g in generations)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(int(m.get("cached_tokens") or 0) for m in firsts)},
+    }
+
+
+def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[int] | None]],
+                    return_logprob: bool, top_logprobs_num: int) -> list[GenerationInput]:
+    unsupported = body.unsupported_field()
+    if unsupported is not None:
+        raise bad_request(unsupported[1], unsupported[0])
+    inputs = []
+    for text, input_ids in prompts:
+        for choice in range(body.n):
+            try:
+                params = sampling_params_from_dict(body.sampling_params(choice))
+            except ValueError as e:
+                raise bad_request(str(e), _param_of(str(e))) from None
+            inputs.append(GenerationInput(text, input_ids, params, return_logprob=return_logprob,
+                                          top_logprobs_num=top_logprobs_num, priority=body.priority))
+    return inputs
+
+
+# Runtime (SGLang) sampling field -> the OpenAI request field it comes from.
+_OPENAI_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
+                 "text": "prompt", "input_ids": "prompt"}
+
+
+def _param_of(message: str) -> str | None:
+    if message.startswith("response_format"):
+        return "response_format"
+    first = message.split(" ", 1)[0]
+    return _OPENAI_FIELD.get(first, first if first.isidentifier() else None)
+
+
+def _with_openai_param(error: HttpError) -> HttpError:
+    """Name the OpenAI field in a runtime error that names the runtime's (max_new_tokens -> max_tokens)."""
+    if error.param in _OPENAI_FIELD:
+        error.message = f"{_OPENAI_FIELD[error.param]}: {error.message}"
+        error.param = _OPENAI_FIELD[error.param]
+    return error
+
+
+class OpenAIServing:
+    def __init__(self, runner: RequestRunner, contexts: ModelContextCache) -> None:
+        self._runner = runner
+        self._contexts = contexts
+
+    async def chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+        try:
+            return await self._chat(body, on_stream_end)
+        except HttpError as e:
+            raise _with_openai_param(e) from None
+
+    async def completions(self, body: CompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+        try:
+            return await self._completions(body, on_stream_end)
+        except HttpError as e:
+            raise _with_openai_param(e) from None
+
+    async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+        context = await self._contexts.get()
+        template = context.require_chat_template()
+        try:
+            messages = [_message_dict(m.role, message_text(m.content, f"messages[{i}].content"), m.name)
+                        for i, m in enumerate(body.messages)]
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        try:
+            prompt = template.render(messages)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        inputs = _runtime_inputs(body, [(prompt, None)], body.logprobs, body.top_logprobs_num())
+        response_id = "chatcmpl-" + uuid.uuid4().hex
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._chat_events(context, response_id, inputs, include_usage)
+            return await sse_response(events, on_stream_end)
+        generations = await self._runner.collect_many(inputs)
+        choices = []
+        for index, gen in enumerate(generations):
+            logprobs = None
+            if body.logprobs:
+                logprobs = {"content": chat_logprobs(LogprobCursor().take(gen.meta_info), context.token_texts)}
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant", "content": gen.text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason_name(gen.finish_reason),
+            })
+        return JSONResponse(_envelope(response_id, "chat.completion", context, choices, usage(generations, 1)))
+
+    async def _completions(self, body: CompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+        context = await self._contexts.get()
+        try:
+            prompts = body.prompts()
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        top = body.logprobs or 0
+        inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top)
+        response_id = "cmpl-" + uuid.uuid4().hex
+        echoes = [(text or "") if body.echo else "" for text, _ in prompts for _ in range(body.n)]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._completion_events(context, response_id, inputs, echoes, body.logprobs is not None,
+                                             include_usage, len(prompts))
+            return await sse_response(events, on_stream_end)
+        generations = await self._runner.collect_many(inputs)
+        choices = []
+        for index, gen in enumerate(generations):
+            logprobs = None
+            if body.logprobs is not None:
+                entries = LogprobCursor().take(gen.meta_info)
+                logprobs = completion_logprobs(entries, context.token_texts, text_offset=0)
+            choices.append({
+                "index": index,
+                "text": echoes[index] + gen.text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason_name(gen.finish_reason),
+            })
+        return JSONResponse(_envelope(response_id, "text_completion", context, choices, usage(generations, len(prompts))))
+
+    async def _chat_events(self, context: ModelContext, response_id: str, inputs: list[GenerationInput],
+                           include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        cursors = [LogprobCursor() for _ in inputs]
+        finals: list[Generation | None] = [None] * len(inputs)
+        async with aclosing(self._runner.stream_many(inputs)) as deltas:
+            first = await _first(deltas)  # before any event: a runtime rejection becomes the HTTP status
+            for index in range(len(inputs)):
+                yield _chunk(response_id, "chat.completion.chunk", context,
+                             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None})
+            async for index, delta in _prepend(first, deltas):
+                logprobs = None
+                if inputs[index].return_logprob:
+                    entries = cursors[index].take(delta.meta_info)
+                    logprobs = {"content": chat_logprobs(entries, context.token_texts)}
+                if delta.text or logprobs and logprobs["content"]:
+                    yield _chunk(response_id, "chat.completion.chunk", context,
+                                 {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None})
+                if delta.finish_reason is not None:
+                    finals[index] = Generation("", [], delta.meta_info)
+                    yield _chunk(response_id, "chat.completion.chunk", context,
+                                 {"index": index, "delta": {}, "logprobs": None,
+                                  "finish_reason": finish_reason_name(delta.finish_reason)})
+        if include_usage:
+            yield _chunk(response_id, "chat.completion.chunk", context, None, usage([g for g in finals if g], 1))
+
+    async def _completion_events(self, context: ModelContext, response_id: str, inputs: list[GenerationInput],
+                                 echoes: list[str], want_logprobs: bool, include_usage: bool,
+                                 num_prompts: int) -> AsyncIterator[dict[str, Any]]:
+        cursors = [LogprobCursor() for _ in inputs]
+        offsets = [len(e) for e in echoes]
+        finals: list[Generation | None] = [None] * len(inputs)
+        async with aclosing(self._runner.stream_many(inputs)) as deltas:
+            first = await _first(deltas)
+            for index, echo in enumerate(echoes):
+                if echo:
+                    yield _chunk(response_id, "text_completion", context,
+                                 {"index": index, "text": echo, "logprobs": None, "finish_reason": None})
+            async for index, delta in _prepend(first, deltas):
+                logprobs = None
+                if want_logprobs:
+                    entries = cursors[index].take(delta.meta_info)
+                    logprobs = completion_logprobs(entries, context.token_texts, text_offset=offsets[index])
+                offsets[index] += len(delta.text)
+                finish = None
+                if delta.finish_reason is not None:
+                    finals[index] = Generation("", [], delta.meta_info)
+                    finish = finish_reason_name(delta.finish_reason)
+                if delta.text or finish or logprobs and logprobs["tokens"]:
+                    yield _chunk(response_id, "text_completion", context,
+                                 {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish})
+        if include_usage:
+            yield _chunk(response_id, "text_completion", context, None, usage([g for g in finals if g], num_prompts))
+
+
+def _message_dict(role: str, content: str, name: str | None) -> dict[str, Any]:
+    message = {"role": role, "content": content}
+    if name:
+        message["name"] = name
+    return message
+
+
+def _envelope(response_id: str, kind: str, context: ModelContext, choices: list[dict[str, Any]],
+              token_usage: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": response_id, "object": kind, "created": int(time.time()),
+                           "model": context.served_model_name, "choices": choices}
+    if token_usage is not None:
+        out["usage"] = token_usage
+    return out
+
+
+def _chunk(response_id: str, kind: str, context: ModelContext, choice: dict[str, Any] | None,
+           token_usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _envelope(response_id, kind, context, [] if choice is None else [choice], token_usage)
+
+
+async def _first(deltas: AsyncIterator[tuple[int, Delta]]) -> tuple[int, Delta] | None:
+    try:
+        return await deltas.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first: tuple[int, Delta] | None,
+                   rest: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

@@ -1,0 +1,80 @@
+"""Token id -> (text, bytes) for the `token` and `bytes` fields of OpenAI logprobs.
+
+The runtime reports logprobs by token id only. The HTTP front reads the model's `tokenizer.json`
+(with the Rust `tokenizers` package; no transformers, no torch) when the model folder is reachable
+from this process. Byte-level BPE vocabularies map each token to its exact bytes (a token may hold
+part of a UTF-8 character, which OpenAI's `bytes` field exists for); other vocabularies use the
+decoded text. Without a tokenizer file, tokens are named "token_id:<id>" (vLLM's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable stand-in character of each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes)}
+
+
+def _has_byte_level_decoder(decoder: dict | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or ())
+
+
+class TokenTexts:
+    def __init__(self, model_path: str | None) -> None:
+        self._tokenizer = None
+        self._byte_level = False
+        self._cache: dict[int, bytes] = {}
+        tokenizer_file = Path(model_path) / "tokenizer.json" if model_path else None
+        if tokenizer_file is None or not tokenizer_file.is_file():
+            logger.info("no tokenizer.json next to the model; logprob tokens are named by id")
+            return
+        try:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            self._byte_level = _has_byte_level_decoder(json.loads(tokenizer_file.read_text(encoding="utf-8")).get("decoder"))
+        except Exception as e:  # a corrupt or unknown tokenizer file must not take the API down
+            logger.warning("could not load %s (%s); logprob tokens are named by id", tokenizer_file, e)
+            self._tokenizer = None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._lookup(token_id)
+        return cached
+
+    def _lookup(self, token_id: int) -> bytes:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}".encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return f"token_id:{token_id}".encode()
+        if self._byte_level:
+            decoder = _byte_decoder()
+            if all(ch in decoder for ch in piece):
+                return bytes(decoder[ch] for ch in piece)
+            return piece.encode()  # an added/special token stored verbatim
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
