@@ -1,0 +1,1 @@
+"""The frontend language: IR, interpreter, select scoring, chat templates, RuntimeEndpoint. Torch-free."""

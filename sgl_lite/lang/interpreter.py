@@ -1,0 +1,186 @@
+"""Running programs: one state per run, a thread pool for run_batch, and the batch prefix hint.
+
+Before a batch fans out, each program body is traced up to its first model call (gen, select,
+fork): the constant text it would send first. When all traces share a leading text longer than
+64 characters, that text is prefilled once, so the batch's requests all hit the prefix cache
+instead of prefilling it side by side. Tracing executes the body's Python code up to that point
+(as SGLang's tracer does), which must therefore be free of side effects worth avoiding.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+
+from sgl_lite.lang.backend import BaseBackend, PrefillRequest
+from sgl_lite.lang.executor import StreamExecutor
+from sgl_lite.lang.function import running_state
+from sgl_lite.lang.global_config import global_config
+from sgl_lite.lang.ir import SglSamplingParams
+from sgl_lite.lang.state import ProgramState
+
+if TYPE_CHECKING:
+    from sgl_lite.lang.function import SglFunction
+
+logger = logging.getLogger(__name__)
+
+# Programs sharing a constant prefix at least this long get one prefill before the batch starts.
+MIN_SHARED_PREFIX_CHARS = 64
+
+
+def resolve_backend(backend: Optional[Any]) -> BaseBackend:
+    backend = backend if backend is not None else global_config.default_backend
+    if backend is None:
+        raise RuntimeError("no backend: call sgl.set_default_backend(sgl.Runtime(...)) or pass backend=")
+    if hasattr(backend, "endpoint"):  # sgl.Runtime wraps its RuntimeEndpoint
+        backend = backend.endpoint
+    if not isinstance(backend, BaseBackend):
+        raise TypeError(f"backend must be an sgl.RuntimeEndpoint or sgl.Runtime; got {type(backend).__name__}")
+    return backend
+
+
+def _run_body(program: SglFunction, state: ProgramState, args: tuple, kwargs: dict[str, Any]) -> None:
+    executor = state.stream_executor
+    token = running_state.set(state)
+    try:
+        state.ret_value = program.func(state, *args, **kwargs)
+    except Exception as e:  # the error belongs to this state: s.error(), and reads of missing variables
+        logger.warning("program %s raised %r", program.func.__name__, e)
+        executor.fail(e)
+    finally:
+        running_state.reset(token)
+        executor.end()
+
+
+def run_program(
+    program: SglFunction,
+    backend: Optional[Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    defaults: SglSamplingParams,
+    stream: bool = False,
+    use_thread: bool = True,
+) -> ProgramState:
+    backend = resolve_backend(backend)
+    kwargs = {**program.bind_arguments, **kwargs}
+    state = ProgramState(StreamExecutor(backend, defaults, stream, use_thread=use_thread))
+    if stream:
+        # The body runs in the background so the caller can iterate the stream right away.
+        threading.Thread(target=_run_body, args=(program, state, args, kwargs), daemon=True).start()
+    else:
+        _run_body(program, state, args, kwargs)
+    return state
+
+
+class _StopTracing(BaseException):
+    """Raised at a traced program's first model call (BaseException: user `except Exception` must not catch it)."""
+
+
+class _TracingBackend(BaseBackend):
+    def __init__(self, real: BaseBackend) -> None:
+        self.real = real
+
+    def get_chat_template(self):  # type: ignore[no-untyped-def]
+        return self.real.get_chat_template()
+
+    def generate(self, text, params):  # type: ignore[no-untyped-def]
+        raise _StopTracing
+
+    def generate_stream(self, text, params):  # type: ignore[no-untyped-def]
+        raise _StopTracing
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[dict[str, Any]]:
+        raise _StopTracing
+
+    def select(self, text, choices, temperature, choices_method):  # type: ignore[no-untyped-def]
+        raise _StopTracing
+
+    def flush_cache(self) -> bool:
+        raise _StopTracing
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.real.get_server_info()
+
+
+def trace_prefix(program: SglFunction, backend: BaseBackend, kwargs: dict[str, Any]) -> str:
+    """The text a program builds before its first model call."""
+    executor = StreamExecutor(_TracingBackend(backend), SglSamplingParams(), use_thread=False)
+    state = ProgramState(executor)
+    token = running_state.set(state)
+    try:
+        program.func(state, **{**program.bind_arguments, **kwargs})
+    except (_StopTracing, Exception):
+        pass
+    finally:
+        running_state.reset(token)
+    return executor.text_
+
+
+def shared_prefix(texts: list[str]) -> str:
+    if not texts:
+        return ""
+    return os.path.commonprefix(texts)
+
+
+def cache_batch_prefix(program: SglFunction, backend: BaseBackend, batch: list[dict[str, Any]]) -> str:
+    """Prefill the batch's shared leading text when it is long enough; return what was prefilled."""
+    prefix = shared_prefix([trace_prefix(program, backend, kwargs) for kwargs in batch])
+    if len(prefix) <= MIN_SHARED_PREFIX_CHARS:
+        return ""
+    backend.cache_prefix(prefix)
+    return prefix
+
+
+def _run_to_completion(program: SglFunction, backend: BaseBackend, kwargs: dict[str, Any],
+                       defaults: SglSamplingParams) -> ProgramState:
+    state = run_program(program, backend, (), kwargs, defaults)
+    state.sync()  # a pool slot stays busy until its program is done: num_threads bounds concurrency
+    return state
+
+
+def run_program_batch(
+    program: SglFunction,
+    backend: Optional[Any],
+    batch: list[dict[str, Any]],
+    defaults: SglSamplingParams,
+    num_threads: Union[str, int],
+    progress_bar: bool,
+    generator_style: bool = False,
+) -> Union[list[ProgramState], Iterator[ProgramState]]:
+    backend = resolve_backend(backend)
+    if not batch:
+        return iter(()) if generator_style else []
+    if len(batch) > 1:
+        try:
+            cache_batch_prefix(program, backend, batch)
+        except Exception as e:  # a hint only: a failure here must not fail the batch
+            logger.warning("batch prefix hint failed: %r", e)
+    if num_threads == "auto":
+        num_threads = max(96, multiprocessing.cpu_count() * 16)
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be 'auto' or a positive int; got {num_threads!r}")
+    num_threads = min(num_threads, len(batch))
+    results = _iter_batch(program, backend, batch, defaults, num_threads, progress_bar)
+    return results if generator_style else list(results)
+
+
+def _iter_batch(program: SglFunction, backend: BaseBackend, batch: list[dict[str, Any]], defaults: SglSamplingParams,
+                num_threads: int, progress_bar: bool) -> Iterator[ProgramState]:
+    import tqdm
+
+    bar = tqdm.tqdm(total=len(batch)) if progress_bar else None
+    try:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="sgl-batch") as pool:
+            futures = [pool.submit(_run_to_completion, program, backend, kwargs, defaults) for kwargs in batch]
+            if bar is not None:
+                for future in futures:
+                    future.add_done_callback(lambda _: bar.update())
+            for future in futures:
+                yield future.result()
+    finally:
+        if bar is not None:
+            bar.close()
