@@ -1,4 +1,4 @@
-"""The `sgl-lite` command: serve, generate, fetch-model, demo.
+"""The `sgl-lite` command: serve, http, generate, fetch-model, demo.
 
 `serve` has one option per ServerArgs field, generated from the dataclass (flag name, type, choices,
 default and help all come from the field), so the CLI can never fall behind the runtime's flags.
@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import click
 
+from sgl_lite.http.launch import http_command  # click only; FastAPI loads when the command runs
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
@@ -65,18 +66,36 @@ def main() -> None:
 
 @main.command()
 @server_arg_options
-def serve(**values: Any) -> None:
-    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM."""
+@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
+              help="sgl_lite: also serve the OpenAI-compatible / SGLang-native HTTP API on this port (same --api-key).")
+@click.option("--http-host", default="127.0.0.1", show_default=True, help="sgl_lite: bind address of the HTTP API.")
+@click.option("--served-model-name", default=None, help="Model name reported by the HTTP API (default: --model-path).")
+def serve(http_port: int | None, http_host: str, served_model_name: str | None, **values: Any) -> None:
+    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM, optionally with its HTTP front."""
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sgl_lite.runtime.loader import LoaderError
     from sgl_lite.runtime.server import run_server
 
+    http_process = None
+    if http_port is not None:
+        from sgl_lite.http.launch import runtime_address_of, spawn_http_server
+
+        try:
+            address = runtime_address_of(args.host, args.port)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--http-port") from None
+        http_process = spawn_http_server(address, host=http_host, port=http_port, api_key=args.api_key,
+                                         served_model_name=served_model_name, log_level=args.log_level)
     try:
         run_server(args)
     except LoaderError as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        if http_process is not None:
+            http_process.terminate()
+            http_process.wait(10)
 
 
 @main.command()
@@ -123,10 +142,13 @@ def fetch_model(model: str) -> None:
 @main.command()
 @click.option("--model-path", default="smollm2-135m", show_default=True, help="Model to run the demo on.")
 def demo(model_path: str) -> None:
-    """Run a short demo on the default model (in-process, no server needed)."""
-    from sgl_lite.demo import run_demo
+    """Start a runtime and run the multi-turn ReAct agent, printing its turns and the cache hit rate."""
+    from sgl_lite.demo_agent import main as run_agent_demo
 
-    run_demo(model_path)
+    run_agent_demo(model_path)
+
+
+main.add_command(http_command)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,6 @@
 and SGLang-native (/generate, /flush_cache, /get_server_info, /health, /metrics) routes.
 
 It reaches the runtime only through `sgl_lite.runtime.client.RuntimeClient`. Build the app with
-`create_app(client)`; start a server with `sgl_lite.http.launch` (run_http_server, HttpServerThread,
+`sgl_lite.http.app.create_app(client)`; start a server with `sgl_lite.http.launch` (run_http_server, HttpServerThread,
 spawn_http_server, the `http` click command).
 """
-
-from __future__ import annotations
-
-from sgl_lite.http.app import create_app
-
-__all__ = ["create_app"]
