@@ -4,19 +4,23 @@ For each policy and each queue length N, the waiting queue is kept at N requests
 request is replaced by a fresh one) while rounds run with the deterministic fake runner of the
 tests. Prompts share one of 32 cached prefixes (64-256 tokens) plus a random 16-64-token suffix, and
 max_new_tokens=1, so every step is a prefill round admitting up to --max-running requests.
-lpm and dfs-weight run twice: with the default --lpm-fallback-threshold (128: above it they order
-as fcfs) and with the fallback disabled (threshold above the queue length).
+lpm and dfs-weight run three ways in the same run: incremental (the default: the waiting index
+follows the tree, a step reads only the head of the order), rescan (SGLang's way: every waiting
+request re-matched each step, --disable-incremental-ordering) and rescan with SGLang's fallback to
+fcfs above 128 waiting requests.
 
     python scripts/bench_scheduler.py [--sizes 128 1000 10000] [--rounds 10] [--out bench_scheduler.json]
 
-Prints a table of microseconds per round (ordering + admission; and the whole step, forward of
-the fake runner included) and writes JSON, plus a PNG plot when matplotlib is importable.
+Prints a table of microseconds per round: ordering alone (the policy), ordering + admission, and
+the whole step (fake forward and output processing included); writes JSON, plus a PNG plot when
+matplotlib is importable.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,11 +38,13 @@ from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 VOCAB = 32000
 NUM_PREFIXES = 32
-NO_FALLBACK = 10**9
+RESCAN = {"disable_incremental_ordering": True}
 CONFIGS = [
     ("fcfs", {}), ("lof", {}), ("random", {}),
-    ("lpm", {}), ("lpm (no fallback)", {"lpm_fallback_threshold": NO_FALLBACK}),
-    ("dfs-weight", {}), ("dfs-weight (no fallback)", {"lpm_fallback_threshold": NO_FALLBACK}),
+    ("lpm (incremental)", {}), ("lpm (rescan)", RESCAN),
+    ("lpm (rescan, fallback 128)", {**RESCAN, "lpm_fallback_threshold": 128}),
+    ("dfs-weight (incremental)", {}), ("dfs-weight (rescan)", RESCAN),
+    ("dfs-weight (rescan, fallback 128)", {**RESCAN, "lpm_fallback_threshold": 128}),
 ]
 
 
@@ -69,7 +75,9 @@ def bench_one(policy: str, extra: dict, num_waiting: int, rounds: int, max_runni
         sched.add_request(work.request())
 
     timed: list[float] = []
+    ordering: list[float] = []
     original = sched._prefill_batch
+    original_candidates = sched.policy.candidates
 
     def timed_prefill():
         start = time.perf_counter()
@@ -77,22 +85,30 @@ def bench_one(policy: str, extra: dict, num_waiting: int, rounds: int, max_runni
         timed.append(time.perf_counter() - start)
         return batch
 
+    def timed_candidates(*a, **k):
+        start = time.perf_counter()
+        out = original_candidates(*a, **k)
+        ordering.append(time.perf_counter() - start)
+        return out
+
     sched._prefill_batch = timed_prefill  # type: ignore[method-assign]
+    sched.policy.candidates = timed_candidates  # type: ignore[method-assign]
     step_times: list[float] = []
     admitted: list[int] = []
     for _ in range(rounds):
-        before = len(sched.waiting)
+        before = sched.num_waiting()
         start = time.perf_counter()
         sched.step()
         step_times.append(time.perf_counter() - start)
-        admitted.append(before - len(sched.waiting))
-        for _ in range(num_waiting - len(sched.waiting)):
+        admitted.append(before - sched.num_waiting())
+        for _ in range(num_waiting - sched.num_waiting()):
             sched.add_request(work.request())
     sched.check_invariant()
     return {
         "policy": policy,
         "num_waiting": num_waiting,
-        "active_policy": sched.policy.active_policy(num_waiting),
+        "active_policy": sched.policy.active_policy(num_waiting) + ("+index" if sched.policy.index is not None else ""),
+        "order_us_median": statistics.median(ordering) * 1e6,
         "schedule_us_median": statistics.median(timed) * 1e6,
         "step_us_median": statistics.median(step_times) * 1e6,
         "admitted_per_round": statistics.mean(admitted),
@@ -109,14 +125,15 @@ def main() -> None:
     opts = parser.parse_args()
 
     results = []
-    print(f"{'policy':<26}{'waiting':>9}{'active':>12}{'sched us':>12}{'step us':>12}{'admitted':>10}")
+    print(f"{'policy':<34}{'waiting':>9}{'active':>14}{'order us':>11}{'sched us':>11}{'step us':>11}{'admitted':>10}")
     for policy, extra in CONFIGS:
         for n in opts.sizes:
             r = bench_one(policy, extra, n, opts.rounds, opts.max_running)
             results.append(r)
-            print(f"{policy:<26}{n:>9}{r['active_policy']:>12}{r['schedule_us_median']:>12.0f}"
-                  f"{r['step_us_median']:>12.0f}{r['admitted_per_round']:>10.1f}", flush=True)
-    Path(opts.out).write_text(json.dumps({"max_running": opts.max_running, "results": results}, indent=2))
+            print(f"{policy:<34}{n:>9}{r['active_policy']:>14}{r['order_us_median']:>11.0f}{r['schedule_us_median']:>11.0f}"
+                  f"{r['step_us_median']:>11.0f}{r['admitted_per_round']:>10.1f}", flush=True)
+    Path(opts.out).write_text(json.dumps({"max_running": opts.max_running, "load_average": os.getloadavg()[0],
+                                          "results": results}, indent=2))
     print(f"wrote {opts.out}")
     try:
         import matplotlib
@@ -128,11 +145,11 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, _ in CONFIGS:
         rows = [r for r in results if r["policy"] == policy]
-        ax.plot([r["num_waiting"] for r in rows], [r["schedule_us_median"] for r in rows], marker="o", label=policy)
+        ax.plot([r["num_waiting"] for r in rows], [r["order_us_median"] for r in rows], marker="o", label=policy)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("waiting requests")
-    ax.set_ylabel("ordering + admission per round (us, median)")
+    ax.set_ylabel("queue ordering per round (us, median)")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     png = str(Path(opts.out).with_suffix(".png"))

@@ -25,6 +25,7 @@ from sgl_lite.http.native import flush_cache_response, generate
 from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from sgl_lite.http.openai_serving import OpenAIServing
 from sgl_lite.http.validation import validation_error
+from sgl_lite.http.worker_api import add_worker_routes
 from sgl_lite.runtime.client import RuntimeClient
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,6 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
             return Response(status_code=200)
         raise HttpError(503, "the runtime is not answering", code="runtime_unavailable")
 
-    @app.get("/health_generate", dependencies=protected)
-    async def health_generate() -> Response:
-        body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
-        await generate(runner, body, lambda outcome: None)
-        return Response(status_code=200)
-
     @app.get("/v1/models", dependencies=protected)
     async def models() -> dict[str, Any]:
         context = await contexts.get()
@@ -121,16 +116,12 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     async def flush_cache() -> Response:
         return flush_cache_response(await _call(client.flush_cache))
 
-    @app.get("/get_model_info", dependencies=protected)
-    async def get_model_info() -> dict[str, Any]:
-        info = (await contexts.get()).model_info
-        return {"model_path": info.get("model_path"), "tokenizer_path": info.get("tokenizer_path", info.get("model_path")),
-                "is_generation": True}
+    async def health_generate() -> None:
+        body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
+        await generate(runner, body, lambda outcome: None)
 
-    @app.api_route("/get_server_info", methods=["GET"], dependencies=protected)
-    @app.api_route("/server_info", methods=["GET"], dependencies=protected)
-    async def server_info() -> dict[str, Any]:
-        return await _call(client.server_info)
+    add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
+                      health_generate=health_generate, protected=protected)
 
     @app.get("/metrics", dependencies=protected)
     async def prometheus_metrics() -> Response:

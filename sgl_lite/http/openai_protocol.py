@@ -206,3 +206,30 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     rid: Union[str, list[str], None] = None
     priority: int | None = None
+    # SGLang's GenerateReqInput fields that sglang-router forwards on every request (it serializes its
+    # whole request struct). Logging switches have no effect here; features this server lacks are
+    # accepted only at their off value, so a request that needs them gets a 400 naming the field.
+    model: str | None = None
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
+    data_parallel_rank: int | None = None
+
+    @field_validator("return_hidden_states", "return_entropy", "return_bytes", "background")
+    @classmethod
+    def _unsupported_feature(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by sgl_lite; leave it false")
+        return value
+
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _single_rank(cls, value: int | None) -> int | None:
+        # Each sgl_lite worker is a single DP rank; data parallelism is the router's, across workers.
+        if value not in (None, 0):
+            raise ValueError("this worker has one data-parallel rank (0)")
+        return value

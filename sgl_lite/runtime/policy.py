@@ -15,16 +15,31 @@ Semantics follow SGLang 0.5.7's `SchedulePolicy.calc_priority`:
 - dfs-weight: walk the radix tree from the root, heaviest child first, where a node's weight is the
   number of waiting requests whose match ends in its subtree; emit each node's requests after its
   children's.
-- lpm and dfs-weight fall back to fcfs above `lpm_fallback_threshold` waiting requests (matching
-  every request is O(queue)) and whenever the radix cache is disabled.
+- lpm and dfs-weight fall back to fcfs above `--lpm-fallback-threshold` waiting requests when it is
+  set (SGLang hard-codes 128 because its ordering re-matches the whole queue) and whenever the radix
+  cache is disabled.
 - With --enable-priority-scheduling, the policy's order is refined by a stable sort on priority,
   so priority comes first and the policy (fcfs: arrival) breaks ties.
+
+sgl_lite additions (see /tmp/team/README_sched.md):
+- `--priority-aging-rate r`: the priority sort uses priority + r * (seconds since arrival), in the
+  urgent direction, so a request at most D priority units worse than a stream of fresh arrivals is
+  ordered before them once it has waited D / r seconds (0: SGLang's static priority).
+- `--lpm-max-wait W`: under lpm / dfs-weight, requests that have waited more than W seconds come
+  first, oldest first, so a cache-cold request cannot starve behind cache-hot ones.
+- Incremental ordering: without priority scheduling, lpm and dfs-weight are read lazily from a
+  `WaitingIndex` that follows the tree (waiting_index.py): a step costs O(admitted), not O(queue).
+  `order()` below is the straightforward computation it must equal, and the path used with
+  --disable-incremental-ordering or priority scheduling.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Sequence
 
 import torch
@@ -32,6 +47,7 @@ import torch
 from sgl_lite.runtime.radix_cache import MatchResult, RadixCache, TreeNode
 from sgl_lite.runtime.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.waiting_index import WaitingIndex
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 
@@ -57,7 +73,7 @@ def priority_sort_key(req: Req, low_values_first: bool) -> int:
 
 
 class SchedulePolicy:
-    def __init__(self, args: ServerArgs, tree_cache: RadixCache) -> None:
+    def __init__(self, args: ServerArgs, tree_cache: RadixCache, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = args.schedule_policy
         if self.policy in CACHE_AWARE_POLICIES and tree_cache.disable:
             self.policy = "fcfs"  # nothing to match against: same as SGLang
@@ -68,16 +84,58 @@ class SchedulePolicy:
         self.enable_priority = args.enable_priority_scheduling
         self.low_values_first = args.schedule_low_priority_values_first
         self.rng = random.Random(args.random_seed)
+        self.clock = clock  # the clock of Req.arrival_time (waits are measured from arrival)
+        self.aging_rate = args.priority_aging_rate
+        self.max_wait = args.lpm_max_wait
         # Prompts seen earlier in this round (in-batch de-duplication); slots are dummies.
         self._in_batch_tree = RadixCache(None, None)
+        self.index: WaitingIndex | None = None
+        if self.policy in CACHE_AWARE_POLICIES and not self.enable_priority and not args.disable_incremental_ordering:
+            self.index = WaitingIndex(tree_cache, self.policy, prefix_match_key, self.check_threshold,
+                                      self.deprioritize_threshold)
 
     def active_policy(self, num_waiting: int) -> str:
-        if self.policy in CACHE_AWARE_POLICIES and num_waiting > self.fallback_threshold:
+        threshold = self.fallback_threshold
+        if self.policy in CACHE_AWARE_POLICIES and threshold is not None and num_waiting > threshold:
             return "fcfs"
         return self.policy
 
+    def urgency(self, req: Req, now: float) -> float:
+        """Smaller = more urgent: the priority (direction-aware) improved by aging since arrival."""
+        key = priority_sort_key(req, self.low_values_first)
+        return key - self.aging_rate * (now - req.arrival_time) if self.aging_rate else key
+
+    # ------------------------------------------------------------------ the scheduler's interface
+
+    def on_enqueue(self, req: Req) -> None:
+        if self.index is not None:
+            self.index.add(req)
+
+    def on_dequeue(self, req: Req) -> None:
+        if self.index is not None:
+            self.index.remove(req)
+
+    def candidates(self, waiting: Iterable[Req], limit: int) -> tuple[list[Req], dict[Req, MatchResult]]:
+        """The waiting requests in policy order (at least the first `limit`), and any matches computed.
+
+        With the incremental index only the first `limit` are produced, and no match (the tree must not
+        change while the index is read; admission matches the few it admits).
+        """
+        if self.index is None:
+            queue = list(waiting)
+            return queue, (self.order(queue) if queue else {})
+        if self.active_policy(len(self.index)) == "fcfs":
+            return list(itertools.islice(self.index.fcfs(), limit)), {}
+        return list(itertools.islice(self.index.ordered(self.clock(), self.max_wait), limit)), {}
+
+    # ------------------------------------------------------------------ the straightforward order
+
     def order(self, waiting: list[Req]) -> dict[Req, MatchResult]:
-        """Sort `waiting` in place; return the prefix matches computed on the way (may be empty)."""
+        """Sort `waiting` in place; return the prefix matches computed on the way (may be empty).
+
+        O(queue) radix matches for lpm / dfs-weight: the reference the incremental index must equal.
+        """
+        now = self.clock()
         policy = self.active_policy(len(waiting))
         matches: dict[Req, MatchResult] = {}
         if policy == "fcfs":
@@ -96,8 +154,11 @@ class SchedulePolicy:
             waiting[:] = dfs_weight_order(self.tree_cache.root_node, waiting, {r: matches[r].last_node for r in waiting})
         else:
             raise ValueError(f"unknown schedule policy {policy!r}")
+        max_wait = self.max_wait
+        if policy in CACHE_AWARE_POLICIES and max_wait is not None:
+            waiting.sort(key=lambda r: (0, r.arrival_time) if now - r.arrival_time > max_wait else (1, 0.0))
         if self.enable_priority:
-            waiting.sort(key=lambda r: priority_sort_key(r, self.low_values_first))
+            waiting.sort(key=lambda r: self.urgency(r, now))
         return matches
 
     def _match_all(self, waiting: Sequence[Req], matches: dict[Req, MatchResult], in_batch_check: bool) -> set[Req]:

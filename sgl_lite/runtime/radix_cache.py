@@ -15,6 +15,9 @@ Invariants (checked by `check_integrity`):
 
 All tokens of one node always share their access history: a match or insert that ends inside an
 edge splits it first. So LRU per node is LRU per token.
+
+An optional `TreeObserver` hears about every structural change (new leaf, split, eviction, reset),
+so that an index of waiting requests (waiting_index.py) can follow the tree without re-matching.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 class TreeNode:
     """One edge of the tree and the node it leads to. Hashed by identity (policies key dicts by node)."""
 
-    __slots__ = ("id", "children", "parent", "key", "value", "lock_ref", "last_access_time", "evicted")
+    __slots__ = ("id", "children", "parent", "key", "value", "lock_ref", "last_access_time", "evicted", "depth", "order")
 
     def __init__(self, node_id: int, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> None:
         self.id = node_id  # stable for the node's lifetime (a split keeps it on the lower half)
@@ -46,12 +49,30 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = 0
         self.evicted = False  # set when evicted or dropped by reset(); such a node must not be locked
+        self.depth = (parent.depth if parent is not None else 0) + len(key)  # tokens from the root to this node's end
+        # Rank among its siblings in parent.children's (insertion) order: a new leaf gets the next
+        # number, the upper half of a split takes over the lower half's (it takes its dict entry too).
+        self.order = node_id
 
     def is_leaf(self) -> bool:
         return not self.children
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class TreeObserver(Protocol):
+    """Told about every structural change of a RadixCache, right after it happened."""
+
+    def on_new_leaf(self, leaf: TreeNode) -> None: ...
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """`lower` (same object as before) now hangs below the new `upper`, which took its place."""
+
+    def on_evict(self, leaf: TreeNode, parent: TreeNode) -> None:
+        """`leaf` was removed from `parent.children`."""
+
+    def on_reset(self) -> None: ...
 
 
 @dataclass
@@ -75,6 +96,7 @@ class RadixCache:
         self.req_to_token = req_to_token
         self.disable = disable
         self.device = allocator.device if allocator is not None else torch.device("cpu")
+        self.observer: TreeObserver | None = None
         self.reset()
 
     # ---------------------------------------------------------------- state
@@ -90,6 +112,8 @@ class RadixCache:
         self._evictable_size = 0
         self._protected_size = 0
         self._num_nodes = 1
+        if self.observer is not None:
+            self.observer.on_reset()
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -116,7 +140,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common_len(child.key, key, pos)
+            n = common_prefix_len(child.key, key, pos)
             ends_mid_edge = n < len(child.key)
             if ends_mid_edge:
                 child = self._split(child, n)
@@ -149,8 +173,10 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 self._num_nodes += 1
+                if self.observer is not None:
+                    self.observer.on_new_leaf(leaf)
                 return pos
-            n = _common_len(child.key, key, pos)
+            n = common_prefix_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = tick
@@ -205,6 +231,8 @@ class RadixCache:
             self._evictable_size -= len(leaf.key)
             self._num_nodes -= 1
             leaf.evicted, leaf.parent = True, None
+            if self.observer is not None:
+                self.observer.on_evict(leaf, parent)
             # A parent's access time is >= its children's, so pops stay in LRU order.
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
@@ -289,6 +317,7 @@ class RadixCache:
             if node is self.root_node:
                 continue
             assert len(node.value) == len(node.key), f"{node!r} has {len(node.value)} slots for {len(node.key)} tokens"
+            assert node.parent is not None and node.depth == node.parent.depth + len(node.key), f"{node!r} has a wrong depth"
             if node.lock_ref:
                 protected += len(node.key)
             else:
@@ -336,10 +365,13 @@ class RadixCache:
         upper = self._new_node(child.key[:n], child.value[:n], parent)
         upper.lock_ref = child.lock_ref  # every lock through child also passes through upper
         upper.last_access_time = child.last_access_time
+        upper.order = child.order
         upper.children[child.key[n]] = child
         parent.children[child.key[0]] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         self._num_nodes += 1
+        if self.observer is not None:
+            self.observer.on_split(upper, child)
         return upper
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
@@ -353,7 +385,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
 
-def _common_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+def common_prefix_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
     """Length of the common prefix of `edge` and `key[start:]`."""
     n = min(len(edge), len(key) - start)
     if key[start : start + n] == edge[:n]:

@@ -14,17 +14,20 @@ bookkeeping (and the accounting `check_invariant` verifies), stop_checker.py dec
 scheduler_admission.py validates requests before they are queued.
 A request that leaves (finish, abort, retraction, preemption) gives its computed KV to the tree
 (`cache_finished_req`), so a retracted or preempted request resumes from its cached prefix.
+
+Time comes from `clock` (time.monotonic by default; Req.arrival_time must be on the same clock):
+tests and the simulator (sgl_lite/sim) inject a virtual one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key, priority_sort_key
+from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
 from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
 from sgl_lite.runtime.req_kv import ReqKV
 from sgl_lite.runtime.request import FinishKind, FinishReason, Req
@@ -54,15 +57,17 @@ class Scheduler:
         tokenizer: Any = None,
         eos_token_ids: Iterable[int] = (),
         context_length: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.args = args
+        self.clock = clock
         self.runner = runner
         self.context_length = context_length
         self.req_to_token = runner.req_to_token
         self.num_slots: int = runner.num_slots  # type: ignore[attr-defined]
         self.kv = ReqKV(self.num_slots, self.req_to_token, args.disable_radix_cache)
         self.allocator, self.tree_cache = self.kv.allocator, self.kv.tree_cache
-        self.policy = SchedulePolicy(args, self.tree_cache)
+        self.policy = SchedulePolicy(args, self.tree_cache, clock)
         self.max_running_requests = min(args.max_running_requests or self.req_to_token.max_requests,
                                         self.req_to_token.max_requests)
         on_cuda = self.req_to_token.table.device.type == "cuda"
@@ -75,7 +80,8 @@ class Scheduler:
         self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.new_token_ratio = self.init_new_token_ratio
 
-        self.waiting: list[Req] = []
+        # Insertion-ordered set: O(1) removal at any queue length (order comes from the policy).
+        self._waiting: dict[Req, None] = {}
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
@@ -99,26 +105,26 @@ class Scheduler:
         if self.checks.priority_default is not None and req.priority is None:
             req.priority = self.checks.priority_default
         self._make_queue_room(req)
-        req.queue_enter_time = time.monotonic()
+        req.queue_enter_time = self.clock()
         self._live[req.rid] = req
         if matcher_future is not None:
             self.grammar_pending.append((req, matcher_future))
         else:
-            self.waiting.append(req)
+            self._enqueue(req)
         if self.args.enable_priority_scheduling:
             self.batch_is_full = False  # a more urgent newcomer may preempt
 
     def _make_queue_room(self, req: Req) -> None:
         limit = self.args.max_queued_requests
-        queued = len(self.waiting) + len(self.grammar_pending)
+        queued = len(self._waiting) + len(self.grammar_pending)
         if limit is None or queued < limit:
             return
-        if self.args.enable_priority_scheduling and self.waiting:
-            low_first = self.args.schedule_low_priority_values_first
+        if self.args.enable_priority_scheduling and self._waiting:
+            now, urgency = self.clock(), self.policy.urgency
             # Least urgent, newest among equals (SGLang's _abort_on_queued_limit).
-            worst = max(self.waiting, key=lambda r: (priority_sort_key(r, low_first), r.queue_enter_time))
-            if priority_sort_key(req, low_first) < priority_sort_key(worst, low_first):
-                self.waiting.remove(worst)
+            worst = max(self._waiting, key=lambda r: (urgency(r, now), r.queue_enter_time))
+            if urgency(req, now) < urgency(worst, now):
+                self._dequeue(worst)
                 self._finish(worst, FinishReason(FinishKind.ABORT, message="The request is aborted by a higher priority request."))
                 self._reports.append(worst)
                 return
@@ -133,8 +139,8 @@ class Scheduler:
             self.batch_is_full = False
         elif req is self.chunked_req:
             self.chunked_req = None
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif req in self._waiting:
+            self._dequeue(req)
         else:
             self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
         self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
@@ -151,7 +157,7 @@ class Scheduler:
         return reports
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.grammar_pending or self._reports)
+        return bool(self._waiting or self.running or self.chunked_req or self.grammar_pending or self._reports)
 
     # ------------------------------------------------------------------ one step
 
@@ -185,23 +191,26 @@ class Scheduler:
                 self._finish(req, FinishReason(FinishKind.ABORT, message=str(e)))
                 changed.append(req)
                 continue
-            self.waiting.append(req)
+            self._enqueue(req)
         self.grammar_pending = still_pending
 
     # ------------------------------------------------------------------ prefill
 
     def _prefill_batch(self) -> ForwardBatch | None:
-        if self.chunked_req is None and (not self.waiting or (self.batch_is_full and self.running)):
+        if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None
-        matches = self.policy.order(self.waiting) if self.waiting else {}
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.chunk_size)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         rows_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
         max_new = self.args.prefill_max_requests
+        # Admission stops at the first request it cannot take (or one past the row limit, when no
+        # preemption can make room), so the policy need not order more than this.
+        limit = max(min(rows_left, max_new if max_new is not None else rows_left), 0) + 1
+        candidates, matches = self.policy.candidates(self._waiting, limit) if self._waiting else ([], {})
         admitted: list[Req] = []
-        for req in list(self.waiting):
+        for req in candidates:
             if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
                 break
             match = matches.get(req) or self.tree_cache.match_prefix(prefix_match_key(req))
@@ -226,8 +235,8 @@ class Scheduler:
                 break
         if not adder.plans:
             return None
-        admitted_set = set(admitted)
-        self.waiting = [r for r in self.waiting if r not in admitted_set]
+        for req in admitted:
+            self._dequeue(req)
         for plan in adder.plans:
             if plan.match is not None:
                 self.kv.start(plan.req, plan.match)
@@ -244,17 +253,17 @@ class Scheduler:
         """
         if not self.args.enable_priority_scheduling or not self.running:
             return 0
-        low_first = self.args.schedule_low_priority_values_first
         threshold = self.args.priority_scheduling_preemption_threshold
-        urgency = priority_sort_key(req, low_first)
+        now, urgency_of = self.clock(), self.policy.urgency
+        urgency = urgency_of(req, now)
         # Least urgent first; among equals the most recently queued first.
-        candidates = sorted(self.running, key=lambda r: (-priority_sort_key(r, low_first), -r.queue_enter_time))
+        candidates = sorted(self.running, key=lambda r: (-urgency_of(r, now), -r.queue_enter_time))
         short = adder.tokens_short(req, match)
         victims: list[Req] = []
         for r in candidates:
             if short <= 0 and (victims or not need_row):
                 break
-            if priority_sort_key(r, low_first) - urgency <= threshold:
+            if urgency_of(r, now) - urgency <= threshold:
                 break  # candidates only get more urgent from here
             victims.append(r)
             short -= reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len)
@@ -351,9 +360,11 @@ class Scheduler:
         assert token is not None, f"the runner returned no token for {req.rid}"
         req.output_ids.append(int(token))
         if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if req.grammar is not None:
-            req.grammar.accept_token(int(token))
+            req.first_token_time = self.clock()
+        if req.grammar is not None and not req.grammar.accept_token(int(token)):
+            # The sampler applies the grammar mask, so this means a masking bug; SGLang aborts too.
+            self._finish(req, FinishReason(FinishKind.ABORT, message=f"the grammar rejected sampled token {token}"))
+            return
         reason = self.stop_checker.check(req)
         if reason is not None:
             self._finish(req, reason)
@@ -364,8 +375,24 @@ class Scheduler:
         req.is_chunked = False
         if req.return_logprob:
             req.input_token_logprobs.clear()  # the re-prefill scores the prompt again
-        req.queue_enter_time = time.monotonic()
-        self.waiting.append(req)
+        req.queue_enter_time = self.clock()
+        self._enqueue(req)
+
+    @property
+    def waiting(self) -> list[Req]:
+        """The waiting requests in queue-entry order (a copy; the policy decides the service order)."""
+        return list(self._waiting)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def _enqueue(self, req: Req) -> None:
+        self._waiting[req] = None
+        self.policy.on_enqueue(req)
+
+    def _dequeue(self, req: Req) -> None:
+        del self._waiting[req]
+        self.policy.on_dequeue(req)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
@@ -383,6 +410,10 @@ class Scheduler:
     def check_invariant(self) -> None:
         """AssertionError unless every slot and row is accounted for (and, when idle, none is in use)."""
         self.tree_cache.check_integrity()
+        index = self.policy.index
+        if index is not None:
+            assert set(index.entries) == set(self._waiting), "the waiting index and the queue differ"
+            index.check()
         error = self.kv.accounting_error(self._live.values())
         assert error is None, error
         if not self.has_work():
@@ -395,7 +426,7 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         prompt = self.prompt_tokens_total
         return {
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self._waiting),
             "num_running": len(self.running),
             "num_chunked": int(self.chunked_req is not None),
             "num_grammar_pending": len(self.grammar_pending),

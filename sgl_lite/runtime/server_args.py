@@ -43,7 +43,9 @@ class ServerArgs:
 
     # Queue policy.
     schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
-    lpm_fallback_threshold: int = field(default=128, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128)."})
+    lpm_fallback_threshold: int | None = field(default=None, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128 because it re-matches the whole queue each step; sgl_lite orders incrementally, so the default None never falls back)."})
+    disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order LPM/DFS-weight by re-matching every waiting request each step (SGLang's way, O(queue)) instead of the incremental index (O(admitted))."})
+    lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
     in_batch_prefix_caching_check_threshold: int = field(default=32, metadata={"help": "sgl_lite: in-batch prefix de-duplication applies to requests whose cached prefix is shorter than this."})
     in_batch_prefix_caching_deprioritize_threshold: int = field(default=32, metadata={"help": "sgl_lite: such a request waits a round when it shares at least this many tokens with one admitted this round."})
 
@@ -51,6 +53,7 @@ class ServerArgs:
     enable_priority_scheduling: bool = field(default=False, metadata={"help": "Order by request priority first, with threshold preemption of running requests."})
     schedule_low_priority_values_first: bool = field(default=False, metadata={"help": "Smaller priority values are more urgent (default: larger values are)."})
     priority_scheduling_preemption_threshold: int = field(default=10, metadata={"help": "Preempt a running request only when a waiting one is more urgent by more than this."})
+    priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
     # Server process.
@@ -83,6 +86,10 @@ class ServerArgs:
             raise ValueError(f"--schedule-conservativeness must be positive; got {self.schedule_conservativeness}")
         if self.priority_scheduling_preemption_threshold < 0:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
+        if self.priority_aging_rate < 0:
+            raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
+            raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
