@@ -1,0 +1,256 @@
+"""Model-level throughput: sgl_lite's ModelRunner vs transformers vs the machine's matmul limit.
+
+Measures, in one run on the same weights and dtype:
+- prefill tokens/s for one long prompt (default 1024 tokens);
+- decode tokens/s at several batch sizes (default 1, 8, 32);
+next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
+the limit the machine's matmuls allow: GFLOP/s measured with F.linear at the model's own weight
+shapes and the batch's row count, divided by 2 x (matmul parameters per token). Attention FLOPs are
+not part of the limit, so the limit is an upper bound that ignores attention and elementwise ops.
+
+Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
+Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N] [--out bench_model.json]
+The machine's load average is printed with the table: on a shared box, other processes skew every column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sgl_lite.runtime.forward_batch import ForwardBatch
+from sgl_lite.runtime.loader import resolve_model_path
+from sgl_lite.runtime.memory import SlotAllocator
+from sgl_lite.runtime.model_runner import ModelRunner
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.server_args import ServerArgs
+
+DTYPE_FLAGS = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def matmul_shapes(runner: ModelRunner) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(out, in) of every per-layer matmul weight, and of the LM head."""
+    layer = runner.model.layers[0]
+    per_layer = [tuple(w.shape) for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+    return per_layer, tuple(runner.model.lm_head.shape)
+
+
+def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: int = 5) -> dict:
+    """Time F.linear at the model's shapes for `rows` tokens; return GFLOP/s and the implied tokens/s."""
+    per_layer, lm_head = matmul_shapes(runner)
+    num_layers = runner.config.num_hidden_layers
+    x = torch.randn(rows, max(i for _, i in per_layer + [lm_head]), dtype=runner.dtype)
+    weights = [torch.randn(shape, dtype=runner.dtype) for shape in per_layer]
+    head = torch.randn(lm_head, dtype=runner.dtype)
+
+    def timed(fn) -> float:
+        fn()  # warm-up (packing, allocation)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+
+    # one set of layer weights timed, scaled to all layers (they share shapes)
+    layer_time = timed(lambda: [F.linear(x[:, : w.shape[1]], w) for w in weights])
+    head_time = timed(lambda: F.linear(x[:, : head.shape[1]], head)) if with_lm_head else 0.0
+    params_layer = sum(o * i for o, i in per_layer)
+    head_params = lm_head[0] * lm_head[1] if with_lm_head else 0
+    total_time = layer_time * num_layers + head_time
+    params_per_token = params_layer * num_layers + head_params
+    gflops = 2 * params_per_token * rows / total_time / 1e9
+    return {"gflops": gflops, "params_per_token": params_per_token, "tokens_per_s": gflops * 1e9 / (2 * params_per_token)}
+
+
+class RunnerBench:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.alloc = SlotAllocator(runner.num_slots)
+
+    def _reqs(self, prompts: list[list[int]]) -> list[Req]:
+        reqs = []
+        for i, ids in enumerate(prompts):
+            req = Req(rid=str(i), input_ids=ids, sampling_params=SamplingParams(max_new_tokens=10**6, temperature=0.0))
+            req.req_pool_idx = self.runner.req_to_token.alloc()
+            reqs.append(req)
+        return reqs
+
+    def _step(self, reqs: list[Req], extend_lens: list[int]) -> None:
+        slots = self.alloc.alloc(sum(extend_lens))
+        offset = 0
+        for req, extend in zip(reqs, extend_lens):
+            self.runner.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + extend] = slots[offset : offset + extend]
+            offset += extend
+        batch = ForwardBatch(reqs=reqs, prefix_lens=[r.kv_len for r in reqs], extend_lens=extend_lens, out_cache_loc=slots,
+                             sample=[True] * len(reqs), is_decode=all(e == 1 for e in extend_lens))
+        out = self.runner.forward(batch)
+        for req, extend, tok in zip(reqs, extend_lens, out.next_token_ids):
+            req.kv_len += extend
+            req.output_ids.append(tok)
+
+    def _release(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self.alloc.free(self.runner.req_to_token.table[req.req_pool_idx, : req.kv_len].clone())
+            self.runner.req_to_token.free(req.req_pool_idx)
+
+    def prefill(self, prompt: list[int], repeats: int) -> float:
+        best = 0.0
+        for _ in range(repeats):
+            reqs = self._reqs([prompt])
+            start = time.perf_counter()
+            self._step(reqs, [len(prompt)])
+            best = max(best, len(prompt) / (time.perf_counter() - start))
+            self._release(reqs)
+        return best
+
+    def decode(self, prompts: list[list[int]], steps: int, repeats: int) -> float:
+        """Best of `repeats` windows of `steps` decode steps (the box may be shared: best = least disturbed)."""
+        reqs = self._reqs(prompts)
+        self._step(reqs, [len(p) for p in prompts])
+        self._step(reqs, [1] * len(reqs))  # warm-up step
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(steps):
+                self._step(reqs, [1] * len(reqs))
+            best = max(best, len(reqs) * steps / (time.perf_counter() - start))
+        self._release(reqs)
+        return best
+
+
+class TransformersBench:
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], repeats: int) -> float:
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.model(torch.tensor([prompt]), logits_to_keep=1)
+            best = max(best, len(prompt) / (time.perf_counter() - start))
+        return best
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]], steps: int, repeats: int) -> float:
+        """Decode tokens/s inside generate(): timestamps taken by a logits processor, which runs once
+        after the prefill forward and once after each decode forward, so the span from its first to
+        its last call is exactly `steps` decode steps. Best of `repeats`."""
+        import transformers
+
+        class Stamps(transformers.LogitsProcessor):
+            def __init__(self) -> None:
+                self.times: list[float] = []
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                self.times.append(time.perf_counter())
+                return scores
+
+        ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        best = 0.0
+        for _ in range(repeats):
+            stamps = Stamps()
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                                do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([stamps]))
+            best = max(best, len(prompts) * steps / (stamps.times[-1] - stamps.times[0]))
+        return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPE_FLAGS))
+    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--decode-prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", default="bench_model.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model_dir = resolve_model_path(args.model)
+    pool = max(args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps * args.repeats + 2)) + 64
+    runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu",
+                                    max_total_tokens=pool, max_running_requests=max(batch_sizes) + 1), model_dir=model_dir)
+    ours = RunnerBench(runner)
+    ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)
+    g = torch.Generator().manual_seed(0)
+    vocab = runner.vocab_size
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+    rows: list[dict] = []
+    work = [("prefill", 1)] + [("decode", b) for b in batch_sizes]
+    ours.prefill(prompts(1, 32)[0], 1)  # warm-up
+    for phase, batch in tqdm(work, desc="bench_model"):
+        if phase == "prefill":
+            prompt = prompts(1, args.prefill_len)[0]
+            row = {"phase": f"prefill {args.prefill_len} tok", "batch": 1, "sgl_lite": ours.prefill(prompt, args.repeats),
+                   "transformers": ref.prefill(prompt, args.repeats) if ref else None}
+            limit = matmul_limit(runner, args.prefill_len, with_lm_head=False)
+        else:
+            ps = prompts(batch, args.decode_prompt_len)
+            row = {"phase": "decode", "batch": batch, "sgl_lite": ours.decode(ps, args.decode_steps, args.repeats),
+                   "transformers": ref.decode(ps, args.decode_steps, args.repeats) if ref else None}
+            limit = matmul_limit(runner, batch, with_lm_head=True)
+        row.update(matmul_gflops=limit["gflops"], limit=limit["tokens_per_s"])
+        rows.append(row)
+
+    dtype_name = str(runner.dtype).removeprefix("torch.")
+    load = os.getloadavg()[0]
+    print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs")
+    print(f"model {model_dir.name}, dtype {dtype_name}, threads {torch.get_num_threads()}, decode prompt "
+          f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
+    print("| phase | batch | sgl_lite | transformers | matmul limit | sgl_lite / limit | vs transformers | matmul GFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        hf = r["transformers"]
+        hf_cell = "-" if hf is None else f"{hf:.1f}"
+        ratio_cell = "-" if hf is None else f"{r['sgl_lite'] / hf:.2f}x"
+        print(f"| {r['phase']} | {r['batch']} | {r['sgl_lite']:.1f} | {hf_cell} | {r['limit']:.1f} | "
+              f"{r['sgl_lite'] / r['limit']:.0%} | {ratio_cell} | {r['matmul_gflops']:.1f} |")
+    out = Path(args.out)
+    out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
+                               "load_average": load, "args": vars(args), "results": rows}, indent=2))
+    print(f"\nwrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot")
+        return
+    labels = [f"{r['phase'].split()[0]} b{r['batch']}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for offset, key in ((-0.25, "sgl_lite"), (0.0, "transformers"), (0.25, "limit")):
+        ax.bar([x + offset for x in xs], [r[key] or 0 for r in rows], width=0.25, label=key)
+    ax.set_xticks(list(xs), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Paged attention in plain torch for CPU (and any device without FlashInfer).
+
+One interface serves prefill, chunked prefill and decode: every request extends a cached prefix by
+one or more tokens. Requests are split once per forward (in `prepare`) into two groups:
+
+- single-token requests (decode steps): all of them in one batched matmul per KV head and layer,
+  over a padded [G, max_kv, D] gather of that head's keys/values (index_select on the head's
+  strided view of the pool, which is ~10x faster than advanced indexing and needs no transpose
+  copy), with an additive length mask. No per-request Python.
+- multi-token requests (prefill chunks): one SDPA call each, causal with the prefix offset.
+
+GQA never materializes repeated KV: queries are viewed as [.., Hkv, group, D] so each KV head is
+read once for its whole query group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sgl_lite.runtime.attention.base import AttentionBackend, AttentionMetadata
+from sgl_lite.runtime.memory import KVPool
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | None  # q rows of the group; None when the group is the whole batch in order
+    flat_slots: torch.Tensor  # int64 [G * L]: the padded slot rows flattened (padding -> slot 0)
+    max_len: int  # L
+    mask_bias: torch.Tensor  # float32 [G, 1, L]: 0 where attended, -inf on padding
+
+
+@dataclass
+class _ExtendReq:
+    start: int  # first q row
+    end: int
+    kv_slots: torch.Tensor  # int64 [prefix + extend]
+    mask: torch.Tensor | None  # bool [extend, prefix + extend]; None => no prefix (plain causal on the new k/v)
+
+
+class TorchNativeBackend(AttentionBackend):
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+        super().__init__(num_q_heads, num_kv_heads, head_dim, scale)
+        self.group = num_q_heads // num_kv_heads
+        self._meta: AttentionMetadata | None = None
+        self._decode: _DecodeGroup | None = None
+        self._extends: list[_ExtendReq] = []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        device = meta.padded_kv_indices.device
+        single = [i for i, e in enumerate(meta.extend_lens) if e == 1]
+        self._decode = None
+        if single:
+            if len(single) == meta.batch_size:
+                rows, slots, seq = None, meta.padded_kv_indices, meta.seq_lens
+            else:
+                idx = torch.tensor(single, dtype=torch.int64, device=device)
+                rows = meta.qo_indptr[:-1].to(torch.int64)[idx]
+                seq = meta.seq_lens[idx]
+                slots = meta.padded_kv_indices[idx, : int(seq.max())]
+            valid = torch.arange(slots.shape[1], device=device)[None, :] < seq[:, None]
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+            self._decode = _DecodeGroup(
+                rows=rows, flat_slots=slots.reshape(-1), max_len=int(slots.shape[1]), mask_bias=bias[:, None, :]
+            )
+        self._extends = []
+        qo = meta.qo_indptr.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
+            if extend <= 1:
+                continue
+            mask = None
+            if prefix > 0:
+                # new token j sits at position prefix + j and sees positions 0..prefix + j
+                mask = torch.arange(prefix + extend, device=device)[None, :] <= (
+                    prefix + torch.arange(extend, device=device)[:, None]
+                )
+            slots = meta.padded_kv_indices[i, : seq_lens[i]]
+            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, mask=mask))
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> torch.Tensor:
+        meta = self._meta
+        if meta is None:
+            raise RuntimeError("TorchNativeBackend.forward called before prepare()")
+        k_cache, v_cache = kv_pool.k[layer_id], kv_pool.v[layer_id]
+        k_cache[meta.out_cache_loc] = k
+        v_cache[meta.out_cache_loc] = v
+        if self._decode is not None and self._decode.rows is None:
+            return self._decode_attention(q, k_cache, v_cache, self._decode)
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            out[self._decode.rows] = self._decode_attention(q[self._decode.rows], k_cache, v_cache, self._decode)
+        for req in self._extends:
+            out[req.start : req.end] = self._extend_attention(q, k, v, k_cache, v_cache, req)
+        return out
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
+    ) -> torch.Tensor:
+        num, length = q.shape[0], group.max_len
+        qg = q.reshape(num, self.num_kv_heads, self.group, self.head_dim)
+        outs = []
+        for h in range(self.num_kv_heads):
+            keys = k_cache[:, h].index_select(0, group.flat_slots).view(num, length, self.head_dim)
+            values = v_cache[:, h].index_select(0, group.flat_slots).view(num, length, self.head_dim)
+            scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float() * self.scale  # [G, group, L]
+            probs = torch.softmax(scores + group.mask_bias, dim=-1).to(q.dtype)
+            outs.append(torch.bmm(probs, values))  # [G, group, D]
+        return torch.stack(outs, 1).reshape(num, self.num_q_heads, self.head_dim)
+
+    def _extend_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req: _ExtendReq,
+    ) -> torch.Tensor:
+        qr = q[req.start : req.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+        if req.mask is None:
+            keys, values = k[req.start : req.end], v[req.start : req.end]
+        else:
+            keys, values = k_cache.index_select(0, req.kv_slots), v_cache.index_select(0, req.kv_slots)
+        out = F.scaled_dot_product_attention(
+            qr,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=req.mask,
+            is_causal=req.mask is None,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        return out.squeeze(0).transpose(0, 1)

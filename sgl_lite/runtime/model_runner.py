@@ -1,0 +1,240 @@
+"""The real ModelRunner: loads a Llama-family model, owns the KV pool, runs a ForwardBatch, samples.
+
+Per step: build positions and attention metadata with tensor ops, run the model over all new
+tokens, compute logits only for rows that are sampled or scored, score input tokens for requests
+that asked for logprobs, and sample through the Sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from sgl_lite.runtime.attention import AttentionMetadata, create_backend
+from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.memory import KVPool, ReqToTokenPool
+from sgl_lite.runtime.models import build_model
+from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.tp import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_MEM_FRACTION = 0.1
+_CUDA_MEM_FRACTION = 0.85
+_MAX_SLOTS_PER_CONTEXT = 64  # never size the pool beyond 64 full-context requests
+_SLOTS_PER_RUNNING_REQUEST = 16  # default max_running_requests = num_slots // this, capped
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+
+
+def choose_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available")
+    return torch.device(name)
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA or on CPUs with native bf16 matmul (amx_bf16 / avx512_bf16), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --max-total-tokens")
+
+
+def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
+    """fill_ids[prefix : prefix + extend] without building fill_ids (a decode step needs one token)."""
+    num_prompt = len(req.input_ids)
+    if prefix >= num_prompt:
+        return req.output_ids[prefix - num_prompt : prefix - num_prompt + extend]
+    if prefix + extend <= num_prompt:
+        return req.input_ids[prefix : prefix + extend]
+    return req.input_ids[prefix:] + req.output_ids[: prefix + extend - num_prompt]
+
+
+class ModelRunner(ModelRunnerBase):
+    def __init__(self, args: ServerArgs, model_dir: Path | None = None) -> None:
+        from sgl_lite.runtime import loader
+
+        self.args = args
+        self.device = choose_device(args.device)
+        self.dtype = choose_dtype(args.dtype, self.device)
+        model_dir = Path(model_dir) if model_dir is not None else loader.resolve_model_path(args.model_path)
+        self.model_dir = model_dir
+        self.config = loader.load_config(model_dir)
+        max_positions = self.config.max_position_embeddings
+        if args.context_length is not None and args.context_length > max_positions:
+            raise ValueError(f"--context-length {args.context_length} exceeds the model's max_position_embeddings {max_positions}")
+        self.context_length = args.context_length or max_positions
+        self.model = build_model(self.config, self.dtype, self.device, max_positions=self.context_length)
+        self.model.load_weights(loader.iter_weights(model_dir))
+        self.model.eval()
+        # --tp-size > 1: join (rank 0: start) the TP group and keep only this rank's shard of the weights.
+        self.tp = TensorParallel.from_args(args, model_dir, self.device)
+        if self.tp is not None:
+            self.tp.shard(self.model)
+        self.packed_weights = self.model.pack_weights()
+        self.vocab_size = self.config.vocab_size
+
+        self.num_slots = self._pool_size()
+        if self.tp is not None:
+            self.num_slots = self.tp.agree_min(self.num_slots)  # every rank's pool holds the same slots
+        self.kv_pool = KVPool(
+            self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
+        )
+        self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
+        self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
+        self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads, self.model.head_dim)
+        self.sampler = self._make_sampler()
+        logger.info(
+            "model %s: %s on %s, context %d, KV pool %d slots (%.1f MiB), max running requests %d",
+            model_dir, self.dtype, self.device, self.context_length, self.num_slots,
+            self.kv_pool.total_bytes / 2**20, self.max_running_requests,
+        )
+
+    def _pool_size(self) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        fraction = self.args.mem_fraction_static or (_CUDA_MEM_FRACTION if self.device.type == "cuda" else _CPU_MEM_FRACTION)
+        slots = int(available_memory_bytes(self.device) * fraction) // per_slot
+        slots = min(slots, _MAX_SLOTS_PER_CONTEXT * self.context_length)
+        if slots < self.context_length:
+            logger.warning("KV pool holds %d tokens, less than one full context (%d)", slots, self.context_length)
+        if slots <= 0:
+            raise ValueError("no memory left for the KV pool; pass --max-total-tokens or raise --mem-fraction-static")
+        return slots
+
+    def _make_sampler(self):
+        from sgl_lite.runtime.sampling import Sampler
+
+        eos = self.config.eos_token_id
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return Sampler(self.vocab_size, eos_ids, self.args.random_seed)
+
+    def kv_cache_summary(self) -> dict:
+        return {
+            "slots": self.num_slots,
+            "bytes": self.kv_pool.total_bytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layers": self.config.num_hidden_layers,
+            "kv_heads": self.model.num_kv_heads,
+            "head_dim": self.model.head_dim,
+        }
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        reqs = batch.reqs
+        num_reqs = len(reqs)
+        if not num_reqs:
+            return ForwardOutput(next_token_ids=[], next_token_logprobs=[])
+        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
+            if extend <= 0 or prefix + extend > req.seq_len:
+                raise ValueError(f"request {req.rid}: prefix {prefix} + extend {extend} does not fit its {req.seq_len} tokens")
+            if req.req_pool_idx is None:
+                raise ValueError(f"request {req.rid} has no req_to_token row")
+        device = self.device
+        ids: list[int] = []
+        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
+            ids.extend(_new_token_ids(req, prefix, extend))
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        meta = AttentionMetadata.build(
+            [r.req_pool_idx for r in reqs], batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self.req_to_token
+        )
+        positions = self._positions(meta)
+        if self.tp is not None:
+            self.tp.broadcast_step(input_ids, positions, meta)  # the other ranks run this step in lockstep
+        self.attn.prepare(meta)
+        hidden = self.model(input_ids, positions, self.attn, self.kv_pool)
+
+        # Rows whose logits are needed: the last row of each sampling request, and the rows that
+        # score the next prompt token for requests with input logprobs.
+        qo = meta.qo_indptr.tolist()
+        sample_idx = [i for i in range(num_reqs) if batch.sample[i]]
+        score_ranges = self._input_logprob_ranges(batch)
+        rows = [qo[i + 1] - 1 for i in sample_idx]
+        for i, first, last in score_ranges:
+            rows.extend(range(qo[i] + first - batch.prefix_lens[i], qo[i] + last - batch.prefix_lens[i]))
+        next_ids: list[int | None] = [None] * num_reqs
+        next_logprobs: list[float | None] = [None] * num_reqs
+        if not rows:
+            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
+        num_sample = len(sample_idx)
+        self._score_inputs(batch, score_ranges, logits[num_sample:])
+        if num_sample:
+            sample_reqs = [reqs[i] for i in sample_idx]
+            sample_logits = logits[:num_sample]
+            tokens, token_logprobs = self.sampler.sample(sample_logits, sample_reqs)
+            tokens_list = tokens.tolist()
+            logprob_list = token_logprobs.tolist()
+            for j, i in enumerate(sample_idx):
+                next_ids[i] = tokens_list[j]
+                if reqs[i].return_logprob:
+                    next_logprobs[i] = logprob_list[j]
+                    self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
+        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+
+    def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Position of every new token: prefix_len + offset within its request (no per-token Python)."""
+        device = meta.out_cache_loc.device
+        extend = torch.tensor(meta.extend_lens, dtype=torch.int64, device=device)
+        starts = torch.tensor(meta.prefix_lens, dtype=torch.int64, device=device) - meta.qo_indptr[:-1].to(torch.int64)
+        return torch.arange(meta.num_tokens, device=device) + torch.repeat_interleave(starts, extend)
+
+    @staticmethod
+    def _input_logprob_ranges(batch: ForwardBatch) -> list[tuple[int, int, int]]:
+        """Per request with return_logprob: positions [first, last) whose logits this forward computes
+        and that score a prompt token (the row at position p scores the token at p + 1 when
+        p + 1 >= max(logprob_start_len, 1) and p + 1 is a prompt position)."""
+        out = []
+        for i, req in enumerate(batch.reqs):
+            if not req.return_logprob or req.logprob_start_len < 0:
+                continue
+            prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
+            first = max(prefix, max(req.logprob_start_len, 1) - 1)
+            last = min(prefix + extend, len(req.input_ids) - 1)
+            if first < last:
+                out.append((i, first, last))
+        return out
+
+    @staticmethod
+    def _score_inputs(batch: ForwardBatch, ranges: list[tuple[int, int, int]], logits: torch.Tensor) -> None:
+        offset = 0
+        for i, first, last in ranges:
+            req = batch.reqs[i]
+            n = last - first
+            targets = torch.tensor(req.input_ids[first + 1 : last + 1], dtype=torch.int64, device=logits.device)
+            logprobs = torch.log_softmax(logits[offset : offset + n], dim=-1)
+            req.input_token_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+            offset += n
+
+    @staticmethod
+    def _record_output_logprobs(req: Req, logprob: float, logits_row: torch.Tensor) -> None:
+        req.output_token_logprobs.append(logprob)
+        if req.top_logprobs_num > 0:
+            top = torch.log_softmax(logits_row, dim=-1).topk(req.top_logprobs_num)
+            req.output_top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))

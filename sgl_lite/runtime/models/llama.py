@@ -1,0 +1,302 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch over a paged KV pool.
+
+Projections are fused: one QKV matmul and one gate-up matmul per layer, their weights concatenated
+at load time from the checkpoint's separate q/k/v and gate/up tensors. Attention is delegated to an
+AttentionBackend, which owns the KV writes. `forward` returns final-normed hidden states for every
+new token; `compute_logits` runs the LM head only on the rows that are sampled or scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgl_lite.runtime.attention.base import AttentionBackend
+from sgl_lite.runtime.memory import KVPool
+
+logger = logging.getLogger(__name__)
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings from transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied.
+
+    Computed in float32 exactly as transformers does, so fp32 logits match it closely at long positions.
+    """
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        # Between the two wavelength thresholds, interpolate between scaled and unscaled.
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The fused kernel accumulates in float32 like transformers' RMSNorm (which also casts
+        # back before scaling; in bf16 that is one rounding step apart, in fp32 identical).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): ~10-25% faster matmuls here."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate = config.intermediate_size
+        self.qkv_weight = _param((self.q_size + 2 * self.kv_size, hidden), dtype, device)
+        self.qkv_bias = _param((self.q_size + 2 * self.kv_size,), dtype, device) if qkv_bias else None
+        self.o_weight = _param((hidden, self.q_size), dtype, device)
+        self.o_bias = _param((hidden,), dtype, device) if o_bias else None
+        self.gate_up_weight = _param((2 * self.intermediate, hidden), dtype, device)
+        self.down_weight = _param((hidden, self.intermediate), dtype, device)
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        # oneDNN-packed copies of the four weights (see LlamaForCausalLM.pack_weights); None = plain F.linear
+        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
+        # Tensor parallelism (runtime/tp.py) shards the heads and MLP columns and sets this to the
+        # all-reduce of the o- and down-projection partial sums; None = one process, nothing to reduce.
+        self.tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_pool: KVPool
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        packed = self.packed
+        qkv = linear(self.input_layernorm(hidden), self.qkv_weight, self.qkv_bias, packed["qkv"])
+        # RoPE on q and k together: they are the first num_heads + num_kv_heads heads of qkv.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        attn_out = attn.forward(self.layer_id, q, k, v, kv_pool)
+        attn_proj = linear(attn_out.reshape(n, self.q_size), self.o_weight, self.o_bias, packed["o"])
+        hidden = hidden + (attn_proj if self.tp_reduce is None else self.tp_reduce(attn_proj))
+        gate_up = linear(self.post_attention_layernorm(hidden), self.gate_up_weight, None, packed["gate_up"])
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        down = linear(act, self.down_weight, None, packed["down"])
+        return hidden + (down if self.tp_reduce is None else self.tp_reduce(down))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the HF layout). x [N, H, D]; cos/sin [N, 1, D/2] in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED = {  # HF name suffix -> (fused parameter, part index among its parts)
+    "self_attn.q_proj": ("qkv", 0),
+    "self_attn.k_proj": ("qkv", 1),
+    "self_attn.v_proj": ("qkv", 2),
+    "mlp.gate_proj": ("gate_up", 0),
+    "mlp.up_proj": ("gate_up", 1),
+}
+_PLAIN = {
+    "self_attn.o_proj.weight": "o_weight",
+    "self_attn.o_proj.bias": "o_bias",
+    "mlp.down_proj.weight": "down_weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias_default = False
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", max_positions: int | None = None) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = self.qkv_bias_default or attention_bias
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, device, qkv_bias=qkv_bias, o_bias=attention_bias)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param((config.vocab_size, config.hidden_size), dtype, device)
+        self.packed_lm_head: torch.Tensor | None = None
+        layer0 = self.layers[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
+        max_positions = max_positions or config.max_position_embeddings
+        inv_freq = rope_inv_freq(self.head_dim, rope_parameters(config))
+        # float32 angles and cos/sin like transformers, cast once to the model dtype.
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", angles.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_cache", angles.sin().to(dtype).to(device), persistent=False)
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True) and window < max_positions:
+            logger.warning("config has sliding_window=%d; sgl_lite attends over the full context", window)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_pool: KVPool) -> torch.Tensor:
+        """input_ids, positions [N] -> final-normed hidden states [N, hidden]."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is beyond the RoPE cache ({self.cos_cache.shape[0]} positions)")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attn, kv_pool)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] float32."""
+        return linear(hidden_rows, self.lm_head, None, self.packed_lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; fuses q/k/v and gate/up. Raises ValueError naming missing/unexpected/misshaped tensors."""
+        fused_parts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            target = self._plain_target(name)
+            if target is not None:
+                self._copy(target, name, tensor)
+                loaded.add(target)
+                continue
+            m = _LAYER_NAME.match(name)
+            key = None
+            if m and int(m.group(1)) < len(self.layers):
+                proj, _, kind = m.group(2).rpartition(".")
+                if proj in _FUSED and kind in ("weight", "bias"):
+                    fused, part = _FUSED[proj]
+                    key = (int(m.group(1)), fused, kind)
+                    fused_parts.setdefault(key, {})[part] = tensor
+            if key is None:
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
+                    continue  # derived from the config / tied to the embeddings
+                unexpected.append(name)
+        for (layer_id, fused, kind), parts in fused_parts.items():
+            target = f"layers.{layer_id}.{fused}_{kind}"
+            count = 3 if fused == "qkv" else 2
+            if len(parts) != count:
+                continue  # reported as missing below
+            self._copy(target, f"model.layers.{layer_id}.{fused} parts", torch.cat([parts[i] for i in range(count)], 0))
+            loaded.add(target)
+        if unexpected:
+            raise ValueError(f"unexpected weight(s) for {type(self).__name__}: {', '.join(sorted(unexpected)[:10])}")
+        expected = {n for n, p in self.named_parameters() if p is not None}
+        if self.tie_word_embeddings:
+            expected.discard("lm_head")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"missing weight(s) for {type(self).__name__}: {', '.join(missing[:10])}")
+
+    def pack_weights(self, batch_hint: int = 32) -> bool:
+        """After loading: prepack matmul weights for oneDNN when supported (bf16 on CPU).
+
+        The packed copies are what forward() uses from then on, so call it only once the weights are
+        final. Costs one extra copy of the matmul weights in memory. Returns whether it packed.
+        """
+        if not cpu_packed_linear_supported(self.dtype, self.embed_tokens.device):
+            return False
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        try:
+            for layer in self.layers:
+                weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "gate_up": layer.gate_up_weight, "down": layer.down_weight}
+                layer.packed = {name: reorder(w.detach(), batch_hint) for name, w in weights.items()}
+            self.packed_lm_head = reorder(self.lm_head.detach(), batch_hint)
+        except RuntimeError as e:  # an oneDNN build without bf16 support: stay on F.linear
+            logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
+            for layer in self.layers:
+                layer.packed = dict.fromkeys(layer.packed)
+            self.packed_lm_head = None
+            return False
+        return True
+
+    def _plain_target(self, name: str) -> str | None:
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens"
+        if name == "model.norm.weight":
+            return "norm.weight"
+        if name == "lm_head.weight" and not self.tie_word_embeddings:
+            return "lm_head"
+        m = _LAYER_NAME.match(name)
+        if m and int(m.group(1)) < len(self.layers) and m.group(2) in _PLAIN:
+            return f"layers.{m.group(1)}.{_PLAIN[m.group(2)]}"
+        return None
+
+    def _copy(self, target: str, source: str, tensor: torch.Tensor) -> None:
+        try:
+            param = self.get_parameter(target)
+        except AttributeError:
+            raise ValueError(f"weight {source} is not used by this config (no {target})") from None
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {source} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
