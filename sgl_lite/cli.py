@@ -1,4 +1,4 @@
-"""The `sgl-lite` command: serve, http, generate, fetch-model, demo.
+"""The `sgl-lite` command: serve, http, generate, fetch-model, demo, simulate.
 
 `serve` has one option per ServerArgs field, generated from the dataclass (flag name, type, choices,
 default and help all come from the field), so the CLI can never fall behind the runtime's flags.
@@ -7,6 +7,7 @@ default and help all come from the field), so the CLI can never fall behind the 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import re
 import sys
@@ -16,7 +17,6 @@ from typing import Any, Callable
 
 import click
 
-from sgl_lite.http.launch import http_command  # click only; FastAPI loads when the command runs
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
@@ -59,7 +59,26 @@ def build_server_args(values: dict[str, Any]) -> ServerArgs:
         raise click.BadParameter(str(e), param_hint=match.group(1) if match else None) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+class LazyGroup(click.Group):
+    """A group whose heavier commands are imported only when invoked (or listed), so that
+    `sgl-lite generate` does not pay for torch, FastAPI or the simulator at start-up."""
+
+    lazy_commands = {
+        "http": "sgl_lite.http.launch:http_command",
+        "simulate": "sgl_lite.sim.cli:simulate_command",
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy_commands])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands:
+            module, attr = self.lazy_commands[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 def main() -> None:
     """sgl-lite: an SGLang-style LLM runtime (RadixAttention, continuous batching) and prompt DSL."""
 
@@ -148,7 +167,6 @@ def demo(model_path: str) -> None:
     run_agent_demo(model_path)
 
 
-main.add_command(http_command)
 
 
 if __name__ == "__main__":

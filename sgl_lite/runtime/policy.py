@@ -21,13 +21,13 @@ Semantics follow SGLang 0.5.7's `SchedulePolicy.calc_priority`:
 - With --enable-priority-scheduling, the policy's order is refined by a stable sort on priority,
   so priority comes first and the policy (fcfs: arrival) breaks ties.
 
-sgl_lite additions (see /tmp/team/README_sched.md):
+sgl_lite additions (README, "Scheduling beyond SGLang"):
 - `--priority-aging-rate r`: the priority sort uses priority + r * (seconds since arrival), in the
   urgent direction, so a request at most D priority units worse than a stream of fresh arrivals is
   ordered before them once it has waited D / r seconds (0: SGLang's static priority).
 - `--lpm-max-wait W`: under lpm / dfs-weight, requests that have waited more than W seconds come
   first, oldest first, so a cache-cold request cannot starve behind cache-hot ones.
-- Incremental ordering: without priority scheduling, lpm and dfs-weight are read lazily from a
+- Incremental ordering: without priority scheduling, fcfs, lpm and dfs-weight are read lazily from a
   `WaitingIndex` that follows the tree (waiting_index.py): a step costs O(admitted), not O(queue).
   `order()` below is the straightforward computation it must equal, and the path used with
   --disable-incremental-ordering or priority scheduling.
@@ -50,6 +50,7 @@ from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.waiting_index import WaitingIndex
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
+INDEXED_POLICIES = ("fcfs", *CACHE_AWARE_POLICIES)  # orders the WaitingIndex can read lazily
 
 
 def prefix_match_key(req: Req) -> list[int]:
@@ -90,7 +91,7 @@ class SchedulePolicy:
         # Prompts seen earlier in this round (in-batch de-duplication); slots are dummies.
         self._in_batch_tree = RadixCache(None, None)
         self.index: WaitingIndex | None = None
-        if self.policy in CACHE_AWARE_POLICIES and not self.enable_priority and not args.disable_incremental_ordering:
+        if self.policy in INDEXED_POLICIES and not self.enable_priority and not args.disable_incremental_ordering:
             self.index = WaitingIndex(tree_cache, self.policy, prefix_match_key, self.check_threshold,
                                       self.deprioritize_threshold)
 

@@ -74,6 +74,11 @@ class TreeObserver(Protocol):
 
     def on_reset(self) -> None: ...
 
+    def waiting_touch_time(self, leaf: TreeNode) -> int:
+        """The access time waiting requests matched into `leaf` give it (0: none). SGLang re-matches
+        every waiting request each step, which refreshes their prefixes' LRU time; an observer that
+        spares those matches reports the time of its last ordering instead, so eviction is the same."""
+
 
 @dataclass
 class MatchResult:
@@ -217,7 +222,7 @@ class RadixCache:
         """Evict unlocked leaves, least recently used first, until >= num_tokens are gone (or none is left)."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if self._is_evictable_leaf(n)]
+        heap = [(self._lru_time(n), n.id, n) for n in self._iter_nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
         evicted = 0
         while evicted < num_tokens and heap:
@@ -233,9 +238,10 @@ class RadixCache:
             leaf.evicted, leaf.parent = True, None
             if self.observer is not None:
                 self.observer.on_evict(leaf, parent)
-            # A parent's access time is >= its children's, so pops stay in LRU order.
+            # A parent's access time is >= its children's (and it inherits their waiting requests),
+            # so pops stay in LRU order.
             if self._is_evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+                heapq.heappush(heap, (self._lru_time(parent), parent.id, parent))
         return evicted
 
     # ---------------------------------------------------------------- request integration
@@ -354,6 +360,15 @@ class RadixCache:
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
+
+    def new_tick(self) -> int:
+        """A fresh access time, later than every access so far."""
+        return self._next_tick()
+
+    def _lru_time(self, node: TreeNode) -> int:
+        if self.observer is None:
+            return node.last_access_time
+        return max(node.last_access_time, self.observer.waiting_touch_time(node))
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)

@@ -170,14 +170,34 @@ class Scheduler:
             batch = self._decode_batch(changed)
         if batch is not None:
             self.num_forward_steps += 1
-            output = self.runner.forward(batch)
-            if batch.is_decode:
-                self._process_decode(batch, output, changed)
+            try:
+                output = self.runner.forward(batch)
+            except Exception as e:  # a failed forward costs the requests of its batch, not the runtime
+                self._fail_batch(batch, e, changed)
             else:
-                self._process_prefill(batch, output, changed)
+                if batch.is_decode:
+                    self._process_decode(batch, output, changed)
+                else:
+                    self._process_prefill(batch, output, changed)
         if not self.running and self.chunked_req is None:
             self.new_token_ratio = self.init_new_token_ratio
         return changed
+
+    def _fail_batch(self, batch: ForwardBatch, error: Exception, changed: list[Req]) -> None:
+        """Abort exactly the batch's requests, naming the cause. Their KV computed before this step
+        is valid and goes to the tree; the slots allocated for this step go back to the free list."""
+        logger.error("forward pass of %d request(s) failed; aborting them", len(batch.reqs), exc_info=error)
+        self.allocator.free(batch.out_cache_loc)
+        failed = set(batch.reqs)
+        self.running = [r for r in self.running if r not in failed]
+        if self.chunked_req in failed:
+            self.chunked_req = None
+        message = f"forward pass failed: {type(error).__name__}: {error}"
+        for req in batch.reqs:
+            req.is_chunked = False
+            self._finish(req, FinishReason(FinishKind.ABORT, message=message))
+            changed.append(req)
+        self.batch_is_full = False
 
     def _collect_grammars(self, changed: list[Req]) -> None:
         still_pending = []
@@ -235,8 +255,10 @@ class Scheduler:
                 break
         if not adder.plans:
             return None
+        admission_time = self.clock()
         for req in admitted:
             self._dequeue(req)
+            req.admission_time = admission_time
         for plan in adder.plans:
             if plan.match is not None:
                 self.kv.start(plan.req, plan.match)

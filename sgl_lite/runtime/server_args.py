@@ -26,6 +26,7 @@ class ServerArgs:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
 
     # KV memory.
@@ -44,7 +45,7 @@ class ServerArgs:
     # Queue policy.
     schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
     lpm_fallback_threshold: int | None = field(default=None, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128 because it re-matches the whole queue each step; sgl_lite orders incrementally, so the default None never falls back)."})
-    disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order LPM/DFS-weight by re-matching every waiting request each step (SGLang's way, O(queue)) instead of the incremental index (O(admitted))."})
+    disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order the queue by sorting it (and, for LPM/DFS-weight, re-matching every waiting request) each step, SGLang's way, O(queue), instead of reading the incremental waiting index, O(admitted). Priority scheduling always sorts."})
     lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
     in_batch_prefix_caching_check_threshold: int = field(default=32, metadata={"help": "sgl_lite: in-batch prefix de-duplication applies to requests whose cached prefix is shorter than this."})
     in_batch_prefix_caching_deprioritize_threshold: int = field(default=32, metadata={"help": "sgl_lite: such a request waits a round when it shares at least this many tokens with one admitted this round."})
@@ -72,6 +73,8 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                     "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
         for name in positive:
