@@ -1,4 +1,4 @@
-"""The `sgl-lite` command: serve, http, generate, fetch-model, demo, simulate.
+"""The `sgl-lite` command: serve, http, generate, bench, fetch-model, demo, simulate.
 
 `serve` has one option per ServerArgs field, generated from the dataclass (flag name, type, choices,
 default and help all come from the field), so the CLI can never fall behind the runtime's flags.
@@ -144,6 +144,15 @@ def generate(address: str, prompt: str, max_new_tokens: int, temperature: float,
             raise click.ClickException(f"{e.code}: {e.message}") from None
         except RuntimeUnavailableError as e:
             raise click.ClickException(str(e)) from None
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
+def bench(bench_args: tuple[str, ...]) -> None:
+    """Serving benchmark: workloads, baselines, table/JSON/plots (see `sgl-lite bench --help`)."""
+    from sgl_lite.bench.driver import main as bench_main
+
+    sys.exit(bench_main(list(bench_args), prog="sgl-lite bench"))
 
 
 @main.command("fetch-model")

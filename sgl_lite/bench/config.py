@@ -1,0 +1,178 @@
+"""Benchmark settings: the BenchConfig dataclass, its command line, and the workload it describes.
+
+Workload flag names follow SGLang's bench_serving (--gsp-*, --random-*, --num-prompts,
+--request-rate, --max-concurrency) with defaults scaled down for a CPU. Every ServerArgs flag
+except the ones the benchmark controls itself is accepted too and passed to each runtime started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
+from sgl_lite.runtime.server_args import ServerArgs
+
+SYSTEM_NAMES = ("sgl_lite", "no-cache", "hf")
+# Set by the benchmark itself, per system, so not passed through.
+_OWN_SERVER_FIELDS = frozenset({"model_path", "host", "port", "disable_radix_cache", "api_key"})
+
+
+@dataclass
+class BenchConfig:
+    model_path: str = "smollm2-135m"
+    address: str | None = None  # a running runtime to use as the sgl_lite system
+    api_key: str | None = None
+    systems: tuple[str, ...] = SYSTEM_NAMES
+    workload: str = "multiturn-agent"
+    seed: int = 1
+    # multiturn-agent
+    agent_num_sessions: int = 8
+    agent_num_turns: int = 4
+    agent_system_prompt_len: int = 256
+    agent_task_len: int = 64
+    agent_obs_len_min: int = 16
+    agent_obs_len_max: int = 64
+    agent_output_len: int = 32
+    # shared-prefix (SGLang: 64 x 16, 2048 / 128, 256)
+    gsp_num_groups: int = 8
+    gsp_prompts_per_group: int = 8
+    gsp_system_prompt_len: int = 512
+    gsp_question_len: int = 64
+    gsp_output_len: int = 32
+    # random (SGLang: 1000 prompts, 1024 / 1024)
+    num_prompts: int = 32
+    random_input_len: int = 256
+    random_output_len: int = 32
+    # arrival
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    # baselines and output
+    naive_batch_size: int = 8
+    output_dir: str = "bench_results"
+    plots: bool = True
+    progress: bool = True
+    startup_timeout: float = 900.0
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEM_NAMES]
+        if unknown or not self.systems:
+            raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)}; got {','.join(self.systems) or 'nothing'}")
+        if self.workload not in WORKLOAD_NAMES:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}; got {self.workload!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be positive (inf: all at once); got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be positive; got {self.max_concurrency}")
+        if self.naive_batch_size < 1:
+            raise ValueError(f"--naive-batch-size must be positive; got {self.naive_batch_size}")
+        bad = sorted(set(self.server_args) & _OWN_SERVER_FIELDS)
+        if bad:
+            raise ValueError(f"server args set by the benchmark itself cannot be passed: {', '.join(bad)}")
+        ServerArgs.from_kwargs(**self.server_args)  # names any bad value
+
+
+def make_workload(config: BenchConfig, vocab: Vocabulary) -> Workload:
+    c = config
+    if c.workload == "multiturn-agent":
+        return multiturn_agent(vocab, num_sessions=c.agent_num_sessions, num_turns=c.agent_num_turns,
+                               system_prompt_len=c.agent_system_prompt_len, task_len=c.agent_task_len,
+                               obs_len_min=c.agent_obs_len_min, obs_len_max=c.agent_obs_len_max,
+                               output_len=c.agent_output_len, seed=c.seed)
+    if c.workload == "shared-prefix":
+        return shared_prefix(vocab, num_groups=c.gsp_num_groups, prompts_per_group=c.gsp_prompts_per_group,
+                             system_prompt_len=c.gsp_system_prompt_len, question_len=c.gsp_question_len,
+                             output_len=c.gsp_output_len, seed=c.seed)
+    if c.workload == "random":
+        return random_prompts(vocab, num_prompts=c.num_prompts, input_len=c.random_input_len,
+                              output_len=c.random_output_len, seed=c.seed)
+    raise ValueError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}; got {c.workload!r}")
+
+
+_HELP = {
+    "model_path": "Model for started runtimes and the hf baseline (alias, .gguf or HF folder).",
+    "address": "Use this running runtime as the sgl_lite system (its cache is flushed first).",
+    "api_key": "Key of the runtime at --address.",
+    "systems": f"Comma-separated systems to measure, in order: {','.join(SYSTEM_NAMES)}.",
+    "workload": "Workload generator.",
+    "seed": "Seed of every random choice (prompts, observation lengths, arrivals).",
+    "agent_num_sessions": "multiturn-agent: concurrent agent sessions.",
+    "agent_num_turns": "multiturn-agent: turns per session.",
+    "agent_system_prompt_len": "multiturn-agent: system prompt tokens, shared by all sessions.",
+    "agent_task_len": "multiturn-agent: task tokens, one task per session.",
+    "agent_obs_len_min": "multiturn-agent: tool observations have a length uniform in [min, max].",
+    "agent_obs_len_max": "multiturn-agent: see --agent-obs-len-min.",
+    "agent_output_len": "multiturn-agent: output tokens per turn.",
+    "gsp_num_groups": "shared-prefix: groups, each with its own system prompt (SGLang default 64).",
+    "gsp_prompts_per_group": "shared-prefix: prompts per group (SGLang default 16).",
+    "gsp_system_prompt_len": "shared-prefix: system prompt tokens (SGLang default 2048).",
+    "gsp_question_len": "shared-prefix: question tokens (SGLang default 128).",
+    "gsp_output_len": "shared-prefix: output tokens (SGLang default 256).",
+    "num_prompts": "random: number of prompts (SGLang default 1000).",
+    "random_input_len": "random: prompt tokens (SGLang default 1024).",
+    "random_output_len": "random: output tokens (SGLang default 1024).",
+    "request_rate": "Poisson arrivals (sessions per second); inf sends everything at once.",
+    "max_concurrency": "At most this many requests in flight.",
+    "naive_batch_size": "Max prompts per generate() batch of the hf baseline.",
+    "output_dir": "Where the JSON report and the plots go.",
+    "plots": "Write PNG plots.",
+    "progress": "Show a tqdm progress bar.",
+    "startup_timeout": "Seconds to wait for a started runtime to become ready.",
+}
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; plain types unchanged."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
+
+
+def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Serving benchmark: sgl_lite vs the same runtime without radix cache "
+        "vs a naive transformers server, on a reproducible workload.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(BenchConfig)
+    for f in dataclasses.fields(BenchConfig):
+        if f.name == "server_args":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        help_text = _HELP[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.name == "systems":
+            parser.add_argument(flag, default=",".join(f.default), help=help_text)
+        elif f.name == "workload":
+            parser.add_argument(flag, default=f.default, choices=WORKLOAD_NAMES, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+    group = parser.add_argument_group("runtime server args (passed to every runtime the benchmark starts)")
+    server_hints = typing.get_type_hints(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.name in _OWN_SERVER_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(server_hints[f.name])
+        common: dict[str, Any] = dict(dest="server_arg__" + f.name, default=argparse.SUPPRESS,
+                                    metavar=f.name.upper(), help=f.metadata["help"])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        else:
+            group.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **common)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, prog: str = "bench_serving") -> BenchConfig:
+    namespace = vars(build_parser(prog).parse_args(argv))
+    server_args = {k.removeprefix("server_arg__"): v for k, v in namespace.items() if k.startswith("server_arg__")}
+    values = {k: v for k, v in namespace.items() if not k.startswith("server_arg__")}
+    values["systems"] = tuple(s.strip() for s in values["systems"].split(",") if s.strip())
+    config = BenchConfig(**values, server_args=server_args)
+    config.validate()
+    return config
