@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import click
 
+from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
@@ -89,11 +90,29 @@ def main() -> None:
               help="sgl_lite: also serve the OpenAI-compatible / SGLang-native HTTP API on this port (same --api-key).")
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="sgl_lite: bind address of the HTTP API.")
 @click.option("--served-model-name", default=None, help="Model name reported by the HTTP API (default: --model-path).")
-def serve(http_port: int | None, http_host: str, served_model_name: str | None, **values: Any) -> None:
-    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM, optionally with its HTTP front."""
+@click.option("--dp-size", "--dp", "dp_size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data parallelism: N runtime replicas (each on its share of the CPUs) with their HTTP fronts, "
+                   "behind sglang-router on --http-host/--http-port (needs the `router` extra).")
+@click.option("--router-policy", type=click.Choice(ROUTER_POLICIES), default="cache_aware", show_default=True,
+              help="sglang-router's routing policy when --dp-size > 1.")
+def serve(http_port: int | None, http_host: str, served_model_name: str | None, dp_size: int, router_policy: str,
+          **values: Any) -> None:
+    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM, optionally with its HTTP front;
+    with --dp-size N, N replicas behind sglang-router."""
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if dp_size > 1:
+        if http_port is None:
+            raise click.BadParameter("--dp-size > 1 serves through sglang-router over HTTP: give --http-port too",
+                                     param_hint="--http-port")
+        from sgl_lite.cluster import ClusterError, launch_cluster
+
+        try:
+            sys.exit(launch_cluster(args, dp_size, http_port, router_policy, http_host=http_host,
+                                    served_model_name=served_model_name))
+        except ClusterError as e:
+            raise click.ClickException(str(e)) from None
     from sgl_lite.runtime.loader import LoaderError
     from sgl_lite.runtime.server import run_server
 

@@ -108,7 +108,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
 
     @app.post("/generate", dependencies=protected)
     async def native_generate(body: GenerateRequest) -> Response:
-        response = await generate(runner, body, count("/generate"))
+        token_texts = (await contexts.get()).token_texts if body.return_text_in_logprobs else None
+        response = await generate(runner, body, count("/generate"), token_texts)
         _count_unless_streaming(metrics, "/generate", body.stream)
         return response
 

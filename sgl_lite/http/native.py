@@ -15,6 +15,7 @@ from sgl_lite.http.errors import bad_request
 from sgl_lite.http.generation import GenerationInput, RequestRunner
 from sgl_lite.http.openai_protocol import GenerateRequest
 from sgl_lite.http.sse import sse_response
+from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.runtime.protocol import sampling_params_from_dict
 
 
@@ -63,18 +64,41 @@ def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], boo
     return inputs, is_batch
 
 
-async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None]) -> Response:
+async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None],
+                   token_texts: TokenTexts | None = None) -> Response:
+    """`token_texts` fills the text slot of each logprob entry (SGLang's return_text_in_logprobs)."""
     inputs, is_batch = generation_inputs(body)
     if body.stream:
-        return await sse_response(_stream_events(runner, inputs, is_batch), on_stream_end)
+        return await sse_response(_stream_events(runner, inputs, is_batch, token_texts), on_stream_end)
     generations = await runner.collect_many(inputs)
-    results = [{"text": g.text, "output_ids": g.output_ids, "meta_info": {**g.meta_info, "id": r.rid}}
+    results = [{"text": g.text, "output_ids": g.output_ids,
+                "meta_info": _with_token_texts({**g.meta_info, "id": r.rid}, token_texts)}
                for g, r in zip(generations, inputs)]
     return JSONResponse(results if is_batch else results[0])
 
 
-async def _stream_events(runner: RequestRunner, inputs: list[GenerationInput],
-                         is_batch: bool) -> AsyncIterator[dict[str, Any]]:
+def _with_token_texts(meta_info: dict[str, Any], token_texts: TokenTexts | None) -> dict[str, Any]:
+    """Logprob entries (logprob, token_id, None) -> (logprob, token_id, token text)."""
+    if token_texts is None:
+        return meta_info
+
+    def named(entry: Any) -> Any:
+        if isinstance(entry, (list, tuple)) and len(entry) == 3:
+            return [entry[0], entry[1], token_texts.token_text(entry[1])]
+        return entry
+
+    out = dict(meta_info)
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if out.get(key):
+            out[key] = [named(e) for e in out[key]]
+    if out.get("output_top_logprobs"):
+        out["output_top_logprobs"] = [[named(e) for e in position] if position else position
+                                      for position in out["output_top_logprobs"]]
+    return out
+
+
+async def _stream_events(runner: RequestRunner, inputs: list[GenerationInput], is_batch: bool,
+                         token_texts: TokenTexts | None) -> AsyncIterator[dict[str, Any]]:
     texts = [""] * len(inputs)
     output_ids: list[list[int]] = [[] for _ in inputs]
     async with aclosing(runner.stream_many(inputs)) as deltas:
@@ -82,7 +106,7 @@ async def _stream_events(runner: RequestRunner, inputs: list[GenerationInput],
             texts[index] += delta.text
             output_ids[index].extend(delta.output_ids)
             event: dict[str, Any] = {"text": texts[index], "output_ids": list(output_ids[index]),
-                                     "meta_info": {**delta.meta_info, "id": inputs[index].rid}}
+                                     "meta_info": _with_token_texts({**delta.meta_info, "id": inputs[index].rid}, token_texts)}
             if is_batch:
                 event["index"] = index
             yield event

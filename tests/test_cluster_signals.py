@@ -1,0 +1,83 @@
+"""`launch_cluster` (what `sgl-lite serve --dp-size N` runs) serves through sglang-router and, on
+SIGTERM, stops every process it started: router, HTTP fronts and runtime replicas. Loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+pytest.importorskip("sglang_router")
+
+from sgl_lite.cluster import READY_PREFIX, cpu_sets, free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def children_of(pid: int) -> set[int]:
+    """Live processes whose parent is `pid` (from /proc; no psutil needed)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:
+    assert cpu_sets(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
+    assert cpu_sets(3, [0, 1]) == [[0], [1], [0]]  # more replicas than CPUs: shared, one each
+    with pytest.raises(ValueError, match="--dp must be >= 1"):
+        cpu_sets(0)
+
+
+def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    script = ("import sys; from sgl_lite.cluster import launch_cluster; "
+              "from sgl_lite.runtime.server_args import ServerArgs; "
+              f"sys.exit(launch_cluster(ServerArgs(model_path={str(tiny_llama_dir)!r}, dtype='float32', "
+              f"log_level='warning'), 2, {port}, 'cache_aware'))")
+    cluster = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert cluster.stdout is not None
+        line = cluster.stdout.readline()
+        assert line.startswith(READY_PREFIX), f"cluster did not start (exit code {cluster.poll()})"
+        url = line.split()[1]
+        reply = requests.post(url + "/generate", timeout=30,
+                              json={"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] >= 1
+        started = children_of(cluster.pid)
+        assert len(started) == 5  # 2 replicas, 2 HTTP fronts, 1 router
+        cluster.send_signal(signal.SIGTERM)
+        assert cluster.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in started):
+            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
+            time.sleep(0.1)
+        with pytest.raises(requests.ConnectionError):
+            requests.get(url + "/health", timeout=5)
+    finally:
+        if cluster.poll() is None:
+            cluster.kill()
+            cluster.wait()

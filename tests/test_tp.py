@@ -1,0 +1,77 @@
+"""Tensor parallelism on CPU (gloo): a model sharded over N processes gives one process's results.
+
+Each test runs the same greedy requests on an Engine with tp_size 1 and one with tp_size N (rank 0
+in this process, ranks 1..N-1 spawned by it) and compares tokens and logprobs; the references come
+from the unsharded runtime itself, never from constants.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed
+import transformers
+
+from sgl_lite.runtime.engine import Engine
+from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.tp import check_shardable
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["The quick brown fox jumps over", "What is the capital of France? Paris is", "def add(a, b): return"]
+# Few decode steps: on CPU every step costs two gloo all-reduces per layer across the rank processes.
+GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+
+
+def run(model_dir: Path, tp_size: int, repeats: int = 1) -> list[list[dict[str, Any]]]:
+    engine = Engine(str(model_dir), dtype="float32", tp_size=tp_size, max_total_tokens=4096)
+    try:
+        return [engine.generate(PROMPTS, GREEDY, return_logprob=True) for _ in range(repeats)]
+    finally:
+        engine.shutdown()
+        if engine.core.runner.tp is not None:
+            engine.core.runner.tp.close()
+
+
+def assert_same_results(single: list[dict[str, Any]], sharded: list[dict[str, Any]]) -> None:
+    for one, tp in zip(single, sharded):
+        assert tp["output_ids"] == one["output_ids"]
+        one_lp = [lp for lp, _, _ in one["meta_info"]["output_token_logprobs"]]
+        tp_lp = [lp for lp, _, _ in tp["meta_info"]["output_token_logprobs"]]
+        assert tp_lp == pytest.approx(one_lp, abs=1e-3)
+
+
+def test_head_counts_that_do_not_divide_are_refused() -> None:
+    config = transformers.LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                                      intermediate_size=1536)
+    with pytest.raises(ValueError, match="--tp-size 2 does not divide the model's 9 attention heads"):
+        check_shardable(config, 2)
+    with pytest.raises(ValueError, match="--tp-size 9 does not divide the model's 3 KV heads"):
+        check_shardable(config, 9)
+    check_shardable(config, 3)
+    with pytest.raises(ValueError, match="--tp-size must be >= 1"):
+        ServerArgs(tp_size=0)
+
+
+def test_engine_refuses_a_tp_size_that_does_not_divide_the_kv_heads(tiny_llama_dir: Path) -> None:
+    # The tiny model has 4 heads and 2 KV heads: 4 ranks cannot each hold a KV head.
+    with pytest.raises(ValueError, match="--tp-size 4 does not divide the model's 2 KV heads"):
+        Engine(str(tiny_llama_dir), dtype="float32", tp_size=4, max_total_tokens=1024)
+    assert not torch.distributed.is_initialized()  # refused before any rank was started
+
+
+def test_tp2_matches_one_process_with_and_without_cache_hits(tiny_llama_dir: Path) -> None:
+    single = run(tiny_llama_dir, 1)[0]
+    first, again = run(tiny_llama_dir, 2, repeats=2)
+    assert_same_results(single, first)
+    # The second round hits the (sharded) prefix cache and must not change a result.
+    assert all(r["meta_info"]["cached_tokens"] > 0 for r in again)
+    assert_same_results(single, again)
+
+
+@pytest.mark.default_model
+def test_tp3_matches_one_process_on_the_default_model(default_model_dir: Path) -> None:
+    # SmolLM2-135M: 9 heads and 3 KV heads, so 3 ranks hold 3 heads and 1 KV head each.
+    assert_same_results(run(default_model_dir, 1)[0], run(default_model_dir, 3)[0])
