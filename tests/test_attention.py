@@ -12,11 +12,19 @@ from sgl_lite.runtime.memory import KVPool, ReqToTokenPool, SlotAllocator
 ATOL = 1e-5
 
 
-def random_batch(seed: int, prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, d: int = 16):
-    """Fill prefixes with random KV in random slots; return everything a forward needs."""
+def random_batch(
+    seed: int, prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, d: int = 16, dtype: torch.dtype = torch.float32
+):
+    """Fill prefixes with random KV in random slots; return everything a forward needs.
+
+    Every slot but padding slot 0 starts as NaN (what an uninitialized pool may hold), so reading a
+    slot that was never written, or a padding slot other than 0, poisons the output.
+    """
     g = torch.Generator().manual_seed(seed)
     num_slots = 4 * (sum(prefix_lens) + sum(extend_lens)) + 8
-    pool = KVPool(num_layers=2, num_slots=num_slots, kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    pool = KVPool(num_layers=2, num_slots=num_slots, kv_heads=hkv, head_dim=d, dtype=dtype)
+    for tensor in (*pool.k, *pool.v):
+        tensor[1:] = float("nan")
     table = ReqToTokenPool(max_requests=len(prefix_lens) + 2, max_context=128)
     alloc = SlotAllocator(num_slots)
     alloc._free = alloc._free[torch.randperm(num_slots, generator=g)]  # scattered slots, as after eviction
@@ -26,13 +34,14 @@ def random_batch(seed: int, prefix_lens: list[int], extend_lens: list[int], hq: 
         slots = alloc.alloc(prefix + extend)
         table.table[row, : prefix + extend] = slots
         for layer in range(2):
-            pool.write(layer, slots[:prefix], torch.randn(prefix, hkv, d, generator=g), torch.randn(prefix, hkv, d, generator=g))
+            keys, values = torch.randn(prefix, hkv, d, generator=g), torch.randn(prefix, hkv, d, generator=g)
+            pool.write(layer, slots[:prefix], keys.to(dtype), values.to(dtype))
         rows.append(row)
         new_slots.append(slots[prefix:])
     n = sum(extend_lens)
-    q = torch.randn(n, hq, d, generator=g)
-    k = torch.randn(n, hkv, d, generator=g)
-    v = torch.randn(n, hkv, d, generator=g)
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    k = torch.randn(n, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(dtype)
     meta = AttentionMetadata.build(rows, prefix_lens, extend_lens, torch.cat(new_slots), table)
     return pool, meta, q, k, v
 
@@ -47,10 +56,10 @@ def naive_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, pool: 
         for j in range(qo[i + 1] - qo[i]):
             visible = slots[: prefix + j + 1]
             for h in range(hq):
-                keys = pool.k[layer][visible, h // (hq // hkv)]
-                values = pool.v[layer][visible, h // (hq // hkv)]
-                w = torch.softmax(keys @ q[qo[i] + j, h] / q.shape[-1] ** 0.5, dim=0)
-                out[qo[i] + j, h] = w @ values
+                keys = pool.k[layer][visible, h // (hq // hkv)].double()
+                values = pool.v[layer][visible, h // (hq // hkv)].double()
+                w = torch.softmax(keys @ q[qo[i] + j, h].double() / q.shape[-1] ** 0.5, dim=0)
+                out[qo[i] + j, h] = (w @ values).to(q.dtype)
     return out
 
 
@@ -73,6 +82,37 @@ def test_torch_native_matches_naive(case):
         assert torch.equal(pool.k[layer][meta.out_cache_loc], k) and torch.equal(pool.v[layer][meta.out_cache_loc], v)
         expected = naive_attention(meta, layer, q, pool)
         assert (out - expected).abs().max() < ATOL
+
+
+# bf16: the decode path runs its matmuls in bf16 (softmax in float32); tolerance is bf16 rounding of
+# q, k, probabilities and output against a float64 reference on the same bf16 inputs.
+BF16_ATOL = 3e-2
+DECODE_HEAVY = {
+    "decode_uneven_gqa": ([3, 60, 17, 0, 41, 8], [1, 1, 1, 1, 1, 1], 9, 3),
+    "decode_mixed_gqa": ([33, 0, 5, 12, 0, 70], [1, 7, 1, 4, 1, 1], 9, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(DECODE_HEAVY))
+def test_decode_gather_path_matches_naive(case, dtype):
+    """The one-gather-per-layer decode path (head-major rows, padded to the longest sequence) with GQA,
+    uneven lengths, an empty-prefix decode row, and extend rows in the same batch."""
+    prefix_lens, extend_lens, hq, hkv = DECODE_HEAVY[case]
+    pool, meta, q, k, v = random_batch(7, prefix_lens, extend_lens, hq, hkv, d=64, dtype=dtype)
+    backend = TorchNativeBackend(hq, hkv, q.shape[-1])
+    backend.prepare(meta)
+    for layer in range(2):
+        out = backend.forward(layer, q, k, v, pool)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        expected = naive_attention(meta, layer, q, pool)
+        assert (out.float() - expected.float()).abs().max() < (ATOL if dtype == torch.float32 else BF16_ATOL)
+
+
+def test_kv_pool_padding_slot_is_zero():
+    pool = KVPool(num_layers=3, num_slots=5, kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+    for tensor in (*pool.k, *pool.v):
+        assert tensor.shape == (6, 2, 4) and torch.equal(tensor[0], torch.zeros(2, 4, dtype=torch.bfloat16))
 
 
 def test_metadata_layout():

@@ -391,17 +391,45 @@ def test_shutdown_aborts_in_flight_requests_with_a_reason(secure_server):
 # ---------------------------------------------------------------------------- a dying runtime
 
 
-def test_dead_runtime_makes_a_waiting_client_fail_in_time(tiny_model):
+def test_dead_runtime_makes_every_waiting_client_fail_in_time(tiny_model):
+    """Several clients wait (streams and blocking calls, in their own threads) when the runtime is SIGKILLed:
+    each one raises RuntimeUnavailableError naming the problem, well within its timeout."""
+    timeout = 30.0
     with Runtime(model_path=tiny_model, startup_timeout=180, **SERVER_ARGS) as rt:
-        with RuntimeClient(rt.address, timeout=30, health_interval=0.5, health_timeout=2.0) as c:
-            stream = c.generate_stream("The quick brown fox", sampling_params=LONG)
-            wait_until_running(c)
-            os.kill(rt.pid, signal.SIGKILL)
-            started = time.monotonic()
-            with pytest.raises(RuntimeUnavailableError, match="not responding"):
-                for _ in stream:
-                    pass
-            assert time.monotonic() - started < 30
+        clients = [RuntimeClient(rt.address, timeout=timeout, health_interval=0.5, health_timeout=2.0) for _ in range(4)]
+        outcomes: dict[int, tuple[BaseException | None, float]] = {}
+        killed_at: list[float] = []
+        started = threading.Barrier(len(clients) + 1)
+
+        def wait_on(i: int, c: RuntimeClient) -> None:
+            try:
+                if i % 2:
+                    stream = c.generate_stream(PROMPTS[i], sampling_params=LONG)
+                    started.wait()
+                    for _ in stream:
+                        pass
+                else:
+                    started.wait()
+                    c.generate(PROMPTS[i], sampling_params=LONG)
+                outcomes[i] = (None, time.monotonic())
+            except BaseException as e:  # noqa: BLE001 - checked below
+                outcomes[i] = (e, time.monotonic())
+
+        threads = [threading.Thread(target=wait_on, args=(i, c)) for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        started.wait()
+        wait_until_running(clients[0])
+        os.kill(rt.pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+        for t in threads:
+            t.join(timeout + 10)
+        for c in clients:
+            c.close()
+    assert sorted(outcomes) == list(range(len(clients)))
+    for i, (error, when) in outcomes.items():
+        assert isinstance(error, RuntimeUnavailableError) and "not responding" in str(error), (i, error)
+        assert when - killed_at[0] < timeout, f"client {i} failed only after {when - killed_at[0]:.1f} s"
 
 
 def test_launcher_reports_a_server_that_cannot_start(tmp_path):

@@ -3,7 +3,10 @@
 It owns the tokenizer, the model runner and the scheduler, turns user inputs into validated `Req`s
 (tokenizing text; ValueError naming the field at fault) and turns finished requests into SGLang's
 output shape: text with the stop marker trimmed, and meta_info
-{prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, logprob lists]}.
+{prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, logprob lists]}.
+
+Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (fault_injection.py), which makes forward
+passes fail on purpose; unset, it changes nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from sgl_lite.runtime.fault_injection import install_fault_injection
 from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 from sgl_lite.runtime.request import Req
 from sgl_lite.runtime.scheduler import Scheduler
@@ -19,6 +23,8 @@ from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.stop_checker import output_ids_for_text, trim_stop
 
 logger = logging.getLogger(__name__)
+
+INT64_MAX = 2**63 - 1
 
 
 class RuntimeCore:
@@ -29,6 +35,10 @@ class RuntimeCore:
         self.model_path = model_path
         self.eos_token_ids = eos_token_ids
         self.context_length: int = runner.context_length
+        # No token decodes to more characters than its vocabulary entry has (byte-level: one per
+        # byte), so a text longer than context * this cannot fit and is refused before tokenizing.
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=1)
         self.scheduler = Scheduler(args, runner, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                                    context_length=self.context_length)
 
@@ -40,6 +50,7 @@ class RuntimeCore:
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
         runner = ModelRunner(args, folder)
+        install_fault_injection(runner)
         core = cls(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))
         kv = runner.kv_cache_summary()
         num_params = sum(p.numel() for p in runner.model.parameters())
@@ -74,6 +85,9 @@ class RuntimeCore:
         if text is not None:
             if not isinstance(text, str):
                 raise ValueError(f"text must be a string; got {type(text).__name__}")
+            if len(text) > self.context_length * self.max_token_chars:
+                raise ValueError(f"the prompt text ({len(text)} characters) is longer than the context length "
+                                 f"{self.context_length} tokens can hold")
             ids = list(self.tokenizer(text)["input_ids"])
         else:
             if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
@@ -81,10 +95,13 @@ class RuntimeCore:
             ids = list(input_ids)
         params = sampling_params_from_dict(sampling_params)
         params.validate(self.runner.vocab_size)
-        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-            raise ValueError(f"priority must be an integer; got {priority!r}")
-        if top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0; got {top_logprobs_num}")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
+                                     or not -INT64_MAX <= priority <= INT64_MAX):
+            raise ValueError(f"priority must be an integer in [-2**63 + 1, 2**63 - 1]; got {priority!r}")
+        if not 0 <= top_logprobs_num <= self.runner.vocab_size:
+            raise ValueError(f"top_logprobs_num must be in [0, vocab size {self.runner.vocab_size}]; got {top_logprobs_num}")
+        if logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be >= -1 (-1: no input logprobs); got {logprob_start_len}")
         return Req(
             rid=rid, input_ids=ids, sampling_params=params, priority=priority, stream=stream,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
@@ -98,8 +115,12 @@ class RuntimeCore:
     def output_text(self, req: Req) -> str:
         """The final text: stop token left out and stop string cut (unless no_stop_trim)."""
         params = req.sampling_params
-        text = self.decode(output_ids_for_text(req.output_ids, req.finished_reason, params), params)
-        return trim_stop(text, req.finished_reason, params)
+        ids = output_ids_for_text(req.output_ids, req.finished_reason, params)
+        text = self.decode(ids, params)
+        reason = req.finished_reason
+        if reason is None or not isinstance(reason.matched, str) or params.no_stop_trim:
+            return text
+        return trim_stop(text, self.decode(ids[:-1], params), reason, params)
 
     def meta_info(self, req: Req) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -110,6 +131,11 @@ class RuntimeCore:
             "finish_reason": req.finished_reason.to_json() if req.finished_reason is not None else None,
             "e2e_latency": time.monotonic() - req.arrival_time,
         }
+        # Seconds from its last entry into the queue (arrival, or a retraction / preemption) to its
+        # admission into a prefill batch; absent for a request that never left the queue since.
+        admitted, entered = req.admission_time, req.queue_enter_time
+        if admitted is not None and admitted >= entered:
+            meta["queue_time"] = admitted - entered
         if req.return_logprob:
             meta.update(logprob_lists(req))
         return meta

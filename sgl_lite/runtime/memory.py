@@ -1,7 +1,8 @@
 """KV memory with page size 1: the slot pool, its allocator, and the request-to-slot table.
 
-- `KVPool`: per layer one K and one V tensor of shape [num_slots, kv_heads, head_dim]. Slot 0 is
+- `KVPool`: per layer one K and one V tensor of shape [num_slots + 1, kv_heads, head_dim]. Slot 0 is
   reserved as a padding target and never handed out, so `num_slots` usable slots are 1..num_slots.
+  Only slot 0 is initialized (to zeros); the others hold garbage until written.
 - `SlotAllocator`: the free list. `alloc(n)` returns n slot indices or None (never a partial
   allocation); `free(slots)` returns them.
 - `ReqToTokenPool`: a table [max_requests, max_context] of slot indices; row i holds request i's
@@ -54,8 +55,13 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_slots + 1, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialized: zero-filling gigabytes costs seconds per start and commits every page up front.
+        # Every slot is written before it is read, except padding slot 0, which attention reads with
+        # probability 0 and must therefore hold finite values (0 * NaN would poison the output).
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for tensor in (*self.k, *self.v):
+            tensor[0].zero_()
 
     @staticmethod
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

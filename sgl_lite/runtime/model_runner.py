@@ -217,9 +217,10 @@ class ModelRunner(ModelRunnerBase):
         if num_sample:
             sample_reqs = [reqs[i] for i in sample_idx]
             sample_logits = logits[:num_sample]
-            tokens, token_logprobs = self.sampler.sample(sample_logits, sample_reqs)
+            with_logprobs = any(r.return_logprob for r in sample_reqs)
+            tokens, token_logprobs = self.sampler.sample(sample_logits, sample_reqs, with_logprobs=with_logprobs)
             tokens_list = tokens.tolist()
-            logprob_list = token_logprobs.tolist()
+            logprob_list = token_logprobs.tolist() if with_logprobs else []
             for j, i in enumerate(sample_idx):
                 next_ids[i] = tokens_list[j]
                 if reqs[i].return_logprob:

@@ -1,9 +1,15 @@
 """The wire format: msgspec Structs in one tagged union per direction, encoded as msgpack.
 
-Client and server both import this module, so it stays torch-free. Every message carries a `type`
-tag (the struct's class name in snake case); `decode_request` / `decode_reply` accept exactly the
-union of their direction and raise `msgspec.ValidationError`/`DecodeError` naming the field at
-fault for anything else. No pickle anywhere.
+Client and server both import this module, so it stays torch-free. Every message is a msgpack map
+whose `type` field is the struct's class name exactly as written here ("GenerateReq", "AbortReq",
+..., "TokenChunk", "Finished", "ErrorReply", "InfoReply"); `decode_request` / `decode_reply`
+accept exactly the union of their direction and raise `msgspec.ValidationError`/`DecodeError`
+naming the field at fault for anything else. No pickle anywhere.
+
+Request ids are chosen by the client and must be non-empty: the empty rid is reserved for the
+server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent about once a second to
+every client that has requests in flight (so that a vanished client is noticed, server.py).
+Clients ignore it; it is never an answer to a request.
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
 sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
@@ -12,9 +18,16 @@ sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature"
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # logits are divided by the temperature in float32
+GREEDY_TEMPERATURE_EPS = 1e-6
+MIN_REPETITION_PENALTY = 1e-6
+# A request id: any non-empty string (the empty one is the keepalive's, see the module docstring).
+RequestId = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -47,20 +60,25 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number; got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if not 0 <= self.temperature < FLOAT32_MAX:
+            raise ValueError(f"temperature must be >= 0 and a float32 number; got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1; got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1 (off) or in [1, 2**63 - 1]; got {self.top_k}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed must fit in a signed 64-bit integer; got {self.seed}")
+        if any(not s for s in self.stop_strings()):
+            raise ValueError("stop strings must be non-empty")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2]; got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2]; got {self.presence_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2]; got {self.repetition_penalty}")
+        # Positive logits are divided by it in float32: a tinier one overflows them to inf (NaN probabilities).
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]; got {self.repetition_penalty}")
         if vocab_size is not None:
             for tok in self.stop_token_ids or ():
                 if not 0 <= tok < vocab_size:
@@ -70,7 +88,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # SGLang's rule (_SAMPLING_EPS): a temperature this small is greedy. Dividing float32 logits
+        # by a denormal temperature would give inf/NaN probabilities and garbage tokens.
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -97,7 +117,7 @@ def sampling_params_from_dict(params: dict[str, Any] | SamplingParams | None) ->
 class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Generate (or, with max_new_tokens=0, only prefill: a prefix-cache hint)."""
 
-    rid: str
+    rid: RequestId
     text: Union[str, None] = None
     input_ids: Union[list[int], None] = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
@@ -111,22 +131,22 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 
 class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    rid: str
+    rid: RequestId
     api_key: Union[str, None] = None
 
 
 class FlushCacheReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    rid: str
+    rid: RequestId
     api_key: Union[str, None] = None
 
 
 class ServerInfoReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    rid: str
+    rid: RequestId
     api_key: Union[str, None] = None
 
 
 class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    rid: str
+    rid: RequestId
     api_key: Union[str, None] = None
 
 

@@ -63,6 +63,7 @@ class Req:
 
     # Scheduling bookkeeping.
     queue_enter_time: float = field(default_factory=time.monotonic)
+    admission_time: float | None = None  # when it last left the queue into a prefill batch (scheduler clock)
     first_token_time: float | None = None
     num_retractions: int = 0
     num_preemptions: int = 0

@@ -12,6 +12,13 @@ Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so
 vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
+
+Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
+names the cause); an error building one reply costs only that request; anything else raising from a
+scheduler step aborts every request in flight with the error, and the server keeps serving if the
+KV accounting still holds (else it shuts down, telling every client why). SIGTERM / SIGINT end the
+loop after the current step: every request still in flight gets ErrorReply("server shutting down",
+code "aborted") before the socket closes.
 """
 
 from __future__ import annotations
@@ -128,11 +135,25 @@ class RuntimeServer:
                     self._read_messages()
                 # has_work() stays true while an abort awaits its report by step().
                 if scheduler.has_work():
-                    for req in scheduler.step():
+                    for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
         finally:
             self._shutdown()
+
+    def _step(self) -> list[Req]:
+        scheduler = self._core.scheduler
+        try:
+            return scheduler.step()
+        except Exception as e:
+            # The scheduler contains forward failures itself; this is a bug elsewhere in a step.
+            logger.exception("scheduler step failed; aborting every request in flight")
+            message = f"internal error in the runtime: {type(e).__name__}: {e}"
+            for key, flight in self._inflight.items():
+                flight.abort_message = message
+                scheduler.abort_request(key)
+            scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
+            return []
 
     def _shutdown(self) -> None:
         scheduler = self._core.scheduler
@@ -266,28 +287,45 @@ class RuntimeServer:
         flight = self._inflight.get(req.rid)
         if flight is None:
             return
-        if req.finished:
+        try:
+            replies = self._replies(req, flight)
+            done = req.finished
+        except Exception as e:  # a bug (e.g. in detokenizing) must cost this request, not the server
+            logger.exception("could not build the reply for %s", req.rid)
+            if not req.finished:
+                self._core.scheduler.abort_request(req.rid)  # its abort report finds no flight: silent
+            replies = [protocol.ErrorReply(flight.rid, f"internal error: {type(e).__name__}: {e}", "internal")]
+            done = True
+        if done:
             del self._inflight[req.rid]
+        if not flight.client_gone:
+            for reply in replies:
+                self._send(flight.identity, reply)
+
+    def _replies(self, req: Req, flight: _InFlight) -> list[protocol.Reply]:
+        """What to send for a request that changed in the last step (maybe nothing)."""
         if flight.client_gone:
-            return
+            return []
         reason = req.finished_reason
         if reason is not None and reason.kind == FinishKind.ABORT:
             message = flight.abort_message or reason.message or "request aborted"
-            self._send(flight.identity, protocol.ErrorReply(flight.rid, message, "aborted"))
-        elif reason is not None:
+            return [protocol.ErrorReply(flight.rid, message, "aborted")]
+        if reason is not None:
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
-            if flight.stream_state is not None:
-                last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
-                                           flight.stream_state.new_ids(req.output_ids), meta_info)
-                self._send(flight.identity, last)
-            self._send(flight.identity, protocol.Finished(flight.rid, text, list(req.output_ids), meta_info))
-        elif flight.stream_state is not None:
+            final = protocol.Finished(flight.rid, text, list(req.output_ids), meta_info)
+            if flight.stream_state is None:
+                return [final]
+            last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
+                                       flight.stream_state.new_ids(req.output_ids), meta_info)
+            return [last, final]
+        if flight.stream_state is not None:
             delta = flight.stream_state.update(req.output_ids)
             if delta:
                 ids = flight.stream_state.new_ids(req.output_ids)
                 progress = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids)}
-                self._send(flight.identity, protocol.TokenChunk(flight.rid, delta, ids, progress))
+                return [protocol.TokenChunk(flight.rid, delta, ids, progress)]
+        return []
 
     def _keepalive(self) -> None:
         now = time.monotonic()

@@ -4,8 +4,14 @@ Order of checks after each new token (the first that applies wins):
 1. max_new_tokens reached, or the sequence fills the context: LENGTH;
 2. the grammar matcher terminated (it accepted EOS after a complete match): STOP(matched=token);
 3. unless ignore_eos: the token is in stop_token_ids or is an EOS id: STOP(matched=token);
-4. a stop string occurs in the decoded tail of the output: STOP(matched=string).
+4. a stop string occurrence ENDS in the text of the newest token: STOP(matched=string).
 Checks 3-4 wait until min_new_tokens outputs exist (the sampler masks EOS until then as well).
+
+Check 4 looks only at occurrences that the newest token completes, so a stop string that appeared
+before min_new_tokens were reached never ends the request later, and the match is always at the
+end of the text. `trim_stop` cuts the final text at that same occurrence (not at the first one in
+the text), so the final text always extends what was streamed (the streamer withholds the last
+len(stop) - 1 characters, detokenizer.py).
 """
 
 from __future__ import annotations
@@ -43,19 +49,42 @@ class StopChecker:
         if stops:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer")
-            window = _TOKENS_PER_CHAR * max(len(s) for s in stops) + 1
-            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+            window_ids = req.output_ids[-(_TOKENS_PER_CHAR * max(len(s) for s in stops) + 1):]
+            skip = params.skip_special_tokens
+            tail = self.tokenizer.decode(window_ids, skip_special_tokens=skip)
+            before = self.tokenizer.decode(window_ids[:-1], skip_special_tokens=skip)
             for stop in stops:
-                if stop in tail:
+                if stop_match_start(tail, before, stop) >= 0:
                     return FinishReason(FinishKind.STOP, matched=stop)
         return None
 
 
-def trim_stop(text: str, reason: FinishReason | None, params: SamplingParams) -> str:
-    """Cut the final text before the matched stop string (unless no_stop_trim)."""
+def stop_match_start(text: str, text_before_last: str, stop: str) -> int:
+    """Where the first occurrence of `stop` that ends in the newest token's text starts, or -1.
+
+    `text_before_last` is the decoding without the newest token: the newest token's text starts
+    where the two first differ (a completed multi-byte character replaces a trailing U+FFFD).
+    """
+    if not stop:
+        return -1
+    common = min(len(text), len(text_before_last))
+    new_from = next((i for i in range(common) if text[i] != text_before_last[i]), common)
+    # An occurrence starting at i ends at i + len(stop); it ends in the new text when that is > new_from.
+    return text.find(stop, max(0, new_from - len(stop) + 1))
+
+
+def trim_stop(text: str, text_before_last: str, reason: FinishReason | None, params: SamplingParams) -> str:
+    """Cut the final text before the stop string occurrence that ended the request (unless no_stop_trim).
+
+    `text_before_last` is the text without the last output token: the occurrence the checker found
+    ends in that token's text. Were it not found (a tokenizer whose windowed decoding disagrees with
+    its full decoding), the last occurrence is the closest to it.
+    """
     if reason is None or params.no_stop_trim or not isinstance(reason.matched, str):
         return text
-    cut = text.find(reason.matched)
+    cut = stop_match_start(text, text_before_last, reason.matched)
+    if cut < 0:
+        cut = text.rfind(reason.matched)
     return text[:cut] if cut >= 0 else text
 
 
