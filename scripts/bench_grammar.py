@@ -6,6 +6,9 @@ step (restarting when it terminates), so the matchers visit varied states rather
 
     PYTHONPATH=. python scripts/bench_grammar.py [--batch 32] [--steps 200] [--out bench_grammar.json]
 
+It also times an unconstrained decode step of the default model at the same batch size in the same
+run (scripts/bench_model.py's RunnerBench) and prints the mask cost as a fraction of that step.
+
 Uses the default model's tokenizer (SmolLM2, vocab 49152) when the loader can provide it, else the
 tiny test tokenizer (vocab ~400, far cheaper: not representative).
 """
@@ -109,6 +112,26 @@ def mask_cost_per_step(
     }
 
 
+def decode_step_ms(batch: int, steps: int = 8) -> float:
+    """Milliseconds per decode step of the default model at `batch` (128-token prompts), best of 2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_model import RunnerBench
+
+    from sgl_lite.runtime.loader import resolve_model_path
+    from sgl_lite.runtime.model_runner import ModelRunner
+    from sgl_lite.runtime.server_args import ServerArgs
+
+    model_dir = resolve_model_path("smollm2-135m")
+    runner = ModelRunner(ServerArgs(model_path=str(model_dir), max_total_tokens=batch * (128 + 3 * steps) + 64,
+                                    max_running_requests=batch + 1), model_dir=model_dir)
+    prompts = torch.randint(3, runner.vocab_size, (batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens_per_s = RunnerBench(runner).decode(prompts, steps=steps, repeats=2)
+    return batch / tokens_per_s * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -123,6 +146,13 @@ def main() -> None:
             f"({result['tokenizer']}): {result['total_ms']:.3f} ms/step "
             f"(fill {result['fill_ms']:.3f} + apply {result['apply_ms']:.3f})"
         )
+    step_ms = decode_step_ms(args.batch)
+    results["decode_step_ms"] = step_ms
+    for name in ("bounded_strings", "free_strings"):
+        share = results[name]["total_ms"] / (step_ms + results[name]["total_ms"])
+        results[name]["fraction_of_step"] = share
+        print(f"{name}: mask {results[name]['total_ms']:.2f} ms + model step {step_ms:.2f} ms at batch {args.batch} "
+              f"-> the mask is {share:.0%} of a constrained decode step")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
