@@ -1,0 +1,74 @@
+"""Soak (bounded): hundreds of requests through a real `sgl-lite serve` subprocess under a KV pool small
+enough to force eviction, retraction and preemption, with aborts, disconnects and killed client processes.
+
+Checks: one final message per request, greedy outputs equal to an unloaded in-process Engine's, the
+idle accounting invariant, and that the server's RSS did not grow from the first to the last third.
+scripts/soak.py runs the same harness with thousands of requests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.engine import Engine
+from sgl_lite.runtime.launcher import Runtime, _child_env
+from sgl_lite.testing.soak import SoakConfig, run_soak
+from sgl_lite.testing.soak_checks import accounting_problems, check_records, greedy_mismatches, reference_outputs
+from sgl_lite.testing.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+SOAK_SERVER_ARGS = dict(
+    dtype="float32", device="cpu", context_length=512, max_total_tokens=640, max_running_requests=12,
+    chunked_prefill_size=64, enable_priority_scheduling=True, schedule_policy="lpm", max_queued_requests=32,
+    # Admission reserves room for only a tenth of the usual expected output: decode runs out of KV
+    # and must retract, as a busy server does once its new-token ratio has decayed.
+    schedule_conservativeness=0.1, log_level="warning",
+)
+# Python's allocator keeps freed arenas; a leak of even a few KiB per request would add up to more.
+RSS_TOLERANCE_MIB = 16
+
+
+BURST_PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then asks what the capital of France is"
+                 for i in range(SOAK_SERVER_ARGS["max_running_requests"])]
+BURST_PARAMS = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+
+
+def retraction_burst(client: RuntimeClient) -> dict[str, list[int]]:
+    """As many long requests at once as may run: admitted together (the reservation is a tenth of their
+    output), they need more slots than the pool has before they finish, so decode must retract."""
+    outputs: dict[str, list[int]] = {}
+    threads = [threading.Thread(target=lambda p=p: outputs.__setitem__(p, client.generate(p, sampling_params=BURST_PARAMS).output_ids))
+               for p in BURST_PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outputs
+
+
+def test_soak_many_clients_small_pool(tmp_path):
+    model = str(make_tiny_model(tmp_path / "model"))
+    config = SoakConfig(num_requests=360, seed=1)
+    with Runtime(model_path=model, startup_timeout=180, client_timeout=120, **SOAK_SERVER_ARGS) as rt:
+        result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())
+        burst = retraction_burst(rt.client)
+        info = rt.client.server_info()
+    summary = result.summary()
+    print("soak:", summary, {k: info[k] for k in ("num_retractions", "num_preemptions", "cache_hit_rate")})
+    assert not result.problems, result.problems[:10]
+    assert check_records(result.records, config) == []
+    assert summary["finished"] > config.num_requests // 2
+    assert accounting_problems(info) == []
+    # The pool really was too small: requests were retracted and preempted, and the cache was reused.
+    assert info["num_retractions"] > 0 and info["num_preemptions"] > 0 and info["cache_hit_rate"] > 0
+    growth_mib = (result.rss_kib[-1] - result.rss_kib[0]) / 1024
+    assert growth_mib <= RSS_TOLERANCE_MIB, f"server RSS grew {growth_mib:.1f} MiB: {summary['rss_mib']}"
+    with Engine(model_path=model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
+        refs = reference_outputs(engine, result.records)
+        burst_refs = {p: engine.generate(p, dict(BURST_PARAMS))["output_ids"] for p in BURST_PROMPTS}
+    assert greedy_mismatches(result.records, refs) == []
+    assert burst == burst_refs
