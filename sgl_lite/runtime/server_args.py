@@ -30,7 +30,7 @@ class ServerArgs:
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
 
     # KV memory.
-    mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU, 0.85 on CUDA."})
+    mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
 
