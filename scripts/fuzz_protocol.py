@@ -32,8 +32,7 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.engine import Engine  # noqa: E402
 from sgl_lite.runtime.launcher import Runtime  # noqa: E402
-from sgl_lite.runtime.request import FinishKind  # noqa: E402
-from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts  # noqa: E402
+from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request  # noqa: E402
 from sgl_lite.testing.soak_checks import accounting_problems  # noqa: E402
 from sgl_lite.testing.tiny_model import make_tiny_model  # noqa: E402
 
@@ -68,36 +67,14 @@ def fuzz_decoders(n: int, rng_seed: int) -> int:
 
 
 def fuzz_validation(engine: Engine, n: int, rng_seed: int) -> dict[str, int]:
-    core, scheduler = engine.core, engine.core.scheduler
+    core = engine.core
     outcomes = {"refused": 0, "ran": 0, "not_generate": 0}
 
     @seed(rng_seed)
     @hypothesis_settings(n)
     @given(request_dicts())
     def check(fields: dict) -> None:
-        try:
-            msg = protocol.decode_request(msgspec.msgpack.encode(fields))
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            outcomes["not_generate"] += 1
-            return
-        if not isinstance(msg, protocol.GenerateReq):
-            outcomes["not_generate"] += 1
-            return
-        try:
-            req = core.make_req("fuzz", msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
-                                logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                                priority=msg.priority, stream=msg.stream)
-            scheduler.add_request(req)
-        except ValueError:
-            outcomes["refused"] += 1
-            return
-        while scheduler.has_work():
-            scheduler.step()
-        outcomes["ran"] += 1
-        reason = req.finished_reason
-        assert reason is not None and reason.kind is not FinishKind.ABORT, reason
-        core.output_text(req)
-        scheduler.check_invariant()
+        outcomes[run_fuzzed_request(core, fields)] += 1
 
     check()
     return outcomes

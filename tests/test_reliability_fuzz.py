@@ -13,9 +13,8 @@ from hypothesis import HealthCheck, given, settings
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.engine import Engine
-from sgl_lite.runtime.request import FinishKind
 from sgl_lite.runtime.server import RuntimeServer
-from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts
+from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request
 from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,38 +45,12 @@ def test_decoders_accept_or_name_the_problem(payload):
 
 
 def test_request_validation_admits_only_what_runs(engine):
-    core, scheduler = engine.core, engine.core.scheduler
-    outcomes = {"refused": 0, "ran": 0}
+    outcomes = {"refused": 0, "ran": 0, "not_generate": 0}
 
     @settings(max_examples=250, **FUZZ_SETTINGS)
     @given(request_dicts())
     def check(fields):
-        try:
-            msg = protocol.decode_request(msgspec.msgpack.encode(fields))
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return
-        if not isinstance(msg, protocol.GenerateReq):
-            return
-        try:
-            req = core.make_req("fuzz", msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
-                                logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                                priority=msg.priority, stream=msg.stream)
-            scheduler.add_request(req)
-        except ValueError as e:
-            assert str(e)
-            outcomes["refused"] += 1
-            assert not scheduler.has_work()
-            return
-        while scheduler.has_work():
-            scheduler.step()
-        outcomes["ran"] += 1
-        reason = req.finished_reason
-        # Anything validation lets through must run to a normal end: no failed forward, no grammar
-        # rejecting a token the sampler picked despite the mask.
-        assert reason is not None and reason.kind is not FinishKind.ABORT, reason
-        core.output_text(req)
-        core.meta_info(req)
-        scheduler.check_invariant()
+        outcomes[run_fuzzed_request(engine.core, fields)] += 1
 
     check()
     assert outcomes["refused"] > 0 and outcomes["ran"] > 0, outcomes

@@ -139,6 +139,42 @@ def frame_lists() -> st.SearchStrategy[list[bytes]]:
     return _weighted((9, payloads().map(lambda p: [p])), (1, st.lists(payloads(), min_size=2, max_size=3)))
 
 
+def run_fuzzed_request(core: Any, fields: dict) -> str:
+    """Send one fuzzed message through decoding, validation and the scheduler of `core` (a RuntimeCore).
+
+    Returns "not_generate" (undecodable or another message type), "refused" (validation said no, with a
+    message, and nothing was queued) or "ran". Anything validation lets through must run to a normal end:
+    no failed forward, no grammar rejecting a token the sampler picked despite the mask; the accounting
+    invariant holds afterwards.
+    """
+    from sgl_lite.runtime.request import FinishKind
+
+    scheduler = core.scheduler
+    try:
+        msg = protocol.decode_request(msgspec.msgpack.encode(fields))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return "not_generate"
+    if not isinstance(msg, protocol.GenerateReq):
+        return "not_generate"
+    try:
+        req = core.make_req("fuzz", msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
+                            logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
+                            priority=msg.priority, stream=msg.stream)
+        scheduler.add_request(req)
+    except ValueError as e:
+        assert str(e), "a refusal must say why"
+        assert not scheduler.has_work(), "a refused request must not be queued"
+        return "refused"
+    while scheduler.has_work():
+        scheduler.step()
+    reason = req.finished_reason
+    assert reason is not None and reason.kind is not FinishKind.ABORT, reason
+    core.output_text(req)
+    core.meta_info(req)
+    scheduler.check_invariant()
+    return "ran"
+
+
 @dataclass
 class FuzzStats:
     messages: int = 0
