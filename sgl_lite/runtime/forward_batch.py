@@ -26,7 +26,9 @@ from sgl_lite.runtime.request import Req
 class ForwardBatch:
     reqs: list[Req]
     # Per request: tokens already in KV (positions 0..prefix_lens[i]-1) and tokens computed now,
-    # which are req.fill_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]].
+    # which are req.fill_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]]. In a prefill batch
+    # some prefix slots may be new slots of an EARLIER request of the same batch (in-batch prefix
+    # sharing), so a runner must write every new K/V of a layer before any request attends.
     prefix_lens: list[int]
     extend_lens: list[int]
     # Slots for the new tokens, concatenated in request order (sum(extend_lens) entries).
@@ -36,6 +38,9 @@ class ForwardBatch:
     sample: list[bool]
     # True when every request extends by exactly one token (a decode step).
     is_decode: bool = False
+    # Scheduler bookkeeping, ignored by runners: requests that lend or borrow KV within this batch
+    # (their slots move into the radix tree right after the forward). Empty = none.
+    shares_kv: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +71,8 @@ class ModelRunnerBase(abc.ABC):
         """Run the batch.
 
         Contract:
-        - writes K/V of every new token into `batch.out_cache_loc` (in order);
+        - writes K/V of every new token into `batch.out_cache_loc` (in order), in each layer before
+          any request of the batch attends (a request's prefix may hold slots written in this batch);
         - request i attends over slots `req_to_token.table[row_i, : prefix_lens[i] + extend_lens[i]]`,
           causally within its new tokens;
         - for requests with `return_logprob`, appends to `req.input_token_logprobs` the logprob of

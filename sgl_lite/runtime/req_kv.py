@@ -11,9 +11,12 @@ slot is free or in the tree. So at any time:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import torch
 
 from sgl_lite.runtime.forward_batch import ForwardBatch
+from sgl_lite.runtime.in_batch_sharing import Borrow, lending_or_borrowing
 from sgl_lite.runtime.memory import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.radix_cache import MatchResult, RadixCache
 from sgl_lite.runtime.request import Req
@@ -53,24 +56,39 @@ class ReqKV:
             self.tree_cache.evict(short)
         return self.allocator.available_size >= num_tokens
 
-    def build_batch(self, parts: list[tuple[Req, int]], is_decode: bool) -> ForwardBatch:
-        """Allocate slots for `n` new tokens of each (req, n) and write them into the rows."""
-        total = sum(n for _, n in parts)
+    def build_batch(self, parts: list[tuple[Req, int]], is_decode: bool,
+                    borrows: Sequence[Borrow | None] = ()) -> ForwardBatch:
+        """Allocate slots for `n` new tokens of each (req, n) and write them into the rows.
+
+        With `borrows` (in-batch prefix sharing, one entry per part), part i's first
+        `borrows[i].length` tokens take the slots its lenders hold at those positions instead of new
+        ones: its prefix grows and its extend shrinks by that much. Lenders come earlier in `parts`,
+        so their rows are written first.
+        """
+        borrowed = [b.length if b is not None else 0 for b in borrows] or [0] * len(parts)
+        total = sum(n - b for (_, n), b in zip(parts, borrowed))
         slots = self.allocator.alloc(total) if self.ensure_free(total) else None
         if slots is None:
             raise RuntimeError(f"KV allocation of {total} slots failed after admission (budget bug)")
         table, offset = self.req_to_token.table, 0
-        for req, n in parts:
+        rows = [req.req_pool_idx for req, _ in parts]
+        for i, (req, n) in enumerate(parts):
             assert req.req_pool_idx is not None
-            table[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots[offset : offset + n]
-            offset += n
+            start, b = req.kv_len, borrowed[i]
+            if b:
+                lender_rows = torch.tensor(rows, device=table.device)[borrows[i].lenders.to(table.device)]  # type: ignore[union-attr]
+                positions = torch.arange(start, start + b, device=table.device)
+                table[req.req_pool_idx, start : start + b] = table[lender_rows, positions]
+            table[req.req_pool_idx, start + b : start + n] = slots[offset : offset + n - b]
+            offset += n - b
         return ForwardBatch(
             reqs=[r for r, _ in parts],
-            prefix_lens=[r.kv_len for r, _ in parts],
-            extend_lens=[n for _, n in parts],
+            prefix_lens=[r.kv_len + b for (r, _), b in zip(parts, borrowed)],
+            extend_lens=[n - b for (_, n), b in zip(parts, borrowed)],
             out_cache_loc=slots,
             sample=[r.kv_len + n == r.seq_len and r.wants_sampling for r, n in parts],
             is_decode=is_decode,
+            shares_kv=lending_or_borrowing(borrows) if any(borrowed) else [],
         )
 
     def flush(self) -> None:

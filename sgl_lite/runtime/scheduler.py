@@ -28,7 +28,8 @@ from typing import Any
 
 from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
+from sgl_lite.runtime.in_batch_sharing import Borrow, SharePlan, find_borrows
+from sgl_lite.runtime.prefill_adder import AddResult, PlannedExtend, PrefillAdder, reserved_output
 from sgl_lite.runtime.req_kv import ReqKV
 from sgl_lite.runtime.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.scheduler_admission import AdmissionChecks
@@ -262,11 +263,26 @@ class Scheduler:
         for plan in adder.plans:
             if plan.match is not None:
                 self.kv.start(plan.req, plan.match)
-                if plan.req.num_retractions == 0 and plan.req.num_preemptions == 0:
-                    plan.req.cached_tokens = plan.match.length
-                    self.cached_tokens_total += plan.match.length
-                    self.prompt_tokens_total += len(plan.req.input_ids)
-        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans], is_decode=False)
+        borrows = self._in_batch_borrows(adder.plans)
+        for plan, borrow in zip(adder.plans, borrows):
+            if plan.match is not None and plan.req.num_retractions == 0 and plan.req.num_preemptions == 0:
+                # Borrowed tokens count as cached: their KV is reused, not computed for this request.
+                cached = plan.match.length + (borrow.length if borrow is not None else 0)
+                plan.req.cached_tokens = cached
+                self.cached_tokens_total += cached
+                self.prompt_tokens_total += len(plan.req.input_ids)
+        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans], is_decode=False, borrows=borrows)
+
+    def _in_batch_borrows(self, plans: list[PlannedExtend]) -> list[Borrow | None]:
+        if self.tree_cache.disable or self.args.disable_in_batch_prefix_sharing:
+            return [None] * len(plans)
+        # Only a request whose whole remaining prompt is in this batch borrows (a chunk may end
+        # inside the shared part); any request lends what it holds.
+        return find_borrows([
+            SharePlan(p.req.fill_ids, p.req.kv_len, p.extend_len,
+                      len(prefix_match_key(p.req)) if p.req.kv_len + p.extend_len == len(p.req.fill_ids) else 0)
+            for p in plans
+        ])
 
     def _preempt_for(self, req: Req, match: Any, adder: PrefillAdder, need_row: bool) -> int:
         """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
@@ -304,12 +320,16 @@ class Scheduler:
         # What this batch leaves in the tree or frees can change what fits: look at the queue again.
         self.batch_is_full = False
         for i, req in enumerate(batch.reqs):
-            req.kv_len += batch.extend_lens[i]
+            req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.kv_len < req.seq_len:
                 req.is_chunked = True
                 self.tree_cache.cache_unfinished_req(req)
                 self.chunked_req = req
                 continue
+            if batch.shares_kv and batch.shares_kv[i]:
+                # Lenders go into the tree before their borrowers (batch order), so a borrower's
+                # lock moves onto the path holding the slots it read; each slot keeps one owner.
+                self.tree_cache.cache_unfinished_req(req)
             req.is_chunked = False
             if self.chunked_req is req:
                 self.chunked_req = None
