@@ -38,9 +38,6 @@ class ForwardBatch:
     sample: list[bool]
     # True when every request extends by exactly one token (a decode step).
     is_decode: bool = False
-    # Scheduler bookkeeping, ignored by runners: requests that lend or borrow KV within this batch
-    # (their slots move into the radix tree right after the forward). Empty = none.
-    shares_kv: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

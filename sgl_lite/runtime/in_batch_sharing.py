@@ -9,9 +9,10 @@ others attend over its slots in the same forward: no extra round, no extra compu
 
 Why it is sound: a runner writes every new token's K/V of a layer before any request of the batch
 attends in that layer (the ForwardBatch contract), so a later request can list an earlier
-request's new slots among its prefix slots. After the forward the scheduler inserts lenders into
-the radix tree and moves each borrower's lock onto the tree path that now holds the borrowed
-slots (`RadixCache.cache_unfinished_req`), so every slot keeps exactly one owner.
+request's new slots among its prefix slots. After the forward the scheduler inserts every prefilled
+prompt into the radix tree in batch order (`RadixCache.cache_unfinished_req`): a lender goes in
+before its borrowers, whose locks then move onto the tree path holding the borrowed slots, so every
+slot keeps exactly one owner.
 """
 
 from __future__ import annotations
@@ -76,12 +77,3 @@ def find_borrows(parts: Sequence[SharePlan], min_tokens: int = MIN_SHARED_TOKENS
         seen.insert(part.fill_ids[:held], torch.full((held,), i, dtype=torch.int64))
     return borrows
 
-
-def lending_or_borrowing(borrows: Sequence[Borrow | None]) -> list[bool]:
-    """Per part: True when it borrows or some later part borrows from it."""
-    flags = [b is not None for b in borrows]
-    for b in borrows:
-        if b is not None:
-            for lender in torch.unique(b.lenders).tolist():
-                flags[lender] = True
-    return flags

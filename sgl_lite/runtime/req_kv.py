@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sgl_lite.runtime.forward_batch import ForwardBatch
-from sgl_lite.runtime.in_batch_sharing import Borrow, lending_or_borrowing
+from sgl_lite.runtime.in_batch_sharing import Borrow
 from sgl_lite.runtime.memory import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.radix_cache import MatchResult, RadixCache
 from sgl_lite.runtime.request import Req
@@ -88,7 +88,6 @@ class ReqKV:
             out_cache_loc=slots,
             sample=[r.kv_len + n == r.seq_len and r.wants_sampling for r, n in parts],
             is_decode=is_decode,
-            shares_kv=lending_or_borrowing(borrows) if any(borrowed) else [],
         )
 
     def flush(self) -> None:

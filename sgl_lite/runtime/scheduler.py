@@ -7,7 +7,8 @@ Each step (SGLang 0.5.7's event loop, without overlap):
 2. else decode: one token for every running request; when free + evictable slots cannot hold one
    token each, requests are retracted (fewest decoded first) back to the queue and the new-token
    ratio is re-estimated; otherwise the ratio decays towards its minimum.
-3. outputs: append tokens, check stops, cache finished requests' KV in the radix tree.
+3. outputs: append tokens, check stops; prefilled prompts and finished requests' KV go into the
+   radix tree. A prefill batch may share a prefix computed in that very batch (in_batch_sharing.py).
 
 Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, req_kv.py owns slot
 bookkeeping (and the accounting `check_invariant` verifies), stop_checker.py decides finishes,
@@ -326,10 +327,10 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
                 self.chunked_req = req
                 continue
-            if batch.shares_kv and batch.shares_kv[i]:
-                # Lenders go into the tree before their borrowers (batch order), so a borrower's
-                # lock moves onto the path holding the slots it read; each slot keeps one owner.
-                self.tree_cache.cache_unfinished_req(req)
+            # The prompt goes into the tree now (as in SGLang), so requests arriving while this one
+            # decodes can reuse it. Batch order puts in-batch lenders in before their borrowers, so
+            # a borrower's lock moves onto the path holding the slots it read: one owner per slot.
+            self.tree_cache.cache_unfinished_req(req)
             req.is_chunked = False
             if self.chunked_req is req:
                 self.chunked_req = None

@@ -49,7 +49,7 @@ class ServerArgs:
     lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
     in_batch_prefix_caching_check_threshold: int = field(default=32, metadata={"help": "sgl_lite: in-batch prefix de-duplication applies to requests whose cached prefix is shorter than this."})
     in_batch_prefix_caching_deprioritize_threshold: int = field(default=32, metadata={"help": "sgl_lite: such a request waits a round when it shares at least this many tokens with one admitted this round."})
-    disable_in_batch_prefix_sharing: bool = field(default=False, metadata={"help": "sgl_lite: compute a prompt prefix shared by requests of one prefill batch once per batch, SGLang's way (by default a request reads the KV an earlier request of the same batch computes for the shared tokens, and reports them as cached)."})
+    disable_in_batch_prefix_sharing: bool = field(default=False, metadata={"help": "sgl_lite: turn off in-batch prefix sharing, so every request of a prefill batch computes the prefix it shares with others, as in SGLang (by default a request reads the KV that an earlier request of the same batch computes for their common prefix, and reports those tokens as cached)."})
 
     # Priority scheduling.
     enable_priority_scheduling: bool = field(default=False, metadata={"help": "Order by request priority first, with threshold preemption of running requests."})
