@@ -18,9 +18,12 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
+from sgl_lite.http.launch import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
+# Flags read from the environment when not given: a secret on a command line is visible in `ps`.
+_ENV_VARS = {"api_key": API_KEY_ENV}
 
 
 def _field_base_type(annotation: Any) -> type:
@@ -40,7 +43,11 @@ def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any],
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
     click_type: Any = click.Choice(choices) if choices else base
-    return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text)
+    envvar = _ENV_VARS.get(f.name)
+    if envvar:
+        help_text += f" Default: ${envvar}; prefer it to the flag on a shared machine (`ps` shows command lines)."
+    return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
+                        envvar=envvar)
 
 
 def server_arg_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,7 +149,8 @@ def serve(http_port: int | None, http_host: str, served_model_name: str | None, 
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
-@click.option("--api-key", default=None, help="Key the server was started with (--api-key).")
+@click.option("--api-key", envvar=API_KEY_ENV, default=None,
+              help=f"Key the server was started with (--api-key). Default: ${API_KEY_ENV}.")
 @click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait for the runtime before giving up.")
 def generate(address: str, prompt: str, max_new_tokens: int, temperature: float, stream: bool,

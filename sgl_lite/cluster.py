@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
+from sgl_lite.http.launch import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 READY_PREFIX = "SGL_LITE_CLUSTER_READY"
 _LOOPBACK = "127.0.0.1"
 _STOP_TIMEOUT_S = 10.0
+# sglang-router's launcher (`python -m sglang_router.launch_router`) reads its key only from
+# `--api-key`: this runs the same launcher with the key from the environment instead.
+_ROUTER_BOOTSTRAP = ("import os, sys; from sglang_router.launch_router import launch_router, parse_router_args; "
+                     "router_args = parse_router_args(sys.argv[1:]); "
+                     f"router_args.api_key = os.environ.get({API_KEY_ENV!r}) or None; launch_router(router_args)")
 
 
 class ClusterError(RuntimeError):
@@ -66,16 +72,16 @@ def free_port(host: str = _LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def router_command(worker_urls: list[str], host: str, port: int, policy: str,
-                   api_key: str | None = None, log_level: str = "info") -> list[str]:
-    """The sglang-router command line for `worker_urls` (its metrics on a free loopback port)."""
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--policy", policy, "--worker-urls", *worker_urls,
-           "--prometheus-host", _LOOPBACK, "--prometheus-port", str(free_port()),
-           "--log-level", {"warning": "warn"}.get(log_level, log_level)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    return cmd
+def router_command(worker_urls: list[str], host: str, port: int, policy: str, log_level: str = "info") -> list[str]:
+    """The sglang-router command line for `worker_urls` (its metrics on a free loopback port).
+
+    The router takes its API key from SGL_LITE_API_KEY in its environment (none when unset), never
+    from this command line, which any local user can read with `ps`.
+    """
+    return [sys.executable, "-c", _ROUTER_BOOTSTRAP, "--host", host, "--port", str(port),
+            "--policy", policy, "--worker-urls", *worker_urls,
+            "--prometheus-host", _LOOPBACK, "--prometheus-port", str(free_port()),
+            "--log-level", {"warning": "warn"}.get(log_level, log_level)]
 
 
 @dataclass
@@ -137,21 +143,19 @@ class Cluster:
         for front, url in zip(self.fronts, self.worker_urls):
             _wait_http_ok(url + "/health", front, deadline, self.args.api_key)
         cmd = router_command(self.worker_urls, self.http_host, self.http_port, self.router_policy,
-                             self.args.api_key, self.args.log_level) + self.router_args
-        self.router = _spawn("router", cmd)
+                             self.args.log_level) + self.router_args
+        self.router = _spawn("router", cmd, env=self._env(threads=None))
         _wait_http_ok(self.url + "/health", self.router, deadline, None)
         _wait_router_workers(self.url, len(self.worker_urls), self.router, deadline, self.args.api_key)
         logger.info("cluster ready: router (%s) on %s over %d replicas %s", self.router_policy, self.url,
                     self.dp, ", ".join(self.worker_urls))
 
     def _spawn_replica(self, index: int, cpus: list[int]) -> _Child:
-        from sgl_lite.runtime.launcher import server_flags
+        from sgl_lite.runtime.launcher import serve_command
 
-        replica_args = self.args.replace(host=_LOOPBACK, port=0)
-        cmd = [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(replica_args)]
-        env = _child_env(threads=len(cpus))
+        cmd = serve_command(self.args.replace(host=_LOOPBACK, port=0))
         # Affinity is set in the child before it imports torch, so every thread it starts inherits it.
-        return _spawn(f"replica {index} (cpus {cpus})", cmd, env=env,
+        return _spawn(f"replica {index} (cpus {cpus})", cmd, env=self._env(threads=len(cpus)),
                       preexec_fn=lambda: os.sched_setaffinity(0, cpus), stdout=subprocess.PIPE)
 
     def _spawn_front(self, index: int, runtime_address: str, port: int) -> _Child:
@@ -159,10 +163,13 @@ class Cluster:
                "--port", str(port), "--log-level", self.args.log_level, "--parent-pid", str(os.getpid())]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]  # the router labels workers by it
-        env = _child_env(threads=1)
-        if self.args.api_key:
-            env["SGL_LITE_API_KEY"] = self.args.api_key  # not on the command line, where `ps` shows it
-        return _spawn(f"http front {index}", cmd, env=env)
+        return _spawn(f"http front {index}", cmd, env=self._env(threads=1))
+
+    def _env(self, threads: int | None) -> dict[str, str]:
+        """A child's environment; the API key travels here, never on a command line (`ps` shows those)."""
+        from sgl_lite.runtime.launcher import api_key_env
+
+        return api_key_env(_child_env(threads), self.args.api_key)
 
     def _wait_replica_ready(self, replica: _Child, deadline: float) -> str:
         from sgl_lite.runtime.server import READY_PREFIX as RUNTIME_READY

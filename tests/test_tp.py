@@ -7,12 +7,14 @@ from the unsharded runtime itself, never from constants.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed
 import transformers
+from safetensors.torch import load_file
 
 from sgl_lite.runtime.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
@@ -31,8 +33,6 @@ def run(model_dir: Path, tp_size: int, repeats: int = 1) -> list[list[dict[str, 
         return [engine.generate(PROMPTS, GREEDY, return_logprob=True) for _ in range(repeats)]
     finally:
         engine.shutdown()
-        if engine.core.runner.tp is not None:
-            engine.core.runner.tp.close()
 
 
 def assert_same_results(single: list[dict[str, Any]], sharded: list[dict[str, Any]]) -> None:
@@ -69,6 +69,46 @@ def test_tp2_matches_one_process_with_and_without_cache_hits(tiny_llama_dir: Pat
     # The second round hits the (sharded) prefix cache and must not change a result.
     assert all(r["meta_info"]["cached_tokens"] > 0 for r in again)
     assert_same_results(single, again)
+
+
+def test_tp2_matches_one_process_on_qwen2_with_sharded_qkv_biases(tiny_qwen2_dir: Path) -> None:
+    # Qwen2 has q/k/v biases: each rank must keep the bias rows of its own heads.
+    weights = load_file(tiny_qwen2_dir / "model.safetensors")
+    assert any(name.endswith("self_attn.k_proj.bias") and t.abs().sum() > 0 for name, t in weights.items())
+    assert_same_results(run(tiny_qwen2_dir, 1)[0], run(tiny_qwen2_dir, 2)[0])
+
+
+def tp_rank_pids() -> set[int]:
+    """This process's live children that run a tensor-parallel rank (from /proc; zombies count as gone)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and state != "Z" and b"sgl_lite.runtime.tp" in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+def test_engine_shutdown_stops_the_tp_ranks(tiny_llama_dir: Path) -> None:
+    assert not tp_rank_pids()
+    engine = Engine(str(tiny_llama_dir), dtype="float32", tp_size=2, max_total_tokens=1024)
+    try:
+        ranks = tp_rank_pids()
+        assert len(ranks) == 1  # rank 1; rank 0 is this process
+        assert engine.generate("hello", GREEDY)["output_ids"]
+        engine.shutdown()  # returns once the ranks have exited: no polling needed
+        assert not tp_rank_pids()
+        assert not torch.distributed.is_initialized()  # another TP engine may start in this process
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate("hello", GREEDY)
+        engine.shutdown()  # idempotent
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.default_model

@@ -64,6 +64,12 @@ class RuntimeCore:
         )
         return core
 
+    def close(self) -> None:
+        """Stop the processes this runtime started: the tensor-parallel ranks (idempotent)."""
+        tp = getattr(self.runner, "tp", None)  # test runners have no TP group
+        if tp is not None:
+            tp.close()
+
     # ------------------------------------------------------------------ requests
 
     def make_req(

@@ -29,6 +29,7 @@ class Engine:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         self.core = RuntimeCore.from_args(self.args)
         self._ids = itertools.count()
+        self._closed = False
 
     # ------------------------------------------------------------------ generate
 
@@ -43,6 +44,8 @@ class Engine:
         priority: int | None = None,
         stream: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
+        if self._closed:
+            raise RuntimeError("this Engine was shut down; create a new one to generate")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
@@ -154,10 +157,18 @@ class Engine:
         return self.core.server_info()
 
     def shutdown(self) -> None:
+        """Abort what is in flight and stop the processes the runtime started (tensor-parallel ranks).
+
+        Idempotent. The engine generates nothing afterwards: with --tp-size > 1 its ranks are gone.
+        """
+        if self._closed:
+            return
+        self._closed = True
         scheduler = self.core.scheduler
         for rid in scheduler.live_request_ids():
             scheduler.abort_request(rid)
         self._drain()
+        self.core.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -20,11 +20,13 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from sgl_lite.http.launch import API_KEY_ENV
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server import READY_PREFIX
 from sgl_lite.runtime.server_args import ServerArgs
 
 STDERR_TAIL_LINES = 40
+DEFAULT_STARTUP_TIMEOUT = 600.0
 _live_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
 
 
@@ -48,11 +50,36 @@ def server_flags(args: ServerArgs) -> list[str]:
     return flags
 
 
-class Runtime:
-    """A runtime server process on a free loopback port (or `host="ipc://..."`)."""
+def serve_command(args: ServerArgs) -> list[str]:
+    """The `sgl-lite serve` command line for `args`, without the API key: a child gets the key
+    through its environment (`api_key_env`), since any local user can read a command line (`ps`)."""
+    return [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(args.replace(api_key=None))]
 
-    def __init__(self, model_path: str = "smollm2-135m", *, startup_timeout: float = 600.0,
-                 client_timeout: float = 600.0, **server_args: Any) -> None:
+
+def api_key_env(env: dict[str, str], api_key: str | None) -> dict[str, str]:
+    """`env` for a child `serve` (or `http`) that must use exactly `api_key`: set, or removed when None
+    so that a key in our own environment does not leak into a child started without one."""
+    env = dict(env)
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
+class Runtime:
+    """A runtime server process on a free loopback port (or `host="ipc://..."`).
+
+    `launch_timeout` is SGLang's name for `startup_timeout` (give one of them): seconds to wait for
+    the server to be ready.
+    """
+
+    def __init__(self, model_path: str = "smollm2-135m", *, startup_timeout: float | None = None,
+                 launch_timeout: float | None = None, client_timeout: float = 600.0, **server_args: Any) -> None:
+        if startup_timeout is not None and launch_timeout is not None:
+            raise ValueError("give startup_timeout or its SGLang alias launch_timeout, not both")
+        timeout = next((t for t in (startup_timeout, launch_timeout) if t is not None), DEFAULT_STARTUP_TIMEOUT)
+        if timeout <= 0:
+            raise ValueError(f"launch_timeout/startup_timeout must be > 0 seconds; got {timeout:g}")
         server_args.setdefault("port", 0)
         self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         self.api_key = self.args.api_key
@@ -62,13 +89,13 @@ class Runtime:
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._ready = threading.Event()
         self.address = ""
-        cmd = [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(self.args)]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env=_child_env(), start_new_session=True)
+        self.process = subprocess.Popen(serve_command(self.args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=api_key_env(_child_env(), self.api_key),
+                                        start_new_session=True)
         _live_runtimes.add(self)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
-        self._wait_ready(startup_timeout)
+        self._wait_ready(timeout)
 
     @property
     def pid(self) -> int:
@@ -124,7 +151,8 @@ class Runtime:
                     f"last log lines:\n{self.stderr_tail()}")
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise RuntimeLaunchError(f"runtime server not ready after {timeout:g} s; last log lines:\n{self.stderr_tail()}")
+                raise RuntimeLaunchError(f"runtime server not ready after {timeout:g} s (launch_timeout/startup_timeout); "
+                                         f"last log lines:\n{self.stderr_tail()}")
 
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None

@@ -207,6 +207,7 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)  # the exit hook would only keep this object alive
         if self.rank == 0:
             try:
                 self._broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64))
