@@ -3,8 +3,9 @@
 The transport (client_transport.py) owns the socket in a background thread and routes each reply by
 rid to the sink of the request that asked: a `queue.Queue` for the blocking calls, an asyncio queue
 (fed with `loop.call_soon_threadsafe`) for the async ones. Every wait is bounded by `timeout`, and
-the transport's health checks fail pending requests early when the runtime dies: nothing ever
-hangs on a dead runtime (RuntimeUnavailableError). Error replies raise RuntimeRequestError.
+the transport's liveness tracking (ZMTP heartbeats and a socket monitor, independent of the runtime's
+scheduler steps) fails pending requests early when the runtime dies: nothing ever hangs on a dead
+runtime (RuntimeUnavailableError). Error replies raise RuntimeRequestError.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ _ABORT_ANSWER_WAIT_S = 5.0
 
 
 class RuntimeClient:
-    """`timeout` bounds every wait for a reply. The health check fires after `health_interval` s of
-    silence while requests are pending; `health_timeout` is generous because the runtime answers
-    between scheduler steps, and one large prefill step on a slow CPU can take many seconds."""
+    """`timeout` bounds every wait for a reply. Liveness is ZeroMQ's (client_transport.py): a ZMTP
+    heartbeat every `health_interval` s, answered by the runtime's libzmq I/O thread even while its
+    scheduler is inside a long step. Pending requests fail with RuntimeUnavailableError at once when the
+    runtime process exits, within `health_interval + health_timeout` s when it stops answering heartbeats
+    (stopped, frozen, unreachable host), and after `health_timeout` s without any connection to it."""
 
     def __init__(self, address: str, api_key: str | None = None, timeout: float = 600.0, *,
-                 health_interval: float = 2.0, health_timeout: float = 30.0) -> None:
+                 health_interval: float = 1.0, health_timeout: float = 10.0) -> None:
+        for name, value in (("timeout", timeout), ("health_interval", health_interval), ("health_timeout", health_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds; got {value!r}")
         self.address = address
         self.api_key = api_key
         self.timeout = timeout
@@ -116,6 +122,9 @@ class RuntimeClient:
         return self._call(protocol.ServerInfoReq(self._new_rid(), api_key=self.api_key))
 
     def health(self, timeout: float = 5.0) -> bool:
+        """True when the runtime answers a HealthReq within `timeout` s. The runtime answers between
+        scheduler steps, so this tells "ready to serve soon"; a False during one long step does not mean
+        dead (waiting requests use the heartbeat-based liveness instead)."""
         try:
             self._call(protocol.HealthReq(self._new_rid(), api_key=self.api_key), timeout=timeout)
             return True

@@ -4,14 +4,25 @@ User threads hand encoded messages to the thread through a queue and wake it thr
 socket (whose sending end is lock-protected); the thread routes every reply, by rid, to the sink
 registered for that request (a function taking a Reply or an exception).
 
-Liveness: while requests are pending and nothing has been heard from the runtime for
-`health_interval` seconds, the thread sends a HealthReq; if nothing at all arrives within
-`health_timeout` after that, every pending request's sink gets RuntimeUnavailableError.
+Liveness never depends on the runtime's scheduler loop (which reads its socket only between steps,
+and one step can take a long time). It comes from ZeroMQ itself:
+- ZMTP heartbeats: the DEALER sends a PING every `health_interval` s and libzmq drops the connection
+  when nothing (not even the PONG) arrives within `health_timeout` s. The runtime's libzmq I/O thread
+  answers PINGs without its application thread (and without the GIL), so a runtime inside a long
+  step stays connected; one whose process is stopped (SIGSTOP) or whose host is unreachable does not.
+- A socket monitor on the DEALER reports the connection's handshake and its loss. A runtime process
+  that exits (even by SIGKILL) has its socket closed by the OS, which libzmq sees at once.
+When an established connection is lost, every pending request fails at once with
+RuntimeUnavailableError: their replies will not come (a dead runtime sends none; a live one aborts the
+requests of a peer it cannot reach). The generate requests among them are aborted as well, so that a
+runtime that was only stopped stops working for nobody once it resumes and the DEALER reconnects.
+While there is no connection (never made, or lost), pending requests fail once they have waited
+`health_timeout` s for one. A runtime whose process lives while its scheduler loop hangs keeps
+answering heartbeats: only the client's per-request `timeout` ends that wait.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -21,6 +32,7 @@ from typing import Callable, Union
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sgl_lite.runtime import protocol
 
@@ -28,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 200
 _CLOSE_LINGER_MS = 500
+# The monitor reports only what changes the link's state (not the TCP-level connects and retries).
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 Item = Union[protocol.Reply, BaseException]  # what a request's sink receives
 Sink = Callable[[Item], None]
 
@@ -42,7 +56,8 @@ class RuntimeRequestError(Exception):
 
 
 class RuntimeUnavailableError(ConnectionError):
-    """The runtime did not answer in time: dead, unreachable, or hung."""
+    """The runtime is gone (its process exited or is stopped), cannot be reached, or did not answer a
+    request within the client's `timeout`."""
 
 
 class ClientTransport:
@@ -61,7 +76,6 @@ class ClientTransport:
         self._wake_send = self._context.socket(zmq.PAIR)
         self._wake_send.connect(wake_address)
         self.closed = False
-        self._probe_ids = itertools.count()
         self._thread = threading.Thread(target=self._io_loop, name="sgl-lite-client-io", daemon=True)
         self._thread.start()
 
@@ -121,18 +135,22 @@ class ClientTransport:
 
     def _io_loop(self) -> None:
         dealer = self._context.socket(zmq.DEALER)
-        # A fixed routing id lets a reconnect (server restart, dropped connection) keep its requests.
+        # A fixed routing id: after a reconnect the runtime's ROUTER hands it over to the new connection,
+        # so what this client sends then (the aborts of failed requests, new requests) is still its own.
         dealer.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         # Unbounded queue while the runtime is unreachable: sending never blocks this thread, so the
         # liveness check keeps running and fails the pending requests instead.
         dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, _milliseconds(self._health_interval))
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _milliseconds(self._health_timeout))
+        monitor = dealer.get_monitor_socket(_LINK_EVENTS)  # before connect(): no event may be missed
         dealer.connect(self.address)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
-        last_heard = time.monotonic()
-        probe_sent_at: float | None = None
-        probe_rid = ""
+        link_up = False  # a ZMTP handshake succeeded and the connection has not been lost since
+        waiting_since: float | None = None  # since when pending requests wait for a connection
         try:
             while True:
                 events = dict(poller.poll(_POLL_MS))
@@ -141,27 +159,45 @@ class ClientTransport:
                         self._wake_recv.recv()
                 if not self._flush_outbox(dealer):
                     return
-                if dealer in events:
-                    while dealer.poll(0):
-                        self._route(dealer.recv(), probe_rid)
-                    last_heard, probe_sent_at = time.monotonic(), None
+                # Replies before link events: what arrived before a disconnect is still delivered.
+                self._drain_replies(dealer)
+                if monitor in events:
+                    link_up = self._follow_link(monitor, dealer, link_up)
                 with self._lock:
                     has_pending = bool(self._pending)
                 now = time.monotonic()
-                if not has_pending:
-                    last_heard, probe_sent_at = now, None
-                elif probe_sent_at is None and now - last_heard >= self._health_interval:
-                    probe_rid = f"health-probe-{next(self._probe_ids)}"
-                    dealer.send(protocol.encode(protocol.HealthReq(probe_rid, api_key=self._api_key)), zmq.NOBLOCK)
-                    probe_sent_at = now
-                elif probe_sent_at is not None and now - probe_sent_at > self._health_timeout:
-                    self._fail_all(RuntimeUnavailableError(
-                        f"runtime at {self.address} is not responding: no answer to a health check within "
-                        f"{self._health_timeout:g} s"))
-                    last_heard, probe_sent_at = now, None
+                if link_up or not has_pending:
+                    waiting_since = None
+                elif waiting_since is None:
+                    waiting_since = now
+                elif now - waiting_since > self._health_timeout:
+                    self._fail_all(dealer, f"no connection to it within {self._health_timeout:g} s")
+                    waiting_since = None
         finally:
+            dealer.disable_monitor()
+            monitor.close(linger=0)
             dealer.close(linger=_CLOSE_LINGER_MS)
             self._wake_recv.close(linger=0)
+
+    def _follow_link(self, monitor: zmq.Socket, dealer: zmq.Socket, link_up: bool) -> bool:
+        """Apply the monitor's events; returns whether the link is up afterwards."""
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link_up = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                # Also reported for a handshake that failed (e.g. timed out against a stopped process);
+                # only losing an established connection strands requests already sent on it.
+                if link_up:
+                    self._drain_replies(dealer)
+                    self._fail_all(dealer, "the connection was lost (the process exited or dropped it, or sent "
+                                           f"no ZMTP heartbeat for {self._health_timeout:g} s)")
+                link_up = False
+        return link_up
+
+    def _drain_replies(self, dealer: zmq.Socket) -> None:
+        while dealer.poll(0):
+            self._route(dealer.recv())
 
     def _flush_outbox(self, dealer: zmq.Socket) -> bool:
         """Send everything queued; False when close() asked the thread to stop."""
@@ -174,14 +210,14 @@ class ClientTransport:
                 return False
             dealer.send(data)
 
-    def _route(self, data: bytes, probe_rid: str) -> None:
+    def _route(self, data: bytes) -> None:
         try:
             reply = protocol.decode_reply(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             logger.warning("dropping an undecodable reply from %s: %s", self.address, e)
             return
-        if reply.rid == probe_rid or (isinstance(reply, protocol.InfoReply) and reply.rid == ""):
-            return  # liveness traffic (our probe's answer, the server's keepalive)
+        if isinstance(reply, protocol.InfoReply) and reply.rid == "":
+            return  # the server's keepalive (it finds vanished clients by sending to them)
         with self._lock:
             entry = self._pending.get(reply.rid)
             if entry is not None and not isinstance(reply, protocol.TokenChunk):
@@ -191,8 +227,23 @@ class ClientTransport:
             return
         entry[0](reply)
 
-    def _fail_all(self, error: RuntimeUnavailableError) -> None:
+    def _fail_all(self, dealer: zmq.Socket, reason: str) -> None:
+        """Every pending request gets RuntimeUnavailableError; generate requests are also aborted, so
+        that a runtime which was stopped rather than dead does not finish them for nobody once it runs
+        again (the DEALER queues the aborts until it reconnects)."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        for sink, _ in pending.values():
+        if not pending:
+            return
+        logger.warning("runtime at %s is not responding: %s; failing %d pending request(s)",
+                       self.address, reason, len(pending))
+        error = RuntimeUnavailableError(f"runtime at {self.address} is not responding: {reason}")
+        for rid, (sink, is_generate) in pending.items():
+            if is_generate:
+                dealer.send(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
             sink(error)
+
+
+def _milliseconds(seconds: float) -> int:
+    """libzmq's heartbeat options are whole milliseconds in a C int; 0 would switch heartbeats off."""
+    return min(max(1, round(seconds * 1000)), 2**31 - 1)

@@ -13,6 +13,11 @@ vanished identity raises EHOSTUNREACH; the server then aborts all of that identi
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
+Liveness, the other way round, does not involve this thread: clients send ZMTP heartbeats (PINGs),
+which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
+long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
+between steps: it tells that the runtime is ready to serve, not merely alive.
+
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
 names the cause); an error building one reply costs only that request; anything else raising from a
 scheduler step aborts every request in flight with the error, and the server keeps serving if the
