@@ -81,7 +81,9 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = await anyio.to_thread.run_sync(lambda: _probe(client.health))
+        # Liveness: a runtime inside one long step still answers heartbeats; the probe covers the
+        # first call, before the connection is established.
+        healthy = client.is_connected() or await anyio.to_thread.run_sync(lambda: _probe(client.health))
         if healthy:
             return Response(status_code=200)
         raise HttpError(503, "the runtime is not answering", code="runtime_unavailable")

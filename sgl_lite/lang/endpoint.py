@@ -17,9 +17,6 @@ from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 
 _NAMED_TEMPLATES = {"chatml": CHATML, "llama-3-instruct": LLAMA3}
 _CONNECT_TIMEOUT_S = 10.0
-# The server answers health checks between scheduler steps; on a loaded CPU one step (a long
-# prefill, a grammar compile) can take tens of seconds without the runtime being dead.
-_HEALTH_TIMEOUT_S = 120.0
 
 
 def _zmq_address(base_url: str) -> str:
@@ -35,8 +32,7 @@ class RuntimeEndpoint(BaseBackend):
                  timeout: float = 600.0) -> None:
         self.base_url = _zmq_address(base_url)
         self.api_key = api_key
-        self.client = RuntimeClient(self.base_url, api_key=api_key, timeout=timeout,
-                                    health_timeout=min(timeout, _HEALTH_TIMEOUT_S))
+        self.client = RuntimeClient(self.base_url, api_key=api_key, timeout=timeout)
         if not self.client.health(timeout=min(timeout, _CONNECT_TIMEOUT_S)):
             self.client.close()
             raise RuntimeUnavailableError(

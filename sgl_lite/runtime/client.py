@@ -121,6 +121,11 @@ class RuntimeClient:
     def server_info(self) -> dict[str, Any]:
         return self._call(protocol.ServerInfoReq(self._new_rid(), api_key=self.api_key))
 
+    def is_connected(self) -> bool:
+        """True while the connection to the runtime is established and answering ZMTP heartbeats:
+        the process is alive, even inside a long scheduler step (liveness, not readiness)."""
+        return self._transport.link_up
+
     def health(self, timeout: float = 5.0) -> bool:
         """True when the runtime answers a HealthReq within `timeout` s. The runtime answers between
         scheduler steps, so this tells "ready to serve soon"; a False during one long step does not mean

@@ -76,6 +76,8 @@ class ClientTransport:
         self._wake_send = self._context.socket(zmq.PAIR)
         self._wake_send.connect(wake_address)
         self.closed = False
+        # Whether the DEALER holds an established, heartbeat-live connection (written by the I/O thread).
+        self.link_up = False
         self._thread = threading.Thread(target=self._io_loop, name="sgl-lite-client-io", daemon=True)
         self._thread.start()
 
@@ -193,6 +195,7 @@ class ClientTransport:
                     self._fail_all(dealer, "the connection was lost (the process exited or dropped it, or sent "
                                            f"no ZMTP heartbeat for {self._health_timeout:g} s)")
                 link_up = False
+        self.link_up = link_up
         return link_up
 
     def _drain_replies(self, dealer: zmq.Socket) -> None:
