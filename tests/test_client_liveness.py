@@ -81,13 +81,15 @@ def test_a_peer_silent_longer_than_the_health_timeout_is_waited_for(tmp_path: Pa
     try:
         with RuntimeClient(server.address, timeout=60, **HEALTH) as client:
             started = time.monotonic()
-            waiter = threading.Thread(target=lambda: client.generate("wait for me"))
+            texts: list[str] = []
+            waiter = threading.Thread(target=lambda: texts.append(client.generate("wait for me").text))
             waiter.start()
             time.sleep(3 * HEALTH["health_timeout"])
             # Inside the silence: connected (liveness, what HTTP /health reports), not answering (readiness).
             assert client.is_connected()
             assert not client.health(timeout=HEALTH["health_timeout"])
             waiter.join()
+            assert texts == ["done"]
             assert time.monotonic() - started >= 6 * HEALTH["health_timeout"]  # the silence really happened
     finally:
         server.close()
