@@ -425,11 +425,12 @@ def test_flush_cache_only_when_idle() -> None:
 # ---------------------------------------------------------------- randomized
 
 
-@pytest.mark.parametrize("policy,num_reqs", [("lpm", 300), ("fcfs", 120), ("dfs-weight", 120), ("lof", 120), ("random", 120)])
-def test_randomized_workload_with_eviction_retraction_and_aborts(policy: str, num_reqs: int) -> None:
+@pytest.mark.parametrize("policy,num_reqs,mixed", [("lpm", 300, False), ("fcfs", 120, False), ("dfs-weight", 120, False),
+                                                   ("lof", 120, False), ("random", 120, False), ("lpm", 200, True)])
+def test_randomized_workload_with_eviction_retraction_and_aborts(policy: str, num_reqs: int, mixed: bool) -> None:
     rng = random.Random(sum(map(ord, policy)))
     sched, _ = make(slots=160, max_running_requests=12, chunked_prefill_size=16, schedule_policy=policy,
-                    random_seed=1, lpm_fallback_threshold=40, schedule_conservativeness=0.3)
+                    random_seed=1, lpm_fallback_threshold=40, schedule_conservativeness=0.3, enable_mixed_chunk=mixed)
     prefixes = [prompt_of(1000 + i, rng.randrange(5, 50)) for i in range(6)]
     reqs: list[Req] = []
     done: dict[str, Req] = {}

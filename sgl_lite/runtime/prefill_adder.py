@@ -63,14 +63,16 @@ class PrefillAdder:
         new_token_ratio: float,
         max_prefill_tokens: int,
         chunk_size: int | None,
+        mixed_decode_tokens: int = 0,
     ) -> None:
         self.tree_cache = tree_cache
         self.allocator = allocator
         self.new_token_ratio = new_token_ratio
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunk_size
+        # Decode tokens riding in the same forward (--enable-mixed-chunk) use the same budgets.
+        self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = chunk_size - mixed_decode_tokens if chunk_size is not None else None
         self.rem_total_offset = sum(reserved_output(r, new_token_ratio) for r in running)
-        self.cur_rem_offset = 0
+        self.cur_rem_offset = mixed_decode_tokens
         self.plans: list[PlannedExtend] = []
         self.new_chunked_req: Req | None = None
         self.hit_tokens = 0

@@ -167,8 +167,11 @@ class Scheduler:
         """Run at most one forward; return every request with new output or a finish since the last step."""
         changed, self._reports = self._reports, []
         self._collect_grammars(changed)
+        num_prefill = 0
         batch = self._prefill_batch()
-        if batch is None:
+        if batch is not None:
+            num_prefill = len(batch.reqs) - (len(self.running) if self.args.enable_mixed_chunk else 0)
+        else:
             batch = self._decode_batch(changed)
         if batch is not None:
             self.num_forward_steps += 1
@@ -177,10 +180,10 @@ class Scheduler:
             except Exception as e:  # a failed forward costs the requests of its batch, not the runtime
                 self._fail_batch(batch, e, changed)
             else:
-                if batch.is_decode:
-                    self._process_decode(batch, output, changed)
-                else:
-                    self._process_prefill(batch, output, changed)
+                # A mixed batch (--enable-mixed-chunk) has the running requests' decode rows after its prefill rows.
+                self._process_decode(batch, output, changed, start=num_prefill)
+                if not batch.is_decode:
+                    self._process_prefill(batch, output, changed, end=num_prefill)
         if not self.running and self.chunked_req is None:
             self.new_token_ratio = self.init_new_token_ratio
         return changed
@@ -221,8 +224,9 @@ class Scheduler:
     def _prefill_batch(self) -> ForwardBatch | None:
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None
+        mixed = len(self.running) if self.args.enable_mixed_chunk else 0
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.chunk_size)
+                             self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         rows_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
@@ -272,7 +276,10 @@ class Scheduler:
                 plan.req.cached_tokens = cached
                 self.cached_tokens_total += cached
                 self.prompt_tokens_total += len(plan.req.input_ids)
-        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans], is_decode=False, borrows=borrows)
+        # Preemption may have shrunk `running` since the adder reserved room for `mixed` decode tokens.
+        decodes = [(r, 1) for r in self.running] if mixed else []
+        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
+                                   borrows=borrows + [None] * len(decodes))
 
     def _in_batch_borrows(self, plans: list[PlannedExtend]) -> list[Borrow | None]:
         if self.tree_cache.disable or self.args.disable_in_batch_prefix_sharing:
@@ -317,10 +324,12 @@ class Scheduler:
         logger.debug("preempted %d request(s) for %s", len(victims), req.rid)
         return len(victims)
 
-    def _process_prefill(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req]) -> None:
+    def _process_prefill(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req], end: int) -> None:
+        """Rows [0, end) of `batch` (the prefill rows)."""
         # What this batch leaves in the tree or frees can change what fits: look at the queue again.
         self.batch_is_full = False
-        for i, req in enumerate(batch.reqs):
+        for i in range(end):
+            req = batch.reqs[i]
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.kv_len < req.seq_len:
                 req.is_chunked = True
@@ -388,8 +397,10 @@ class Scheduler:
         self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
         logger.debug("retracted %d request(s); new_token_ratio %.3f", len(retracted), self.new_token_ratio)
 
-    def _process_decode(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req]) -> None:
-        for i, req in enumerate(batch.reqs):
+    def _process_decode(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req], start: int = 0) -> None:
+        """Rows [start, end of batch) (decode rows: one new token each, all in self.running)."""
+        for i in range(start, len(batch.reqs)):
+            req = batch.reqs[i]
             req.kv_len += 1
             self._append_token(req, output.next_token_ids[i])
             changed.append(req)
