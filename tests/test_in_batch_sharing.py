@@ -14,7 +14,7 @@ import torch
 
 from fake_runner import FakeRunner
 from sgl_lite.runtime.engine import Engine
-from sgl_lite.runtime.in_batch_sharing import SharePlan, find_borrows
+from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex
 from sgl_lite.runtime.request import FinishKind
 from sgl_lite.runtime.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
@@ -22,21 +22,22 @@ from test_engine import hf_greedy
 from test_scheduler import CharTokenizer, expected, make, prompt_of, req, run_to_end
 
 
-def test_find_borrows_picks_earliest_holder_within_limits() -> None:
+def test_batch_prefix_index_names_the_earliest_holder_within_limits() -> None:
     shared = list(range(100, 140))  # 40 tokens
-    parts = [
-        SharePlan(shared + [1, 2, 3], 0, 43, 42),
-        SharePlan(shared + [4, 5], 0, 42, 41),  # borrows 40 from part 0
-        SharePlan(shared + [4, 5] + [6] * 30, 0, 72, 71),  # 40 from part 0, then 2 from part 1
-        SharePlan(shared + [7], 0, 41, 10),  # may share only 10 (< 16): no borrow
-        SharePlan(shared[:20] + [8] * 5, 20, 5, 24),  # its tree prefix covers the shared part
-        SharePlan(list(range(500, 540)), 0, 40, 39),  # nothing in common
-    ]
-    borrows = find_borrows(parts, min_tokens=16)
-    assert borrows[0] is None and borrows[3] is None and borrows[4] is None and borrows[5] is None
-    assert borrows[1] is not None and borrows[1].lenders.tolist() == [0] * 40
-    assert borrows[2] is not None and borrows[2].lenders.tolist() == [0] * 40 + [1] * 2
-    assert find_borrows(parts[:1]) == [None]
+    index = BatchPrefixIndex(min_tokens=16)
+    index.add(shared + [1, 2, 3], 43, 0)
+    b1 = index.borrow(shared + [4, 5], 0, 41)
+    assert b1 is not None and b1.lenders.tolist() == [0] * 40
+    index.add(shared + [4, 5], 42, 1)
+    b2 = index.borrow(shared + [4, 5] + [6] * 30, 0, 71)  # 40 from plan 0, then 2 from plan 1
+    assert b2 is not None and b2.lenders.tolist() == [0] * 40 + [1] * 2
+    assert index.borrow(shared + [7], 0, 10) is None  # may share only 10 (< 16)
+    assert index.borrow(shared[:20] + [8] * 5, 20, 24) is None  # its own prefix covers the shared part
+    b3 = index.borrow(shared + [9], 10, 40)  # from its prefix on, up to what it may share
+    assert b3 is not None and b3.lenders.tolist() == [0] * 30
+    assert index.borrow(list(range(500, 540)), 0, 39) is None  # nothing in common
+    index.add(shared[:30], 20, 2)  # held range shorter than the key
+    assert BatchPrefixIndex().borrow(shared, 0, 39) is None  # empty index
 
 
 def _prefill_records(runner: FakeRunner) -> list:
@@ -138,3 +139,33 @@ def test_engine_batch_sharing_a_prefix_matches_transformers(tiny_llama_dir: Path
         engine.core.scheduler.check_invariant()
     finally:
         engine.shutdown()
+
+
+def test_borrowed_tokens_leave_room_in_the_chunk_budget() -> None:
+    # 8 x (256 shared + 64) = 2560 prompt tokens against a 2048-token chunk: computing the shared part
+    # once (256 + 8 x 64 = 768) fits, so all eight run in one forward and none is chunked.
+    sched, runner = make(chunked_prefill_size=2048)
+    shared = prompt_of(6, 256)
+    reqs = [req(f"s{i}", shared + [10 + i] + prompt_of(60 + i, 63), max_new=3) for i in range(8)]  # tails differ at once
+    for r in reqs:
+        sched.add_request(r)
+    run_to_end(sched)
+    first = _prefill_records(runner)[0]
+    assert first.rids == [r.rid for r in reqs]
+    assert first.extend_lens == [320] + [64] * 7
+    assert [r.cached_tokens for r in reqs] == [0] + [256] * 7
+    assert all(r.output_ids == expected(r) for r in reqs)
+
+
+def test_a_chunked_request_can_borrow() -> None:
+    sched, runner = make(chunked_prefill_size=300)
+    shared = prompt_of(7, 200)
+    a, b = req("a", shared + prompt_of(70, 40), max_new=3), req("b", shared + prompt_of(71, 150), max_new=3)
+    for r in (a, b):
+        sched.add_request(r)
+    run_to_end(sched)
+    first, second = _prefill_records(runner)[:2]
+    # a computes 240; b borrows 200 and computes the 60 the chunk has left; then b's remaining 90.
+    assert first.rids == ["a", "b"] and first.prefix_lens == [0, 200] and first.extend_lens == [240, 60]
+    assert second.rids == ["b"] and second.prefix_lens == [260] and second.extend_lens == [90]
+    assert b.cached_tokens == 200 and b.output_ids == expected(b) and a.output_ids == expected(a)

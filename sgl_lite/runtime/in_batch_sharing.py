@@ -30,22 +30,9 @@ MIN_SHARED_TOKENS = 16
 
 
 @dataclass
-class SharePlan:
-    """One request's part of a prefill batch, as in-batch sharing sees it."""
-
-    fill_ids: Sequence[int]
-    # Tokens whose KV the request already has (tree prefix or earlier chunks) and tokens it computes now.
-    prefix_len: int
-    extend_len: int
-    # How far its prompt may be reused (prefix_match_key: the last token and logprob-scored
-    # positions are always computed); 0 = this request must not borrow.
-    shareable_len: int
-
-
-@dataclass
 class Borrow:
-    """`positions` [prefix_len, prefix_len + len) of the borrower read the slots that `lenders[k]`
-    (batch indices, all smaller than the borrower's) hold at the same positions."""
+    """Positions [prefix_len, prefix_len + length) of the borrower read the slots that `lenders[k]`
+    (plan indices, all smaller than the borrower's) hold at the same positions."""
 
     lenders: torch.Tensor  # int64 [length]
 
@@ -54,26 +41,28 @@ class Borrow:
         return int(self.lenders.numel())
 
 
-def find_borrows(parts: Sequence[SharePlan], min_tokens: int = MIN_SHARED_TOKENS) -> list[Borrow | None]:
-    """For each part (in batch order), the tokens it can borrow from earlier parts, or None.
+class BatchPrefixIndex:
+    """The token ranges the plans admitted so far in this round will hold after the forward.
 
-    Part i may borrow tokens [prefix_len_i, s) when an earlier part j has the same tokens and holds
-    their KV by the end of this forward (its prefix or its new tokens): s - prefix_len_i >= min_tokens
-    and s <= shareable_len_i. Lenders may themselves be borrowers (chains resolve in batch order).
+    A pool-free radix tree whose "slots" are plan indices: insert keeps existing values, so each
+    position names the earliest plan that holds it (its lender).
     """
-    borrows: list[Borrow | None] = [None] * len(parts)
-    if len(parts) < 2:
-        return borrows
-    # Pool-free radix tree over this batch's token ranges; a "slot" is the batch index that holds
-    # the position first (insert keeps existing values, so the earliest holder stays the lender).
-    seen = RadixCache(None, None)
-    for i, part in enumerate(parts):
-        start, end = part.prefix_len, part.shareable_len
-        if end - start >= min_tokens:
-            match = seen.match_prefix(part.fill_ids[:end])
-            if match.length - start >= min_tokens:
-                borrows[i] = Borrow(lenders=match.slots[start : match.length].clone())
-        held = part.prefix_len + part.extend_len
-        seen.insert(part.fill_ids[:held], torch.full((held,), i, dtype=torch.int64))
-    return borrows
 
+    def __init__(self, min_tokens: int = MIN_SHARED_TOKENS) -> None:
+        self.min_tokens = min_tokens
+        self._tree = RadixCache(None, None)
+
+    def borrow(self, fill_ids: Sequence[int], prefix_len: int, shareable_len: int) -> Borrow | None:
+        """What a request whose KV covers [0, prefix_len) can read for positions [prefix_len, s), with
+        s <= shareable_len (prefix_match_key: the last token and logprob-scored positions are always
+        computed); None below `min_tokens`."""
+        if shareable_len - prefix_len < self.min_tokens:
+            return None
+        match = self._tree.match_prefix(fill_ids[:shareable_len])
+        if match.length - prefix_len < self.min_tokens:
+            return None
+        return Borrow(lenders=match.slots[prefix_len : match.length].clone())
+
+    def add(self, fill_ids: Sequence[int], held_len: int, plan_index: int) -> None:
+        """Plan `plan_index` will hold the KV of fill_ids[:held_len] after the forward."""
+        self._tree.insert(fill_ids[:held_len], torch.full((held_len,), plan_index, dtype=torch.int64))

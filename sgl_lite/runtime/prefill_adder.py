@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
+from sgl_lite.runtime.in_batch_sharing import Borrow
 from sgl_lite.runtime.memory import SlotAllocator
 from sgl_lite.runtime.radix_cache import MatchResult, RadixCache
 from sgl_lite.runtime.request import Req
@@ -42,7 +43,10 @@ class PlannedExtend:
     req: Req
     # New admissions: the cached prefix to start from (locked). None for the in-flight chunked request.
     match: MatchResult | None
+    # Tokens after the prefix this round covers: the first `borrow.length` read an earlier plan's KV
+    # (in-batch prefix sharing), the rest are computed.
     extend_len: int
+    borrow: Borrow | None = None
 
 
 def remaining_output(req: Req) -> int:
@@ -125,9 +129,13 @@ class PrefillAdder:
         if not last_chunk:
             self.new_chunked_req = req
 
-    def add_one_req(self, req: Req, match: MatchResult, alone: bool) -> tuple[bool, AddResult]:
-        """Try to admit `req` starting from `match`; returns (admitted, budget state)."""
-        extend_len = req.seq_len - match.length
+    def add_one_req(self, req: Req, match: MatchResult, alone: bool, borrow: Borrow | None = None) -> tuple[bool, AddResult]:
+        """Try to admit `req` starting from `match` (then `borrow`); returns (admitted, budget state).
+
+        Borrowed tokens cost no slot and no compute: only the computed ones count against the budgets.
+        """
+        borrowed = borrow.length if borrow is not None else 0
+        extend_len = req.seq_len - match.length - borrowed  # computed tokens
         total_tokens = extend_len + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
         if not alone and total_tokens >= self.rem_total_tokens:
             return False, AddResult.NO_TOKEN
@@ -142,14 +150,14 @@ class PrefillAdder:
             if extend_len > self.cur_rem_tokens:
                 self.tree_cache.dec_lock_ref(match.last_node)
                 return False, AddResult.NO_TOKEN
-            self.plans.append(PlannedExtend(req, match, extend_len))
+            self.plans.append(PlannedExtend(req, match, borrowed + extend_len, borrow))
             self._update_budget(extend_len, min(remaining_output(req), CLIP_MAX_NEW_TOKENS))
         else:
             chunk = min(self.rem_chunk_tokens, self.cur_rem_tokens)
             if chunk <= 0:
                 self.tree_cache.dec_lock_ref(match.last_node)
                 return False, AddResult.OTHER
-            self.plans.append(PlannedExtend(req, match, chunk))
+            self.plans.append(PlannedExtend(req, match, borrowed + chunk, borrow))
             self.new_chunked_req = req
             self._update_budget(chunk, 0)
         self.hit_tokens += match.length

@@ -29,8 +29,8 @@ from typing import Any
 
 from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.in_batch_sharing import Borrow, SharePlan, find_borrows
-from sgl_lite.runtime.prefill_adder import AddResult, PlannedExtend, PrefillAdder, reserved_output
+from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex
+from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
 from sgl_lite.runtime.req_kv import ReqKV
 from sgl_lite.runtime.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.scheduler_admission import AdmissionChecks
@@ -229,6 +229,11 @@ class Scheduler:
                              self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
+        sharing = None
+        if not self.tree_cache.disable and not self.args.disable_in_batch_prefix_sharing:
+            sharing = BatchPrefixIndex()
+            for i, plan in enumerate(adder.plans):  # the chunked request lends what it holds
+                sharing.add(plan.req.fill_ids, plan.req.kv_len + plan.extend_len, i)
         rows_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
         max_new = self.args.prefill_max_requests
         # Admission stops at the first request it cannot take (or one past the row limit, when no
@@ -247,14 +252,17 @@ class Scheduler:
                     break
                 rows_left += freed
             alone = not self.running and not adder.plans and self.chunked_req is None
-            ok, result = adder.add_one_req(req, match, alone)
+            borrow = sharing.borrow(req.fill_ids, match.length, len(prefix_match_key(req))) if sharing else None
+            ok, result = adder.add_one_req(req, match, alone, borrow)
             if not ok and result is AddResult.NO_TOKEN:
                 freed = self._preempt_for(req, match, adder, need_row=False)
                 if freed:
                     rows_left += freed
-                    ok, result = adder.add_one_req(req, match, alone)
+                    ok, result = adder.add_one_req(req, match, alone, borrow)
             if ok:
                 admitted.append(req)
+                if sharing is not None:
+                    sharing.add(req.fill_ids, match.length + adder.plans[-1].extend_len, len(adder.plans) - 1)
             if result is not AddResult.CONTINUE:
                 if result is AddResult.NO_TOKEN:
                     self.batch_is_full = True
@@ -268,7 +276,7 @@ class Scheduler:
         for plan in adder.plans:
             if plan.match is not None:
                 self.kv.start(plan.req, plan.match)
-        borrows = self._in_batch_borrows(adder.plans)
+        borrows = [plan.borrow for plan in adder.plans]
         for plan, borrow in zip(adder.plans, borrows):
             if plan.match is not None and plan.req.num_retractions == 0 and plan.req.num_preemptions == 0:
                 # Borrowed tokens count as cached: their KV is reused, not computed for this request.
@@ -280,17 +288,6 @@ class Scheduler:
         decodes = [(r, 1) for r in self.running] if mixed else []
         return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
                                    borrows=borrows + [None] * len(decodes))
-
-    def _in_batch_borrows(self, plans: list[PlannedExtend]) -> list[Borrow | None]:
-        if self.tree_cache.disable or self.args.disable_in_batch_prefix_sharing:
-            return [None] * len(plans)
-        # Only a request whose whole remaining prompt is in this batch borrows (a chunk may end
-        # inside the shared part); any request lends what it holds.
-        return find_borrows([
-            SharePlan(p.req.fill_ids, p.req.kv_len, p.extend_len,
-                      len(prefix_match_key(p.req)) if p.req.kv_len + p.extend_len == len(p.req.fill_ids) else 0)
-            for p in plans
-        ])
 
     def _preempt_for(self, req: Req, match: Any, adder: PrefillAdder, need_row: bool) -> int:
         """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
