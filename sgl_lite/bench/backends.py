@@ -44,6 +44,15 @@ class GenerationBackend(abc.ABC):
     def close(self) -> None:
         ...
 
+    def replica_prompt_tokens(self) -> list[int] | None:
+        """Prompt tokens each replica of the system has served so far (its counters), for systems
+        that spread requests over replicas; None for the others."""
+        return None
+
+    async def close_async_resources(self) -> None:
+        """Release what is bound to the running event loop (connection pools). The driver calls it
+        at the end of every loop in which it used the backend; the default holds nothing."""
+
     async def warm_up(self) -> None:
         """One short request, so one-time costs (lazy init, allocator growth) stay out of the run."""
         async for _ in self.stream([1, 2, 3, 4], 2):

@@ -10,14 +10,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
+from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts at import
 from sgl_lite.runtime.server_args import ServerArgs
 
 SYSTEM_NAMES = ("sgl_lite", "no-cache", "hf")
+# `router-dpN`: the benchmark starts N replicas behind sglang-router (sgl_lite.cluster) and drives
+# the router over HTTP.
+ROUTER_SYSTEM_PREFIX = "router-dp"
 # Set by the benchmark itself, per system, so not passed through.
 _OWN_SERVER_FIELDS = frozenset({"model_path", "host", "port", "disable_radix_cache", "api_key"})
 
@@ -25,9 +30,12 @@ _OWN_SERVER_FIELDS = frozenset({"model_path", "host", "port", "disable_radix_cac
 @dataclass
 class BenchConfig:
     model_path: str = "smollm2-135m"
-    address: str | None = None  # a running runtime to use as the sgl_lite system
+    address: str | None = None  # a running runtime to use as the sgl_lite system (ZeroMQ)
+    url: str | None = None  # a running HTTP server or router to use as the sgl_lite system
     api_key: str | None = None
     systems: tuple[str, ...] = SYSTEM_NAMES
+    router_policy: str = "cache_aware"
+    router_args: str = ""  # extra sglang-router flags, one shell-style string
     workload: str = "multiturn-agent"
     seed: int = 1
     # multiturn-agent
@@ -60,9 +68,22 @@ class BenchConfig:
     server_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        unknown = [s for s in self.systems if s not in SYSTEM_NAMES]
+        unknown = [s for s in self.systems if s not in SYSTEM_NAMES and router_dp_size(s) is None]
         if unknown or not self.systems:
-            raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)}; got {','.join(self.systems) or 'nothing'}")
+            raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)}, {ROUTER_SYSTEM_PREFIX}N "
+                             f"(N >= 1); got {','.join(self.systems) or 'nothing'}")
+        if len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"--systems lists a system twice: {','.join(self.systems)}")
+        if self.address and self.url:
+            raise ValueError("give at most one of --address (ZeroMQ) and --url (HTTP) for the sgl_lite system")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must start with http:// or https://; got {self.url!r}")
+        try:
+            shlex.split(self.router_args)
+        except ValueError as e:
+            raise ValueError(f"--router-args is not a valid flag string ({e}): {self.router_args!r}") from None
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}; got {self.router_policy!r}")
         if self.workload not in WORKLOAD_NAMES:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}; got {self.workload!r}")
         if not self.request_rate > 0:
@@ -75,6 +96,14 @@ class BenchConfig:
         if bad:
             raise ValueError(f"server args set by the benchmark itself cannot be passed: {', '.join(bad)}")
         ServerArgs.from_kwargs(**self.server_args)  # names any bad value
+
+
+def router_dp_size(system: str) -> int | None:
+    """N for a `router-dpN` system name, None for any other name."""
+    suffix = system.removeprefix(ROUTER_SYSTEM_PREFIX)
+    if suffix == system or not suffix.isdigit() or int(suffix) < 1:
+        return None
+    return int(suffix)
 
 
 def make_workload(config: BenchConfig, vocab: Vocabulary) -> Workload:
@@ -96,9 +125,15 @@ def make_workload(config: BenchConfig, vocab: Vocabulary) -> Workload:
 
 _HELP = {
     "model_path": "Model for started runtimes and the hf baseline (alias, .gguf or HF folder).",
-    "address": "Use this running runtime as the sgl_lite system (its cache is flushed first).",
-    "api_key": "Key of the runtime at --address.",
-    "systems": f"Comma-separated systems to measure, in order: {','.join(SYSTEM_NAMES)}.",
+    "address": "Use this running runtime (ZeroMQ) as the sgl_lite system (its cache is flushed first).",
+    "url": "Use this running HTTP server or sglang-router (http://host:port) as the sgl_lite system, "
+           "driven through SGLang's native /generate (its cache is flushed first).",
+    "api_key": "Key of the runtime at --address or the server at --url.",
+    "systems": f"Comma-separated systems to measure, in order: some of {','.join(SYSTEM_NAMES)}, and "
+               f"{ROUTER_SYSTEM_PREFIX}N: N replicas (one CPU share each) behind sglang-router, driven over HTTP.",
+    "router_policy": f"sglang-router policy of the {ROUTER_SYSTEM_PREFIX}N systems.",
+    "router_args": f"Extra sglang-router flags for the {ROUTER_SYSTEM_PREFIX}N systems, as one string "
+                   "(--router-args='--cache-threshold 0.82').",
     "workload": "Workload generator.",
     "seed": "Seed of every random choice (prompts, observation lengths, arrivals).",
     "agent_num_sessions": "multiturn-agent: concurrent agent sessions.",
@@ -150,6 +185,8 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
             parser.add_argument(flag, default=",".join(f.default), help=help_text)
         elif f.name == "workload":
             parser.add_argument(flag, default=f.default, choices=WORKLOAD_NAMES, help=help_text)
+        elif f.name == "router_policy":
+            parser.add_argument(flag, default=f.default, choices=ROUTER_POLICIES, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=help_text)
     group = parser.add_argument_group("runtime server args (passed to every runtime the benchmark starts)")

@@ -1,9 +1,11 @@
 """The load driver: serve one workload on each selected system in turn and report.
 
 Systems run one after another, never side by side (this box has two cores): `sgl_lite` (the runtime
-at --address, or one started with the given server args), `no-cache` (a second runtime with
---disable-radix-cache) and `hf` (the naive transformers server, in process). Each starts cold: a
-warm-up request, then its prefix cache is flushed.
+at --address over ZeroMQ, the HTTP server or router at --url, or a runtime started with the given
+server args), `no-cache` (a second runtime with --disable-radix-cache), `hf` (the naive transformers
+server, in process) and `router-dpN` (N replicas behind sglang-router, started here with
+sgl_lite.cluster, driven over HTTP). Each starts cold: warm-up requests, then its prefix cache is
+flushed.
 
 Arrivals: sessions start all at once (--request-rate inf) or as a Poisson process; turn t+1 of a
 session is sent only when turn t has finished; at most --max-concurrency requests are in flight.
@@ -19,6 +21,7 @@ import dataclasses
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -29,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sgl_lite.bench.backends import GenerationBackend, RuntimeBackend
-from sgl_lite.bench.config import BenchConfig, make_workload, parse_config
+from sgl_lite.bench.config import BenchConfig, make_workload, parse_config, router_dp_size
 from sgl_lite.bench.metrics import RequestRecord, summarize
 from sgl_lite.bench.report import markdown_table, per_turn_table, ratio_lines, throughput_ratios, write_json, write_plots
 from sgl_lite.bench.workloads import Session, Vocabulary, Workload
@@ -102,6 +105,13 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
     """Start (or connect to) one system; the caller closes it."""
     if name == "sgl_lite" and config.address:
         return RuntimeBackend(name, _patient_client(config.address, config.api_key))
+    if name == "sgl_lite" and config.url:
+        from sgl_lite.bench.http_backend import HTTPBackend
+
+        return HTTPBackend(name, config.url, api_key=config.api_key)
+    dp_size = router_dp_size(name)
+    if dp_size is not None:
+        return _open_router_cluster(name, dp_size, config)
     if name in ("sgl_lite", "no-cache"):
         from sgl_lite.runtime.launcher import Runtime
 
@@ -117,6 +127,20 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
     raise ValueError(f"unknown system {name!r}")
 
 
+def _open_router_cluster(name: str, dp_size: int, config: BenchConfig) -> GenerationBackend:
+    """`dp_size` replicas (each pinned to its share of the CPUs) behind sglang-router, as `sgl-lite
+    serve --dp-size N --http-port P` runs them; the backend drives the router and owns the cluster."""
+    from sgl_lite.bench.http_backend import HTTPBackend
+    from sgl_lite.cluster import Cluster, free_port
+    from sgl_lite.runtime.server_args import ServerArgs
+
+    args = ServerArgs.from_kwargs(model_path=config.model_path, **config.server_args)
+    cluster = Cluster(args, dp_size, free_port(), config.router_policy, startup_timeout=config.startup_timeout,
+                      router_args=shlex.split(config.router_args))
+    cluster.start()
+    return HTTPBackend(name, cluster.url, api_key=args.api_key, worker_urls=cluster.worker_urls, owned=cluster)
+
+
 def _patient_client(address: str, api_key: str | None) -> Any:
     """A client that tolerates long silences: the server answers health checks only between steps,
     and under a benchmark's load one step (a long prefill on a busy CPU) can take many seconds."""
@@ -126,10 +150,18 @@ def _patient_client(address: str, api_key: str | None) -> Any:
 
 
 def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
-    """The model every system serves (the --address runtime's, when given) and its prompt vocabulary."""
+    """The model every system serves (that of the --address runtime or --url server, when given) and
+    its prompt vocabulary."""
     from sgl_lite.runtime import loader
 
     model_path = config.model_path
+    if config.url:
+        import httpx2
+
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        response = httpx2.get(config.url.rstrip("/") + "/get_model_info", headers=headers, timeout=60.0)
+        response.raise_for_status()
+        model_path = str(response.json().get("model_path") or model_path)
     if config.address:
         from sgl_lite.runtime.client import RuntimeClient
 
@@ -143,20 +175,38 @@ def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
 def measure_system(name: str, config: BenchConfig, workload: Workload) -> dict[str, Any]:
     logger.info("starting system %s", name)
     backend = open_system(name, config)
+
+    replica_tokens: list[int] | None = None
+
+    async def warm_up_then_run() -> tuple[list[RequestRecord], float, float, float]:
+        nonlocal replica_tokens
+        # One event loop for the whole measurement: HTTP connection pools are bound to it.
+        try:
+            await backend.warm_up()
+            backend.reset()  # blocking calls are fine here: nothing is in flight
+            tokens_before = backend.replica_prompt_tokens()
+            load_before = os.getloadavg()[0]
+            records, duration = await run_workload(
+                backend, workload, request_rate=config.request_rate, max_concurrency=config.max_concurrency,
+                seed=config.seed, progress=config.progress)
+            load_after = os.getloadavg()[0]
+            tokens_after = backend.replica_prompt_tokens()
+            if tokens_before is not None and tokens_after is not None:
+                replica_tokens = [after - before for before, after in zip(tokens_before, tokens_after)]
+            return records, duration, load_before, load_after
+        finally:
+            await backend.close_async_resources()
+
     try:
-        asyncio.run(backend.warm_up())
-        backend.reset()
-        load_before = os.getloadavg()[0]
-        records, duration = asyncio.run(run_workload(
-            backend, workload, request_rate=config.request_rate, max_concurrency=config.max_concurrency,
-            seed=config.seed, progress=config.progress))
-        load_after = os.getloadavg()[0]
+        records, duration, load_before, load_after = asyncio.run(warm_up_then_run())
     finally:
         backend.close()
     summary = summarize(name, records, duration, note=backend.latency_note)
     # Other work on the machine skews a comparison of systems measured one after another: keep the record.
     summary["load_avg_1m"] = [load_before, load_after]
     summary["failed"] = workload.num_requests - summary["completed"]  # including turns never sent
+    if replica_tokens is not None:
+        summary["replica_prompt_tokens"] = replica_tokens  # how the router spread the work
     if summary["errors"]:
         logger.warning("%s: %d of %d requests failed: %s", name, summary["failed"], workload.num_requests,
                        "; ".join(summary["errors"]))
@@ -208,5 +258,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench_serving") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request otherwise
     run_benchmark(config)
     return 0

@@ -34,6 +34,8 @@ def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
     notes = ["- ideal hit rate: an infinite cache holding every earlier-sent request's prompt + output "
              "(requests sent together cannot really share: an upper bound)"]
     notes += [f"- {s['system']}: {s['note']}" for s in summaries if s.get("note")]
+    notes += [f"- {s['system']}: prompt tokens served per replica: {_shares(s['replica_prompt_tokens'])}"
+              for s in summaries if s.get("replica_prompt_tokens")]
     if all("load_avg_1m" in s for s in summaries):
         loads = ", ".join(f"{s['system']} {s['load_avg_1m'][0]:.1f}->{s['load_avg_1m'][1]:.1f}" for s in summaries)
         notes.append(f"- machine load (1-min average, start->end of each run): {loads}")
@@ -41,26 +43,34 @@ def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
     return "\n".join([*lines, "", *notes])
 
 
+def _shares(counts: Sequence[int]) -> str:
+    total = sum(counts)
+    return " / ".join(f"{c} ({c / total:.0%})" if total else str(c) for c in counts)
+
+
 def throughput_ratios(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """sgl_lite's throughput over each baseline's (the same machine and run: noise mostly cancels)."""
+    """Throughput ratios of systems measured in the same run (same machine: noise mostly cancels).
+
+    With sgl_lite measured: sgl_lite over each other system (the baselines). Without it (say
+    router-dp1,router-dp2): every later system over the first one listed."""
     by_name = {s["system"]: s for s in summaries}
-    ref = by_name.get(REFERENCE_SYSTEM)
-    if ref is None:
-        return []
+    if REFERENCE_SYSTEM in by_name:
+        ref = by_name[REFERENCE_SYSTEM]
+        pairs = [(ref, s) for s in summaries if s is not ref]
+    else:
+        pairs = [(s, summaries[0]) for s in summaries[1:]]
     out = []
-    for s in summaries:
-        if s is ref:
-            continue
-        row: dict[str, Any] = {"baseline": s["system"]}
+    for system, baseline in pairs:
+        row: dict[str, Any] = {"system": system["system"], "baseline": baseline["system"]}
         for key in ("request_throughput", "output_throughput", "input_throughput"):
-            row[key] = ref[key] / s[key] if s[key] else None
+            row[key] = system[key] / baseline[key] if baseline[key] else None
         out.append(row)
     return out
 
 
 def ratio_lines(ratios: Sequence[dict[str, Any]]) -> str:
     return "\n".join(
-        f"{REFERENCE_SYSTEM} / {r['baseline']}: req/s x{_num(r['request_throughput'], '.2f')}, "
+        f"{r['system']} / {r['baseline']}: req/s x{_num(r['request_throughput'], '.2f')}, "
         f"out tok/s x{_num(r['output_throughput'], '.2f')}, in tok/s x{_num(r['input_throughput'], '.2f')}"
         for r in ratios)
 
