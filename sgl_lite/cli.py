@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import logging
 import re
+import shlex
 import sys
 import types
 import typing
@@ -102,8 +103,11 @@ def main() -> None:
                    "behind sglang-router on --http-host/--http-port (needs the `router` extra).")
 @click.option("--router-policy", type=click.Choice(ROUTER_POLICIES), default="cache_aware", show_default=True,
               help="sglang-router's routing policy when --dp-size > 1.")
+@click.option("--router-args", default="", show_default=True,
+              help="sgl_lite: extra sglang-router flags when --dp-size > 1, one shell-quoted string (they override "
+                   "sgl_lite's router defaults, e.g. --router-args='--balance-abs-threshold 64').")
 def serve(http_port: int | None, http_host: str, served_model_name: str | None, dp_size: int, router_policy: str,
-          **values: Any) -> None:
+          router_args: str, **values: Any) -> None:
     """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM, optionally with its HTTP front;
     with --dp-size N, N replicas behind sglang-router."""
     args = build_server_args(values)
@@ -117,7 +121,7 @@ def serve(http_port: int | None, http_host: str, served_model_name: str | None, 
 
         try:
             sys.exit(launch_cluster(args, dp_size, http_port, router_policy, http_host=http_host,
-                                    served_model_name=served_model_name))
+                                    served_model_name=served_model_name, router_args=shlex.split(router_args)))
         except ClusterError as e:
             raise click.ClickException(str(e)) from None
     from sgl_lite.runtime.loader import LoaderError

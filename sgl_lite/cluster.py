@@ -78,8 +78,13 @@ def router_command(worker_urls: list[str], host: str, port: int, policy: str, lo
     The router takes its API key from SGL_LITE_API_KEY in its environment (none when unset), never
     from this command line, which any local user can read with `ps`.
     """
+    # cache_aware balances load only when replicas differ by more than --balance-abs-threshold requests
+    # in flight (64 by default): agent sessions sharing a long system prompt would all match one replica
+    # and leave the others idle (measured in README, "Scale-out"). At 1 it balances first turns, and
+    # later turns still follow their cached session. Flags given later (router_args) override this.
+    balance = ["--balance-abs-threshold", "1"] if policy == "cache_aware" else []
     return [sys.executable, "-c", _ROUTER_BOOTSTRAP, "--host", host, "--port", str(port),
-            "--policy", policy, "--worker-urls", *worker_urls,
+            "--policy", policy, *balance, "--worker-urls", *worker_urls,
             "--prometheus-host", _LOOPBACK, "--prometheus-port", str(free_port()),
             "--log-level", {"warning": "warn"}.get(log_level, log_level)]
 
@@ -211,13 +216,15 @@ class Cluster:
 
 
 def launch_cluster(args: ServerArgs, dp: int, http_port: int, router_policy: str = "cache_aware", *,
-                   http_host: str = _LOOPBACK, served_model_name: str | None = None) -> int:
+                   http_host: str = _LOOPBACK, served_model_name: str | None = None,
+                   router_args: list[str] | None = None) -> int:
     """Run a cluster in the foreground until SIGINT/SIGTERM; return the exit code for the CLI.
 
     args.host/args.port are not used: replicas bind loopback on free ports, and only the router
     listens outside, on http_host:http_port.
     """
-    cluster = Cluster(args, dp, http_port, router_policy, http_host=http_host, served_model_name=served_model_name)
+    cluster = Cluster(args, dp, http_port, router_policy, http_host=http_host, served_model_name=served_model_name,
+                      router_args=router_args)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
