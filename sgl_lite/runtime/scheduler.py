@@ -10,9 +10,10 @@ Each step (SGLang 0.5.7's event loop, without overlap):
 3. outputs: append tokens, check stops; prefilled prompts and finished requests' KV go into the
    radix tree. A prefill batch may share a prefix computed in that very batch (in_batch_sharing.py).
 
-Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, req_kv.py owns slot
-bookkeeping (and the accounting `check_invariant` verifies), stop_checker.py decides finishes,
-scheduler_admission.py validates requests before they are queued.
+Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, preemption.py picks
+who gives way (retraction, priority preemption), in_batch_sharing.py finds prefixes shared within a
+prefill batch, req_kv.py owns slot bookkeeping (and the accounting `check_invariant` verifies),
+stop_checker.py decides finishes, scheduler_admission.py validates requests before they are queued.
 A request that leaves (finish, abort, retraction, preemption) gives its computed KV to the tree
 (`cache_finished_req`), so a retracted or preempted request resumes from its cached prefix.
 
@@ -30,6 +31,7 @@ from typing import Any
 from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
 from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex
+from sgl_lite.runtime.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
 from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
 from sgl_lite.runtime.req_kv import ReqKV
 from sgl_lite.runtime.request import FinishKind, FinishReason, Req
@@ -42,8 +44,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-# SGLang's SGLANG_RETRACT_DECODE_STEPS: after a retraction, reserve this many steps per remaining request.
-RETRACT_DECODE_STEPS = 20
 
 
 class QueueFullError(ValueError):
@@ -296,21 +296,12 @@ class Scheduler:
         """
         if not self.args.enable_priority_scheduling or not self.running:
             return 0
-        threshold = self.args.priority_scheduling_preemption_threshold
-        now, urgency_of = self.clock(), self.policy.urgency
-        urgency = urgency_of(req, now)
-        # Least urgent first; among equals the most recently queued first.
-        candidates = sorted(self.running, key=lambda r: (-urgency_of(r, now), -r.queue_enter_time))
-        short = adder.tokens_short(req, match)
-        victims: list[Req] = []
-        for r in candidates:
-            if short <= 0 and (victims or not need_row):
-                break
-            if urgency_of(r, now) - urgency <= threshold:
-                break  # candidates only get more urgent from here
-            victims.append(r)
-            short -= reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len)
-        if not victims or short > 0:
+        now = self.clock()
+        victims = preemption_victims(
+            self.running, self.policy.urgency(req, now), lambda r: self.policy.urgency(r, now),
+            self.args.priority_scheduling_preemption_threshold, adder.tokens_short(req, match), need_row,
+            lambda r: reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len))
+        if not victims:
             return 0
         for r in victims:
             self.running.remove(r)
@@ -364,7 +355,7 @@ class Scheduler:
 
     def _retract(self, changed: list[Req]) -> None:
         """SGLang's retract_decode: put back the requests with the fewest outputs (then longest prompts)."""
-        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        order = retraction_order(self.running)
         retracted: list[Req] = []
         while not self.kv.ensure_free(len(order)):
             if len(order) == 1:
@@ -389,9 +380,7 @@ class Scheduler:
         self.running = [r for r in self.running if r in kept]
         self.num_retractions += len(retracted)
         self.batch_is_full = False
-        decoded = sum(len(r.output_ids) for r in self.running)
-        max_new = sum(r.sampling_params.max_new_tokens for r in self.running)
-        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
+        self.new_token_ratio = new_token_ratio_after_retraction(self.running)
         logger.debug("retracted %d request(s); new_token_ratio %.3f", len(retracted), self.new_token_ratio)
 
     def _process_decode(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req], start: int = 0) -> None:
