@@ -131,14 +131,7 @@ def test_multiturn_over_http_equals_zeromq_and_later_turns_hit_the_cache(live: L
         assert r.output_ids == zmq_by_turn[key(r)].output_ids  # greedy: same tokens over either transport
         assert r.prompt_tokens == len(r.prompt_ids) and r.completion_tokens == len(r.output_ids) == 5
         assert len(r.chunk_times) >= 2  # streamed, not one reply at the end
-    by_session: dict[int, list[RequestRecord]] = {}
-    for r in over_http:
-        by_session.setdefault(r.session_id, []).append(r)
-    for turns in by_session.values():
-        turns.sort(key=lambda r: r.turn)
-        # Each later turn reuses at least the previous turn's prompt (the session's history).
-        for earlier, later in zip(turns, turns[1:]):
-            assert later.cached_tokens >= earlier.prompt_tokens, (earlier.prompt_tokens, later.cached_tokens)
+    assert_later_turns_reuse_history(over_http)
 
 
 def test_bench_command_line_drives_a_running_http_server(live: Live, tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -198,6 +191,12 @@ def test_router_system_keeps_sessions_on_their_cached_replica(tiny_llama_dir: Pa
     assert sum(served) == sum(r.prompt_tokens for r in records)
     # cache_aware routing sent each later turn to the replica holding the session's history, and
     # the replica's meta_info came back through the router.
+    assert_later_turns_reuse_history(records)
+    assert repeat["cached_tokens"] == 0  # reset() flushed whichever replica held that prompt
+
+
+def assert_later_turns_reuse_history(records: list[RequestRecord]) -> None:
+    """Each later turn of a session reports at least the previous turn's prompt as cached."""
     by_session: dict[int, list[RequestRecord]] = {}
     for r in records:
         by_session.setdefault(r.session_id, []).append(r)
@@ -205,4 +204,3 @@ def test_router_system_keeps_sessions_on_their_cached_replica(tiny_llama_dir: Pa
         turns.sort(key=lambda r: r.turn)
         for earlier, later in zip(turns, turns[1:]):
             assert later.cached_tokens >= earlier.prompt_tokens, (earlier.prompt_tokens, later.cached_tokens)
-    assert repeat["cached_tokens"] == 0  # reset() flushed whichever replica held that prompt
