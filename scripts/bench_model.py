@@ -19,20 +19,24 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_lite.runtime.forward_batch import ForwardBatch
-from sgl_lite.runtime.loader import resolve_model_path
-from sgl_lite.runtime.memory import SlotAllocator
-from sgl_lite.runtime.model_runner import ModelRunner
-from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import Req
-from sgl_lite.runtime.server_args import ServerArgs
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from sgl_lite.runtime.forward_batch import ForwardBatch  # noqa: E402
+from sgl_lite.runtime.loader import resolve_model_path  # noqa: E402
+from sgl_lite.runtime.memory import SlotAllocator  # noqa: E402
+from sgl_lite.runtime.model_runner import ModelRunner  # noqa: E402
+from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
+from sgl_lite.runtime.request import Req  # noqa: E402
+from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 DTYPE_FLAGS = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 
