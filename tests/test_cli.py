@@ -96,3 +96,29 @@ def test_fetch_model_names_a_missing_path(tmp_path):
     result = CliRunner().invoke(main, ["fetch-model", str(missing)])
     assert result.exit_code == 1
     assert str(missing) in result.output
+
+
+def test_serve_dp_router_args_reach_the_router_and_override_its_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sglang_router")
+    import sgl_lite.cluster as cluster
+    from sglang_router.launch_router import parse_router_args
+
+    seen: dict = {}
+
+    def fake_launch(args, dp, http_port, router_policy="cache_aware", **kw):  # stands in for the processes
+        seen.update(dp=dp, policy=router_policy, router_args=kw["router_args"])
+        return 0
+
+    monkeypatch.setattr(cluster, "launch_cluster", fake_launch)
+    result = CliRunner().invoke(main, ["serve", "--dp-size", "2", "--http-port", "18000",
+                                       "--router-args=--balance-abs-threshold 64 --cache-threshold 0.5"])
+    assert result.exit_code == 0, result.output
+    assert seen["dp"] == 2 and seen["router_args"] == ["--balance-abs-threshold", "64", "--cache-threshold", "0.5"]
+    # The command Cluster runs: sgl_lite's default first, the user's flags after it, as the router parses them.
+    cmd = cluster.router_command(["http://127.0.0.1:1"], "127.0.0.1", 18000, seen["policy"])
+    default = parse_router_args(cmd[3:])
+    assert default.balance_abs_threshold == 1
+    overridden = parse_router_args(cmd[3:] + seen["router_args"])
+    assert overridden.balance_abs_threshold == 64 and overridden.cache_threshold == 0.5
+    plain = parse_router_args(cluster.router_command(["http://127.0.0.1:1"], "127.0.0.1", 18000, "round_robin")[3:])
+    assert plain.balance_abs_threshold == 64  # sglang-router's own default when not cache_aware
