@@ -43,7 +43,7 @@ _STOP_TIMEOUT_S = 10.0
 # `--api-key`: this runs the same launcher with the key from the environment instead.
 _ROUTER_BOOTSTRAP = ("import os, sys; from sglang_router.launch_router import launch_router, parse_router_args; "
                      "router_args = parse_router_args(sys.argv[1:]); "
-                     f"router_args.api_key = os.environ.get({API_KEY_ENV!r}) or None; launch_router(router_args)")
+                     f"router_args.api_key = os.environ.get({API_KEY_ENV!r}) or router_args.api_key; launch_router(router_args)")
 
 
 class ClusterError(RuntimeError):
@@ -80,8 +80,10 @@ def router_command(worker_urls: list[str], host: str, port: int, policy: str, lo
     """
     # cache_aware balances load only when replicas differ by more than --balance-abs-threshold requests
     # in flight (64 by default): agent sessions sharing a long system prompt would all match one replica
-    # and leave the others idle (measured in README, "Scale-out"). At 1 it balances first turns, and
-    # later turns still follow their cached session. Flags given later (router_args) override this.
+    # and leave the others idle (measured in README, "Scale-out"). At 1 it sends a request to the
+    # least-loaded replica whenever loads differ by 2+ requests (and by 1.5x), else by cache match: in
+    # the measured agent runs first turns spread 50/50 and later turns kept their cache. Flags given
+    # later (router_args) override this.
     balance = ["--balance-abs-threshold", "1"] if policy == "cache_aware" else []
     return [sys.executable, "-c", _ROUTER_BOOTSTRAP, "--host", host, "--port", str(port),
             "--policy", policy, *balance, "--worker-urls", *worker_urls,

@@ -169,3 +169,50 @@ def test_a_chunked_request_can_borrow() -> None:
     assert first.rids == ["a", "b"] and first.prefix_lens == [0, 200] and first.extend_lens == [240, 60]
     assert second.rids == ["b"] and second.prefix_lens == [260] and second.extend_lens == [90]
     assert b.cached_tokens == 200 and b.output_ids == expected(b) and a.output_ids == expected(a)
+
+
+def _no_slot_twice_on_the_free_list(sched) -> None:
+    free = sched.allocator._free.tolist()
+    assert len(free) == len(set(free)), "a slot is on the free list twice (double free)"
+
+
+def test_lender_slots_freed_as_duplicates_are_not_freed_again_by_the_borrower_mixed() -> None:
+    # D decodes the tokens A and B then share; with mixed chunks D finishes (its outputs enter the tree)
+    # in the same forward, before A's insert, so A frees its copy of those 18 tokens as duplicates.
+    sched, runner = make(enable_mixed_chunk=True)
+    prompt = prompt_of(1, 20)
+    d = req("D", prompt, max_new=20, ignore_eos=True)
+    sched.add_request(d)
+    while len(d.output_ids) < 19:
+        sched.step()
+    a = req("A", d.fill_ids[:38] + prompt_of(2, 5), max_new=4, ignore_eos=True)
+    b = req("B", d.fill_ids[:38] + prompt_of(3, 5), max_new=4, ignore_eos=True)
+    for r in (a, b):
+        sched.add_request(r)
+    sched.step()
+    assert runner.records[-1].rids == ["A", "B", "D"] and runner.records[-1].prefix_lens == [20, 38, 38]
+    assert d.finished
+    _no_slot_twice_on_the_free_list(sched)
+    sched.check_invariant()
+    done = run_to_end(sched)
+    assert done["A"].output_ids == expected(a) and done["B"].output_ids == expected(b)
+
+
+def test_lender_slots_freed_as_duplicates_are_not_freed_again_by_the_borrower_preemption() -> None:
+    # Same, with the tree gaining V's outputs during admission: V is preempted to give C a row.
+    sched, runner = make(max_running_requests=3, enable_priority_scheduling=True)
+    v = req("V", prompt_of(1, 20), max_new=40, priority=0, ignore_eos=True)
+    sched.add_request(v)
+    while len(v.output_ids) < 20:
+        sched.step()
+    a = req("A", v.fill_ids[:38] + prompt_of(2, 5), max_new=4, priority=100, ignore_eos=True)
+    b = req("B", v.fill_ids[:38] + prompt_of(3, 5), max_new=4, priority=100, ignore_eos=True)
+    c = req("C", prompt_of(4, 6), max_new=4, priority=100, ignore_eos=True)
+    for r in (a, b, c):
+        sched.add_request(r)
+    sched.step()
+    assert sched.num_preemptions == 1 and runner.records[-1].prefix_lens[:2] == [20, 38]
+    _no_slot_twice_on_the_free_list(sched)
+    sched.check_invariant()
+    done = run_to_end(sched)
+    assert all(done[r.rid].output_ids == expected(r) for r in (a, b, c, v))

@@ -163,7 +163,8 @@ class PrefillAdder:
         self.hit_tokens += match.length
         return True, self.budget_state()
 
-    def tokens_short(self, req: Req, match: MatchResult) -> float:
+    def tokens_short(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> float:
         """How many more budget tokens `req` needs to pass the NO_TOKEN check (<= 0: none)."""
-        total_tokens = req.seq_len - match.length + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
+        borrowed = borrow.length if borrow is not None else 0
+        total_tokens = req.seq_len - match.length - borrowed + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
         return total_tokens - self.rem_total_tokens + 1

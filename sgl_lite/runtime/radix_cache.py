@@ -264,10 +264,12 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.last_node = None
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: Req, borrowed: int = 0) -> None:
         """After a prefill chunk: cache the computed tokens and make the row point at the tree's slots.
 
         Sets req.prefix_len = req.kv_len and moves the request's lock to the new last node.
+        `borrowed`: row[prefix_len : prefix_len + borrowed] holds slots of other requests of the same
+        batch (in-batch sharing), already in the tree by now; they are never this request's to free.
         """
         if self.disable:
             return
@@ -276,7 +278,7 @@ class RadixCache:
         self.insert(key, row[: req.kv_len])
         match = self.match_prefix(key)
         assert match.length == req.kv_len, "a just-inserted key must match in full"
-        self._free_own_duplicates(req, row, match.slots)
+        self._free_own_duplicates(req, row, match.slots, borrowed)
         row[: req.kv_len] = match.slots
         # Lock the new path before unlocking the old one, so the shared part never looks evictable.
         self.inc_lock_ref(match.last_node)
@@ -294,12 +296,14 @@ class RadixCache:
             )
         return self.req_to_token.table[req.req_pool_idx]
 
-    def _free_own_duplicates(self, req: Req, row: torch.Tensor, tree_slots: torch.Tensor) -> None:
-        """Free the request's own slots (past prefix_len) for tokens the tree already held under other slots."""
+    def _free_own_duplicates(self, req: Req, row: torch.Tensor, tree_slots: torch.Tensor, borrowed: int = 0) -> None:
+        """Free the request's own slots (past prefix_len + borrowed) for tokens the tree already held
+        under other slots."""
         p = req.prefix_len
         assert torch.equal(row[:p], tree_slots[:p]), f"request {req.rid!r}: its locked prefix is not the tree's"
-        own = row[p : req.kv_len]
-        self._free(own[own != tree_slots[p:]])
+        own_start = p + borrowed
+        own = row[own_start : req.kv_len]
+        self._free(own[own != tree_slots[own_start:]])
 
     def _free(self, slots: torch.Tensor) -> None:
         if self.allocator is not None and slots.numel():

@@ -167,11 +167,8 @@ class Scheduler:
         """Run at most one forward; return every request with new output or a finish since the last step."""
         changed, self._reports = self._reports, []
         self._collect_grammars(changed)
-        num_prefill = 0
-        batch = self._prefill_batch()
-        if batch is not None:
-            num_prefill = len(batch.reqs) - (len(self.running) if self.args.enable_mixed_chunk else 0)
-        else:
+        batch, num_prefill = self._prefill_batch()
+        if batch is None:
             batch = self._decode_batch(changed)
         if batch is not None:
             self.num_forward_steps += 1
@@ -221,9 +218,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill_batch(self) -> ForwardBatch | None:
+    def _prefill_batch(self) -> tuple[ForwardBatch | None, int]:
+        """The next prefill batch (None: decode instead) and how many of its rows are prefill rows
+        (with --enable-mixed-chunk, the running requests' decode rows follow them)."""
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
-            return None
+            return None, 0
         mixed = len(self.running) if self.args.enable_mixed_chunk else 0
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
@@ -245,17 +244,17 @@ class Scheduler:
             if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
                 break
             match = matches.get(req) or self.tree_cache.match_prefix(prefix_match_key(req))
+            borrow = sharing.borrow(req.fill_ids, match.length, len(prefix_match_key(req))) if sharing else None
             if len(admitted) >= rows_left:
-                freed = self._preempt_for(req, match, adder, need_row=True)
+                freed = self._preempt_for(req, match, borrow, adder, need_row=True)
                 if not freed:
                     self.batch_is_full = True
                     break
                 rows_left += freed
             alone = not self.running and not adder.plans and self.chunked_req is None
-            borrow = sharing.borrow(req.fill_ids, match.length, len(prefix_match_key(req))) if sharing else None
             ok, result = adder.add_one_req(req, match, alone, borrow)
             if not ok and result is AddResult.NO_TOKEN:
-                freed = self._preempt_for(req, match, adder, need_row=False)
+                freed = self._preempt_for(req, match, borrow, adder, need_row=False)
                 if freed:
                     rows_left += freed
                     ok, result = adder.add_one_req(req, match, alone, borrow)
@@ -268,7 +267,7 @@ class Scheduler:
                     self.batch_is_full = True
                 break
         if not adder.plans:
-            return None
+            return None, 0
         admission_time = self.clock()
         for req in admitted:
             self._dequeue(req)
@@ -286,10 +285,11 @@ class Scheduler:
                 self.prompt_tokens_total += len(plan.req.input_ids)
         # Preemption may have shrunk `running` since the adder reserved room for `mixed` decode tokens.
         decodes = [(r, 1) for r in self.running] if mixed else []
-        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
-                                   borrows=borrows + [None] * len(decodes))
+        batch = self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
+                                    borrows=borrows + [None] * len(decodes))
+        return batch, len(adder.plans)
 
-    def _preempt_for(self, req: Req, match: Any, adder: PrefillAdder, need_row: bool) -> int:
+    def _preempt_for(self, req: Req, match: Any, borrow: Any, adder: PrefillAdder, need_row: bool) -> int:
         """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
 
         Returns how many were preempted (0: none, and nothing changed).
@@ -299,7 +299,7 @@ class Scheduler:
         now = self.clock()
         victims = preemption_victims(
             self.running, self.policy.urgency(req, now), lambda r: self.policy.urgency(r, now),
-            self.args.priority_scheduling_preemption_threshold, adder.tokens_short(req, match), need_row,
+            self.args.priority_scheduling_preemption_threshold, adder.tokens_short(req, match, borrow), need_row,
             lambda r: reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len))
         if not victims:
             return 0
@@ -318,16 +318,19 @@ class Scheduler:
         self.batch_is_full = False
         for i in range(end):
             req = batch.reqs[i]
+            # Tokens read from an earlier request of this batch (in-batch sharing): not this one's slots.
+            borrowed = batch.prefix_lens[i] - req.kv_len
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.kv_len < req.seq_len:
                 req.is_chunked = True
-                self.tree_cache.cache_unfinished_req(req)
+                self.tree_cache.cache_unfinished_req(req, borrowed)
                 self.chunked_req = req
                 continue
             # The prompt goes into the tree now (as in SGLang), so requests arriving while this one
             # decodes can reuse it. Batch order puts in-batch lenders in before their borrowers, so
-            # a borrower's lock moves onto the path holding the slots it read: one owner per slot.
-            self.tree_cache.cache_unfinished_req(req)
+            # a borrower's lock moves onto the path holding what it read, and its row onto the tree's
+            # slots there (a lender may have freed its own copy as a duplicate of a newer tree entry).
+            self.tree_cache.cache_unfinished_req(req, borrowed)
             req.is_chunked = False
             if self.chunked_req is req:
                 self.chunked_req = None

@@ -40,7 +40,7 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new tokens in one prefill batch."})
     prefill_max_requests: int | None = field(default=None, metadata={"help": "Max requests in one prefill batch (None: unbounded)."})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "Prompts longer than this are prefilled in chunks (None: 2048 on CPU, 8192 on CUDA; -1 disables)."})
-    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same forward as a prefill batch, so a prefill does not pause decoding (their tokens come out of the chunk and prefill budgets)."})
+    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same forward as a prefill batch, so a prefill does not pause decoding (their tokens come out of the chunk and prefill budgets; a failed forward then aborts them too)."})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
 
     # Queue policy.
