@@ -306,3 +306,40 @@ def test_a_killed_runtime_fails_every_waiting_client_well_before_the_health_time
     for i, (error, when) in outcomes.items():
         assert isinstance(error, RuntimeUnavailableError) and "connection was lost" in str(error), (i, error)
         assert when - killed_at < health_timeout, f"client {i} failed only after {when - killed_at:.1f} s"
+
+
+def test_http_health_stays_ok_through_one_long_step(slow_runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.error
+    import urllib.request
+
+    from sgl_lite.http import app as http_app
+    from sgl_lite.http.launch import HttpServerThread
+
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(f"{http.url}/health", timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    # The readiness probe gives up well inside one STEP_S step, so only the grace can answer 200.
+    monkeypatch.setattr(http_app, "HEALTH_TIMEOUT_S", STEP_S / 5)
+    client = RuntimeClient(slow_runtime.address, timeout=60, **HEALTH)
+    http = HttpServerThread(http_app.create_app(client))
+    try:
+        assert status() == 200  # idle: the probe answers
+        busy = threading.Thread(target=lambda: client.generate("a long step", sampling_params={"max_new_tokens": 1}))
+        busy.start()
+        time.sleep(STEP_S / 3)
+        assert not client.health(timeout=STEP_S / 5)  # inside a step: not ready...
+        assert status() == 200  # ...but alive, and ready a moment ago
+        busy.join()
+        monkeypatch.setattr(http_app, "STEP_GRACE_S", 0.0)
+        busy = threading.Thread(target=lambda: client.generate("another", sampling_params={"max_new_tokens": 1}))
+        busy.start()
+        time.sleep(STEP_S / 3)
+        assert status() == 503  # without the grace, a silent loop counts as not serving
+        busy.join()
+    finally:
+        http.stop()
+        client.close()

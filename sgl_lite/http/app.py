@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from typing import Any, Callable
 
 import anyio
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
 HEALTH_TIMEOUT_S = 2.0
+# How long /health stays 200 for a runtime that is connected (answering ZMTP heartbeats) but whose
+# scheduler loop has not answered a readiness probe: one long step may take this long; a loop that
+# stays silent longer is taken as hung, so a router stops sending it work.
+STEP_GRACE_S = 60.0
 
 
 def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
@@ -79,12 +84,15 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         _count_failure(request, metrics, error)
         return error.response()
 
+    last_ready: list[float] = []  # when the scheduler loop last answered a readiness probe
+
     @app.get("/health")
     async def health() -> Response:
-        # Liveness: a runtime inside one long step still answers heartbeats; the probe covers the
-        # first call, before the connection is established.
-        healthy = client.is_connected() or await anyio.to_thread.run_sync(lambda: _probe(client.health))
-        if healthy:
+        if await anyio.to_thread.run_sync(lambda: _probe(client.health)):
+            last_ready[:] = [time.monotonic()]
+            return Response(status_code=200)
+        # Busy in one long step: alive (heartbeats) and ready not long ago.
+        if client.is_connected() and last_ready and time.monotonic() - last_ready[0] < STEP_GRACE_S:
             return Response(status_code=200)
         raise HttpError(503, "the runtime is not answering", code="runtime_unavailable")
 
