@@ -84,20 +84,14 @@ class RuntimeClient:
         rid, request = self._generate_req(text, input_ids, sampling_params, stream=True, **options)
         replies: asyncio.Queue[Item] = asyncio.Queue()
         self._submit(rid, request, self._async_sink(replies), is_generate=True)
-        done = False
         try:
             while True:
                 reply = self._expect(await self._async_wait(replies, rid), (TokenChunk, Finished))
                 if isinstance(reply, Finished):
-                    done = True
                     return
                 yield reply
-        except RuntimeRequestError:
-            done = True
-            raise
         finally:
-            if not done:
-                self._transport.abandon(rid)
+            self._transport.abandon(rid)  # a no-op once a final reply arrived; aborts a stream left early
 
     def abort(self, rid: str) -> None:
         """Abort one of this client's requests; RuntimeRequestError when the runtime does not know it."""
@@ -215,17 +209,11 @@ class RuntimeClient:
         return item
 
     def _iterate_stream(self, rid: str, replies: queue.Queue[Item]) -> Iterator[TokenChunk]:
-        done = False
         try:
             while True:
                 reply = self._expect(self._wait(replies, rid), (TokenChunk, Finished))
                 if isinstance(reply, Finished):
-                    done = True
                     return
                 yield reply
-        except RuntimeRequestError:
-            done = True
-            raise
         finally:
-            if not done:
-                self._transport.abandon(rid)
+            self._transport.abandon(rid)  # a no-op once a final reply arrived; aborts a stream left early
