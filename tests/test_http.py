@@ -23,6 +23,7 @@ from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.launcher import Runtime
+from test_client import FakeRouter
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -368,44 +369,20 @@ def test_dead_runtime_gives_500_and_unhealthy(tmp_path: Path) -> None:
         dead.close()
 
 
-class ScriptedRuntime:
+def scripted_runtime(answer: Any) -> FakeRouter:
     """A ZeroMQ ROUTER speaking the runtime protocol with canned generate answers, for outcomes a
     live tiny runtime cannot be driven into on demand (a full queue, an abort mid-stream)."""
+    from sgl_lite.runtime import protocol
 
-    def __init__(self, answer: Any) -> None:
-        import zmq
+    def handler(msg: protocol.Request) -> list[Any]:
+        if isinstance(msg, protocol.GenerateReq):
+            return answer(msg)
+        if isinstance(msg, protocol.ServerInfoReq):
+            return [protocol.InfoReply(msg.rid, {"model_path": None, "served_model_name": "scripted",
+                                                 "chat_template": "{{ messages[0]['content'] }}"})]
+        return [protocol.InfoReply(msg.rid, {"ok": True})]
 
-        self._answer = answer
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self.address = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        from sgl_lite.runtime import protocol
-
-        while not self._stop.is_set():
-            if not self._socket.poll(20):
-                continue
-            identity, data = self._socket.recv_multipart()
-            msg = protocol.decode_request(data)
-            if isinstance(msg, protocol.GenerateReq):
-                replies = self._answer(msg)
-            elif isinstance(msg, protocol.ServerInfoReq):
-                replies = [protocol.InfoReply(msg.rid, {"model_path": None, "served_model_name": "scripted",
-                                                        "chat_template": "{{ messages[0]['content'] }}"})]
-            else:
-                replies = [protocol.InfoReply(msg.rid, {"ok": True})]
-            for reply in replies:
-                self._socket.send_multipart([identity, protocol.encode(reply)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
-        self._context.term()
+    return FakeRouter(handler)
 
 
 def test_full_queue_gets_503_and_a_mid_stream_abort_an_error_event() -> None:
@@ -417,7 +394,7 @@ def test_full_queue_gets_503_and_a_mid_stream_abort_an_error_event() -> None:
         return [protocol.TokenChunk(msg.rid, "partial", [1], {"prompt_tokens": 1, "completion_tokens": 1}),
                 protocol.ErrorReply(msg.rid, "retracted too often", "aborted")]
 
-    scripted = ScriptedRuntime(answer)
+    scripted = scripted_runtime(answer)
     client = RuntimeClient(scripted.address, timeout=10)
     http = HttpServerThread(create_app(client))
     try:
