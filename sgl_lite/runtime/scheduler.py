@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex, Borrow
 from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex
 from sgl_lite.runtime.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
 from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
+from sgl_lite.runtime.radix_cache import MatchResult
 from sgl_lite.runtime.req_kv import ReqKV
 from sgl_lite.runtime.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.scheduler_admission import AdmissionChecks
@@ -289,7 +290,8 @@ class Scheduler:
                                     borrows=borrows + [None] * len(decodes))
         return batch, len(adder.plans)
 
-    def _preempt_for(self, req: Req, match: Any, borrow: Any, adder: PrefillAdder, need_row: bool) -> int:
+    def _preempt_for(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
+                     need_row: bool) -> int:
         """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
 
         Returns how many were preempted (0: none, and nothing changed).
