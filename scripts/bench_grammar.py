@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import xgrammar
 
-from sgl_lite.runtime.grammar import GrammarBackend, apply_grammar_masks
+from sgl_lite.runtime.sampling.grammar import GrammarBackend, apply_grammar_masks
 from sgl_lite.runtime.protocol import SamplingParams
 
 BENCH_SCHEMA = {
@@ -51,7 +51,7 @@ BENCH_SCHEMA_FREE_STRINGS = {
 def default_tokenizer() -> tuple[Any, int, str]:
     """(tokenizer, model vocab size, name): SmolLM2 via the loader if available, else the tiny one."""
     try:
-        from sgl_lite.runtime import loader
+        from sgl_lite.runtime.model_executor import loader
 
         folder = loader.resolve_model_path("smollm2-135m")
         return loader.load_tokenizer(folder), loader.load_config(folder).vocab_size, "smollm2-135m"
@@ -120,8 +120,8 @@ def decode_step_ms(batch: int, steps: int = 8) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_model import RunnerBench
 
-    from sgl_lite.runtime.loader import resolve_model_path
-    from sgl_lite.runtime.model_runner import ModelRunner
+    from sgl_lite.runtime.model_executor.loader import resolve_model_path
+    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
     from sgl_lite.runtime.server_args import ServerArgs
 
     model_dir = resolve_model_path("smollm2-135m")

@@ -30,12 +30,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.runtime.forward_batch import ForwardBatch  # noqa: E402
-from sgl_lite.runtime.loader import resolve_model_path  # noqa: E402
-from sgl_lite.runtime.memory import SlotAllocator  # noqa: E402
-from sgl_lite.runtime.model_runner import ModelRunner  # noqa: E402
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
+from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
+from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator  # noqa: E402
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
-from sgl_lite.runtime.request import Req  # noqa: E402
+from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 DTYPE_FLAGS = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.runtime import loader  # noqa: E402
-from sgl_lite.runtime.core import RuntimeCore, eos_ids_of  # noqa: E402
-from sgl_lite.runtime.model_runner import ModelRunner  # noqa: E402
+from sgl_lite.runtime.model_executor import loader  # noqa: E402
+from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 PHASES = ("scheduler", "runner prep", "model", "LM head", "sampling")
@@ -111,8 +111,8 @@ def measure_batch(core: RuntimeCore, timer: PhaseTimer, batch: int, prompt_len: 
 @torch.inference_mode()
 def measure_baseline(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
     """Median time of model + LM head + argmax for `batch` decode tokens, inputs and metadata built once."""
-    from sgl_lite.runtime.attention import AttentionMetadata
-    from sgl_lite.runtime.memory import SlotAllocator
+    from sgl_lite.runtime.layers.attention import AttentionMetadata
+    from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
 
     alloc = SlotAllocator(runner.num_slots)
     rows = [runner.req_to_token.alloc() for _ in range(batch)]

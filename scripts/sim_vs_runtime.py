@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from sgl_lite.bench.workloads import Vocabulary, multiturn_agent
-from sgl_lite.runtime.core import RuntimeCore
+from sgl_lite.runtime.server.core import RuntimeCore
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.sim.cost_model import CostModel
 from sgl_lite.sim.simulator import RequestResult, SimResult, replay, simulate, summarize

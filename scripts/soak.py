@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_lite.runtime import protocol  # noqa: E402
-from sgl_lite.runtime.engine import Engine  # noqa: E402
-from sgl_lite.runtime.fault_injection import ENV_VAR  # noqa: E402
-from sgl_lite.runtime.launcher import Runtime, _child_env  # noqa: E402
+from sgl_lite.runtime.server.engine import Engine  # noqa: E402
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
+from sgl_lite.lang.launcher import Runtime, _child_env  # noqa: E402
 from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
     accounting_problems,

@@ -66,7 +66,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from sgl_lite.runtime.engine import Engine
+        from sgl_lite.runtime.server.engine import Engine
 
         return Engine
     if name == "RuntimeEndpoint":

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
-from sgl_lite.http.launch import API_KEY_ENV
+from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
@@ -124,8 +124,8 @@ def serve(http_port: int | None, http_host: str, served_model_name: str | None, 
                                     served_model_name=served_model_name, router_args=shlex.split(router_args)))
         except ClusterError as e:
             raise click.ClickException(str(e)) from None
-    from sgl_lite.runtime.loader import LoaderError
-    from sgl_lite.runtime.server import run_server
+    from sgl_lite.runtime.model_executor.loader import LoaderError
+    from sgl_lite.runtime.server.transport import run_server
 
     http_process = None
     if http_port is not None:
@@ -190,7 +190,7 @@ def bench(bench_args: tuple[str, ...]) -> None:
 @click.argument("model", default="smollm2-135m")
 def fetch_model(model: str) -> None:
     """Resolve MODEL (alias, .gguf file or HF folder) into a cached HF folder and print its path."""
-    from sgl_lite.runtime.loader import LoaderError, resolve_model_path
+    from sgl_lite.runtime.model_executor.loader import LoaderError, resolve_model_path
 
     try:
         click.echo(str(resolve_model_path(model)))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
-from sgl_lite.http.launch import API_KEY_ENV
+from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Cluster:
                     self.dp, ", ".join(self.worker_urls))
 
     def _spawn_replica(self, index: int, cpus: list[int]) -> _Child:
-        from sgl_lite.runtime.launcher import serve_command
+        from sgl_lite.lang.launcher import serve_command
 
         cmd = serve_command(self.args.replace(host=_LOOPBACK, port=0))
         # Affinity is set in the child before it imports torch, so every thread it starts inherits it.
@@ -174,12 +174,12 @@ class Cluster:
 
     def _env(self, threads: int | None) -> dict[str, str]:
         """A child's environment; the API key travels here, never on a command line (`ps` shows those)."""
-        from sgl_lite.runtime.launcher import api_key_env
+        from sgl_lite.lang.launcher import api_key_env
 
         return api_key_env(_child_env(threads), self.args.api_key)
 
     def _wait_replica_ready(self, replica: _Child, deadline: float) -> str:
-        from sgl_lite.runtime.server import READY_PREFIX as RUNTIME_READY
+        from sgl_lite.runtime.protocol import READY_PREFIX as RUNTIME_READY
 
         ready = threading.Event()
         address: list[str] = []

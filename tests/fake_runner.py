@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.memory import ReqToTokenPool
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003

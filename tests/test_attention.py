@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_lite.runtime.attention import AttentionMetadata, TorchNativeBackend, create_backend
-from sgl_lite.runtime.attention.flashinfer import FlashInferBackend, plan_arguments
-from sgl_lite.runtime.memory import KVPool, ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend, create_backend
+from sgl_lite.runtime.layers.attention.flashinfer import FlashInferBackend, plan_arguments
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 
 ATOL = 1e-5
 

@@ -194,7 +194,7 @@ def test_driver_feeds_each_turn_the_actual_output_and_limits_concurrency() -> No
     assert summary["per_turn"][2]["ideal_hit_rate"] > summary["per_turn"][0]["ideal_hit_rate"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sgl_lite.runtime.launcher") is None, reason="runtime launcher not built yet")
+@pytest.mark.skipif(importlib.util.find_spec("sgl_lite.lang.launcher") is None, reason="runtime launcher not built yet")
 def test_end_to_end_smoke_multiturn(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from sgl_lite.bench.driver import run_benchmark
 

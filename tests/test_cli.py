@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from sgl_lite.cli import build_server_args, main, server_arg_options
-from sgl_lite.runtime.launcher import server_flags
+from sgl_lite.lang.launcher import server_flags
 from sgl_lite.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(120)

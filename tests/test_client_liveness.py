@@ -1,4 +1,4 @@
-"""The client's liveness tracking (ZMTP heartbeats + a socket monitor, client_transport.py): a runtime that
+"""The client's liveness tracking (ZMTP heartbeats + a socket monitor, client/transport.py): a runtime that
 is busy for longer than the health timeout is waited for, a dead or stopped one fails the waiting
 requests promptly with RuntimeUnavailableError.
 
@@ -23,8 +23,8 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
-from sgl_lite.runtime.fault_injection import ENV_VAR, parse_slow_forward_spec
-from sgl_lite.runtime.launcher import Runtime, _child_env
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, parse_slow_forward_spec
+from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import requests
 pytest.importorskip("sglang_router")
 
 from sgl_lite.cluster import Cluster, free_port  # noqa: E402
-from sgl_lite.runtime.engine import Engine  # noqa: E402
+from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,7 +41,7 @@ def tp_ranks_of(parents: set[int]) -> set[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if state is not None and state[1] in parents and b"sgl_lite.runtime.tp" in cmdline:
+        if state is not None and state[1] in parents and b"sgl_lite.runtime.model_executor.tp" in cmdline:
             ranks.add(int(entry.name))
     return ranks
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_lite.runtime.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.testing.tiny_model import build_tokenizer
 
 TEXT = "Unicode: café naïve 東京 Привет — “quotes” 🙂🙂 and 42 plain words."

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_lite.runtime.engine import Engine
+from sgl_lite.runtime.server.engine import Engine
 
 
 @pytest.fixture(scope="module")

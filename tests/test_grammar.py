@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from sgl_lite.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
-from sgl_lite.runtime.grammar import GrammarBackend, GrammarMatcher, apply_grammar_masks, grammar_key
-from sgl_lite.runtime.grammar_backend import json_schema_ebnf
+from sgl_lite.runtime.sampling.grammar import GrammarBackend, GrammarMatcher, apply_grammar_masks, grammar_key
+from sgl_lite.runtime.sampling.grammar_backend import json_schema_ebnf
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.testing.tiny_model import build_tokenizer
 
@@ -308,7 +308,7 @@ def test_mask_cost_benchmark_runs(tiny_tokenizer):
 
 
 def _smollm2_tokenizer():
-    loader = pytest.importorskip("sgl_lite.runtime.loader", reason="runtime/loader.py has not landed yet")
+    loader = pytest.importorskip("sgl_lite.runtime.model_executor.loader", reason="runtime/loader.py has not landed yet")
     return loader.load_tokenizer(loader.resolve_model_path("smollm2-135m"))
 
 
@@ -333,10 +333,10 @@ def test_smollm2_tokenizer_walks():
 def test_scheduler_and_sampler_honour_grammars(tiny_llama_dir):
     """End to end on the tiny random model: constrained requests (mixed with unconstrained ones, greedy
     and sampled) finish on EOS with a full match; the unconstrained ones are unaffected by batching."""
-    from sgl_lite.runtime.loader import load_tokenizer
-    from sgl_lite.runtime.model_runner import ModelRunner
-    from sgl_lite.runtime.request import FinishKind, Req
-    from sgl_lite.runtime.scheduler import Scheduler
+    from sgl_lite.runtime.model_executor.loader import load_tokenizer
+    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
+    from sgl_lite.runtime.managers.request import FinishKind, Req
+    from sgl_lite.runtime.managers.scheduler import Scheduler
     from sgl_lite.runtime.server_args import ServerArgs
 
     tokenizer = load_tokenizer(tiny_llama_dir)
@@ -386,8 +386,8 @@ def test_scheduler_and_sampler_honour_grammars(tiny_llama_dir):
 def test_terminated_grammar_ends_request_before_min_new_tokens(tiny_backend, tiny_tokenizer):
     """The sampler lets a grammar that allows only EOS win over min_new_tokens; the stop check must
     then end the request too, not keep decoding with a matcher that accepts nothing more."""
-    from sgl_lite.runtime.request import FinishKind, Req
-    from sgl_lite.runtime.stop_checker import StopChecker
+    from sgl_lite.runtime.managers.request import FinishKind, Req
+    from sgl_lite.runtime.managers.stop_checker import StopChecker
 
     params = SamplingParams(regex="[0-9]", min_new_tokens=3, max_new_tokens=8)
     req = Req("r", [5, 6], params)

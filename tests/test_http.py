@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime.client import RuntimeClient
-from sgl_lite.runtime.launcher import Runtime
+from sgl_lite.lang.launcher import Runtime
 from test_client import FakeRouter
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fake_runner import FakeRunner
-from sgl_lite.runtime.engine import Engine
-from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex
-from sgl_lite.runtime.request import FinishKind
-from sgl_lite.runtime.scheduler import Scheduler
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex
+from sgl_lite.runtime.managers.request import FinishKind
+from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
 from test_engine import hf_greedy
 from test_scheduler import CharTokenizer, expected, make, prompt_of, req, run_to_end

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sgl_lite.runtime import loader
-from sgl_lite.runtime.loader import (
+from sgl_lite.runtime.model_executor import loader
+from sgl_lite.runtime.model_executor.loader import (
     LoaderError,
     WheelModel,
     iter_weights,

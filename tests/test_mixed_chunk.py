@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from sgl_lite.runtime.model_runner import ModelRunner
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import Req
-from sgl_lite.runtime.scheduler import Scheduler
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
 from test_engine import hf_greedy
 from test_scheduler import expected, make, prompt_of, req, run_to_end

@@ -13,12 +13,12 @@ import pytest
 import torch
 import transformers
 
-from sgl_lite.runtime.forward_batch import ForwardBatch
-from sgl_lite.runtime.memory import SlotAllocator
-from sgl_lite.runtime.model_runner import ModelRunner, choose_dtype
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
+from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner, choose_dtype
 from sgl_lite.runtime.models.llama import LlamaForCausalLM
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.tiny_model import make_tiny_model
 
@@ -207,7 +207,7 @@ def test_default_model_greedy_matches_transformers(default_model):
 
 
 def test_new_token_ids_slices_fill_ids():
-    from sgl_lite.runtime.model_runner import _new_token_ids
+    from sgl_lite.runtime.model_executor.model_runner import _new_token_ids
 
     req = Req(rid="r", input_ids=[1, 2, 3, 4], sampling_params=SamplingParams())
     req.output_ids = [5, 6, 7]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
+from sgl_lite.runtime.managers.policy import SchedulePolicy, prefix_match_key
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.radix_cache import RadixCache
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
 
 

@@ -90,6 +90,6 @@ def test_sampling_params_from_dict_rejects_unknown_keys():
 
 
 def test_protocol_client_and_launcher_are_torch_free():
-    code = "import sys, sgl_lite.runtime.protocol, sgl_lite.runtime.client, sgl_lite.runtime.launcher; print('torch' in sys.modules)"
+    code = "import sys, sgl_lite.runtime.protocol, sgl_lite.runtime.client, sgl_lite.lang.launcher; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

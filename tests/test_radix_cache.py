@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from sgl_lite.runtime.memory import ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.radix_cache import RadixCache
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
+from sgl_lite.runtime.managers.request import Req
 
 
 class CheckedAllocator(SlotAllocator):

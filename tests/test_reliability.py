@@ -13,14 +13,14 @@ import pytest
 from fake_runner import FakeRunner, reference_output
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
-from sgl_lite.runtime.core import RuntimeCore
-from sgl_lite.runtime.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
-from sgl_lite.runtime.fault_injection import ENV_VAR, install_fault_injection, parse_fault_spec
-from sgl_lite.runtime.request import FinishKind, Req
-from sgl_lite.runtime.scheduler import Scheduler
-from sgl_lite.runtime.server import RuntimeServer
+from sgl_lite.runtime.server.core import RuntimeCore
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, install_fault_injection, parse_fault_spec
+from sgl_lite.runtime.managers.request import FinishKind, Req
+from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.stop_checker import StopChecker, trim_stop
+from sgl_lite.runtime.managers.stop_checker import StopChecker, trim_stop
 from sgl_lite.testing.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.engine import Engine
-from sgl_lite.runtime.server import RuntimeServer
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request
 from sgl_lite.testing.tiny_model import make_tiny_model
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
-from sgl_lite.runtime.engine import Engine
-from sgl_lite.runtime.fault_injection import ENV_VAR
-from sgl_lite.runtime.launcher import Runtime
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR
+from sgl_lite.lang.launcher import Runtime
 from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)

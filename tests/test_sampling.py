@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import Req
-from sgl_lite.runtime.sampling import Sampler
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.sampling.sampler import Sampler
 
 VOCAB = 16
 EOS = 2
@@ -219,9 +219,9 @@ def test_grammar_hook_masks_through_apply_grammar_masks(monkeypatch: pytest.Monk
                 keep[matcher.allowed] = True
                 logits[row].masked_fill_(~keep, -math.inf)
 
-    fake = types.ModuleType("sgl_lite.runtime.grammar")
+    fake = types.ModuleType("sgl_lite.runtime.sampling.grammar")
     fake.apply_grammar_masks = apply_grammar_masks
-    monkeypatch.setitem(sys.modules, "sgl_lite.runtime.grammar", fake)
+    monkeypatch.setitem(sys.modules, "sgl_lite.runtime.sampling.grammar", fake)
     import sgl_lite.runtime
 
     monkeypatch.setattr(sgl_lite.runtime, "grammar", fake, raising=False)

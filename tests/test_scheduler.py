@@ -12,8 +12,8 @@ import pytest
 
 from fake_runner import FakeRunner, reference_output
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import FinishKind, Req
-from sgl_lite.runtime.scheduler import QueueFullError, Scheduler
+from sgl_lite.runtime.managers.request import FinishKind, Req
+from sgl_lite.runtime.managers.scheduler import QueueFullError, Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
 
 VOCAB = 64

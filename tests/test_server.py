@@ -23,8 +23,8 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
-from sgl_lite.runtime.launcher import Runtime, _child_env
-from sgl_lite.runtime.server import RuntimeServer
+from sgl_lite.lang.launcher import Runtime, _child_env
+from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.tiny_model import make_tiny_model
 
@@ -57,7 +57,7 @@ def client(runtime) -> RuntimeClient:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from sgl_lite.runtime.engine import Engine
+    from sgl_lite.runtime.server.engine import Engine
 
     with Engine(model_path=tiny_model, **SERVER_ARGS) as eng:
         yield eng
@@ -392,7 +392,7 @@ def test_shutdown_aborts_in_flight_requests_with_a_reason(secure_server):
 
 
 def test_launcher_reports_a_server_that_cannot_start(tmp_path):
-    from sgl_lite.runtime.launcher import RuntimeLaunchError
+    from sgl_lite.lang.launcher import RuntimeLaunchError
 
     missing = tmp_path / "no-such-model"
     with pytest.raises(RuntimeLaunchError, match="no-such-model"):

@@ -16,9 +16,9 @@ import torch.distributed
 import transformers
 from safetensors.torch import load_file
 
-from sgl_lite.runtime.engine import Engine
+from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.tp import check_shardable
+from sgl_lite.runtime.model_executor.tp import check_shardable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,7 +89,7 @@ def tp_rank_pids() -> set[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(ppid) == os.getpid() and state != "Z" and b"sgl_lite.runtime.tp" in cmdline:
+        if int(ppid) == os.getpid() and state != "Z" and b"sgl_lite.runtime.model_executor.tp" in cmdline:
             pids.add(int(entry.name))
     return pids
 

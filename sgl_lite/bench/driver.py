@@ -111,14 +111,14 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
     if dp_size is not None:
         return _open_router_cluster(name, dp_size, config)
     if name in ("sgl_lite", "no-cache"):
-        from sgl_lite.runtime.launcher import Runtime
+        from sgl_lite.lang.launcher import Runtime
 
         runtime = Runtime(config.model_path, startup_timeout=config.startup_timeout,
                           disable_radix_cache=(name == "no-cache"), **config.server_args)
         return RuntimeBackend(name, _patient_client(runtime.address, runtime.api_key), runtime)
     if name == "hf":
         from sgl_lite.bench.naive_hf_server import HFBackend, NaiveHFServer
-        from sgl_lite.runtime.loader import resolve_model_path
+        from sgl_lite.runtime.model_executor.loader import resolve_model_path
 
         return HFBackend(NaiveHFServer(resolve_model_path(config.model_path), batch_size=config.naive_batch_size,
                                        dtype=config.server_args.get("dtype", "auto")))
@@ -150,7 +150,7 @@ def _patient_client(address: str, api_key: str | None) -> Any:
 def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
     """The model every system serves (that of the --address runtime or --url server, when given) and
     its prompt vocabulary."""
-    from sgl_lite.runtime import loader
+    from sgl_lite.runtime.model_executor import loader
 
     model_path = config.model_path
     if config.url:

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from sgl_lite.bench.backends import GenerationBackend, StreamEvent
-from sgl_lite.runtime.model_runner import choose_dtype
+from sgl_lite.runtime.model_executor.model_runner import choose_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import click
 
+from sgl_lite.runtime.server_args import API_KEY_ENV
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HTTP_PORT = 8000
-API_KEY_ENV = "SGL_LITE_API_KEY"
 _PARENT_POLL_S = 1.0
 
 

@@ -27,8 +27,8 @@ def function(func: Optional[Callable[..., Any]] = None, num_api_spec_tokens: Opt
 
 
 def Runtime(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - SGLang's name
-    """Start a runtime server process (sgl_lite.runtime.launcher.Runtime); imported on first use."""
-    from sgl_lite.runtime.launcher import Runtime as _Runtime
+    """Start a runtime server process (sgl_lite.lang.launcher.Runtime); imported on first use."""
+    from sgl_lite.lang.launcher import Runtime as _Runtime
 
     return _Runtime(*args, **kwargs)
 

@@ -8,7 +8,7 @@ naming the field at fault for anything else. No pickle anywhere.
 
 Request ids are chosen by the client and must be non-empty: the empty rid is reserved for the
 server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent about once a second to
-every client that has requests in flight (so that a vanished client is noticed, server.py).
+every client that has requests in flight (so that a vanished client is noticed, server/transport.py).
 Clients ignore it; it is never an answer to a request.
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
@@ -23,6 +23,8 @@ from typing import Annotated, Any, Union
 import msgspec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The line a `serve` child prints on stdout once it accepts requests: READY_PREFIX <address>.
+READY_PREFIX = "SGL_LITE_READY"
 FLOAT32_MAX = 3.4028234663852886e38  # logits are divided by the temperature in float32
 GREEDY_TEMPERATURE_EPS = 1e-6
 MIN_REPETITION_PENALTY = 1e-6

@@ -15,6 +15,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+# Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
+API_KEY_ENV = "SGL_LITE_API_KEY"
 
 
 @dataclass

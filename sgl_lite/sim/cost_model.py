@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.memory import ReqToTokenPool
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
 
 # scripts/bench_model.py on this machine class (2 CPU cores, SmolLM2-135M, bfloat16, 2 threads,
 # load average 3.1): prefill 863 tok/s at 1024 tokens; decode 20.9 / 148.1 / 290.7 tok/s at batch 1 / 8 / 32.

@@ -147,7 +147,7 @@ def run_fuzzed_request(core: Any, fields: dict) -> str:
     no failed forward, no grammar rejecting a token the sampler picked despite the mask; the accounting
     invariant holds afterwards.
     """
-    from sgl_lite.runtime.request import FinishKind
+    from sgl_lite.runtime.managers.request import FinishKind
 
     scheduler = core.scheduler
     try:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_lite.runtime.attention.base import AttentionBackend
-from sgl_lite.runtime.memory import KVPool
+from sgl_lite.runtime.layers.attention.base import AttentionBackend
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         # oneDNN-packed copies of the four weights (see LlamaForCausalLM.pack_weights); None = plain F.linear
         self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
-        # Tensor parallelism (runtime/tp.py) shards the heads and MLP columns and sets this to the
+        # Tensor parallelism (model_executor/tp.py) shards the heads and MLP columns and sets this to the
         # all-reduce of the o- and down-projection partial sums; None = one process, nothing to reduce.
         self.tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

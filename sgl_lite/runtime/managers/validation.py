@@ -10,7 +10,7 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
 
 
@@ -67,7 +67,7 @@ class AdmissionChecks:
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("regex / json_schema / ebnf need a tokenizer, and this scheduler has none")
-            from sgl_lite.runtime.grammar import GrammarBackend
+            from sgl_lite.runtime.sampling.grammar import GrammarBackend
 
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, eos_token_ids=self.eos_token_ids)
         return self._grammar_backend

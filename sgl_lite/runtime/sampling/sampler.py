@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.managers.request import Req
 
 # Candidates kept by a partial sort when top-k/top-p/min-p allow it (see _largest_probs).
 _CANDIDATES = 256
@@ -73,7 +73,7 @@ class Sampler:
         """Steps 1-3 of the pipeline (grammar, min_new_tokens, penalties) on a copy of `logits`."""
         out = logits.float().clone()
         if any(r.grammar is not None for r in reqs):
-            from sgl_lite.runtime import grammar  # lazy: xgrammar is only needed for constrained requests
+            from sgl_lite.runtime.sampling import grammar  # lazy: xgrammar is only needed for constrained requests
 
             grammar.apply_grammar_masks(out, [r.grammar for r in reqs])
         self._apply_min_new_tokens(out, reqs)

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from sgl_lite.runtime.attention import AttentionMetadata, create_backend
-from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.memory import KVPool, ReqToTokenPool
+from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.models import build_model
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.tp import TensorParallel
+from sgl_lite.runtime.model_executor.tp import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
 
 class ModelRunner(ModelRunnerBase):
     def __init__(self, args: ServerArgs, model_dir: Path | None = None) -> None:
-        from sgl_lite.runtime import loader
+        from sgl_lite.runtime.model_executor import loader
 
         self.args = args
         self.device = choose_device(args.device)
@@ -158,7 +158,7 @@ class ModelRunner(ModelRunnerBase):
         return slots
 
     def _make_sampler(self):
-        from sgl_lite.runtime.sampling import Sampler
+        from sgl_lite.runtime.sampling.sampler import Sampler
 
         eos = self.config.eos_token_id
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

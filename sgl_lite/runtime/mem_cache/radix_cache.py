@@ -29,8 +29,8 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from sgl_lite.runtime.memory import ReqToTokenPool, SlotAllocator
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.managers.request import Req
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sgl_lite.runtime.request import Req
+from sgl_lite.runtime.managers.request import Req
 
 # SGLang's SGLANG_RETRACT_DECODE_STEPS: after a retraction, reserve this many steps per remaining request.
 RETRACT_DECODE_STEPS = 20

@@ -11,7 +11,7 @@ Check 4 looks only at occurrences that the newest token completes, so a stop str
 before min_new_tokens were reached never ends the request later, and the match is always at the
 end of the text. `trim_stop` cuts the final text at that same occurrence (not at the first one in
 the text), so the final text always extends what was streamed (the streamer withholds the last
-len(stop) - 1 characters, detokenizer.py).
+len(stop) - 1 characters, server/detokenizer.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 
 # Byte-level BPE can spend up to 4 tokens on one character; decode this many tokens per stop-string char.
 _TOKENS_PER_CHAR = 4

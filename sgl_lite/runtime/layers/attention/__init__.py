@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_lite.runtime.attention.base import AttentionBackend, AttentionMetadata
-from sgl_lite.runtime.attention.torch_native import TorchNativeBackend
+from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
+from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
 
 
 def create_backend(
@@ -17,7 +17,7 @@ def create_backend(
     if name == "torch_native":
         return TorchNativeBackend(num_q_heads, num_kv_heads, head_dim)
     if name == "flashinfer":
-        from sgl_lite.runtime.attention.flashinfer import FlashInferBackend
+        from sgl_lite.runtime.layers.attention.flashinfer import FlashInferBackend
 
         return FlashInferBackend(num_q_heads, num_kv_heads, head_dim, device=device)
     raise ValueError(f"unknown attention backend {name!r}; expected auto, torch_native or flashinfer")

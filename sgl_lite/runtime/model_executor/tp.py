@@ -9,7 +9,7 @@ the same full hidden state after each layer. Embeddings, norms and the LM head s
 of a row-parallel projection lives on rank 0 only, so that the all-reduce adds it exactly once.
 
 Process layout: the runtime process is rank 0. It runs the scheduler and the sampler alone; its
-ModelRunner spawns ranks 1..N-1 (`python -m sgl_lite.runtime.tp`, each a ModelRunner of its own
+ModelRunner spawns ranks 1..N-1 (`python -m sgl_lite.runtime.model_executor.tp`, each a ModelRunner of its own
 with the same flags) and broadcasts every forward step (input ids, positions, KV slots) to them before
 running it. Other ranks only run the model's forward in lockstep and drop the hidden states. Backend:
 gloo on CPU, NCCL on CUDA (rank r on cuda:r).
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sgl_lite.runtime.attention.base import AttentionMetadata
+from sgl_lite.runtime.layers.attention.base import AttentionMetadata
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -270,14 +270,14 @@ def _free_port() -> int:
 
 def _spawn_rank(rank: int, size: int, init_method: str, args: ServerArgs, model_dir: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     server_args = dataclasses.asdict(args)
     server_args.pop("api_key", None)  # the other ranks serve no requests
     env.update({_ENV_RANK: str(rank), _ENV_WORLD: str(size), _ENV_INIT: init_method,
                 _ENV_ARGS: json.dumps(server_args), _ENV_MODEL_DIR: str(model_dir)})
     env["OMP_NUM_THREADS"] = str(_threads_per_rank(size))
-    return subprocess.Popen([sys.executable, "-m", "sgl_lite.runtime.tp", "--parent-pid", str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "sgl_lite.runtime.model_executor.tp", "--parent-pid", str(os.getpid())],
                             env=env, stdout=sys.stderr)
 
 
@@ -302,7 +302,7 @@ def main() -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=os.environ[_ENV_INIT], rank=rank,
                             world_size=size, timeout=_GROUP_TIMEOUT)
-    from sgl_lite.runtime.model_runner import ModelRunner
+    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(args, Path(os.environ[_ENV_MODEL_DIR]))
     logger.info("tensor parallel rank %d/%d ready", rank, size)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_lite.runtime.attention.base import AttentionBackend, AttentionMetadata
-from sgl_lite.runtime.memory import KVPool
+from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_lite.runtime.radix_cache import RadixCache
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 
 # Borrowing fewer tokens saves less compute than the tree insert and lock move it costs afterwards
 # (chat prompts share their first few template tokens by construction).

@@ -42,8 +42,9 @@ import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
-from sgl_lite.runtime.request import FinishKind, Req
+from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ IDLE_POLL_MS = 100
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
-READY_PREFIX = "SGL_LITE_READY"
 REQUEST_TYPES = tuple(t.__name__ for t in typing.get_args(protocol.Request))  # the wire tags
 
 
@@ -255,9 +255,8 @@ class RuntimeServer:
             self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
 
     def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
-        # Imported here: the scheduler needs torch, and this module must stay importable without it
-        # (the torch-free launcher imports READY_PREFIX from here).
-        from sgl_lite.runtime.scheduler import QueueFullError
+        # Imported here: the scheduler needs torch, which this module does not import at load time.
+        from sgl_lite.runtime.managers.scheduler import QueueFullError
 
         key = self._key(identity, msg.rid)
         if key in self._inflight:
@@ -368,7 +367,7 @@ def run_server(args: ServerArgs) -> None:
     The ready line `SGL_LITE_READY <address>` on stdout is what the launcher waits for; everything
     else goes to the log (stderr).
     """
-    from sgl_lite.runtime.core import RuntimeCore
+    from sgl_lite.runtime.server.core import RuntimeCore
 
     core = RuntimeCore.from_args(args)
     server = RuntimeServer(core, args)

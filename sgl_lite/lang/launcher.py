@@ -20,9 +20,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sgl_lite.http.launch import API_KEY_ENV
+from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.client import RuntimeClient
-from sgl_lite.runtime.server import READY_PREFIX
+from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server_args import ServerArgs
 
 STDERR_TAIL_LINES = 40

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar
 
-from sgl_lite.runtime.grammar_backend import GrammarBackend, GrammarKey, GrammarMatcher, grammar_key
+from sgl_lite.runtime.sampling.grammar_backend import GrammarBackend, GrammarKey, GrammarMatcher, grammar_key
 
 __all__ = ["GrammarBackend", "GrammarKey", "GrammarMatcher", "apply_grammar_masks", "grammar_key"]
 

@@ -13,7 +13,7 @@ Each step (SGLang 0.5.7's event loop, without overlap):
 Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, preemption.py picks
 who gives way (retraction, priority preemption), in_batch_sharing.py finds prefixes shared within a
 prefill batch, req_kv.py owns slot bookkeeping (and the accounting `check_invariant` verifies),
-stop_checker.py decides finishes, scheduler_admission.py validates requests before they are queued.
+stop_checker.py decides finishes, validation.py validates requests before they are queued.
 A request that leaves (finish, abort, retraction, preemption) gives its computed KV to the tree
 (`cache_finished_req`), so a retracted or preempted request resumes from its cached prefix.
 
@@ -28,17 +28,17 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sgl_lite.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.in_batch_sharing import BatchPrefixIndex, Borrow
-from sgl_lite.runtime.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
-from sgl_lite.runtime.prefill_adder import AddResult, PrefillAdder, reserved_output
-from sgl_lite.runtime.radix_cache import MatchResult
-from sgl_lite.runtime.req_kv import ReqKV
-from sgl_lite.runtime.request import FinishKind, FinishReason, Req
-from sgl_lite.runtime.scheduler_admission import AdmissionChecks
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex, Borrow
+from sgl_lite.runtime.managers.policy import SchedulePolicy, prefix_match_key
+from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
+from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, reserved_output
+from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
+from sgl_lite.runtime.managers.req_kv import ReqKV
+from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.validation import AdmissionChecks
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.stop_checker import StopChecker
+from sgl_lite.runtime.managers.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_lite.runtime.memory import KVPool, ReqToTokenPool
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Thread-safe, torch-free client of a runtime server (ZeroMQ DEALER, msgspec messages).
 
-The transport (client_transport.py) owns the socket in a background thread and routes each reply by
+The transport (transport.py) owns the socket in a background thread and routes each reply by
 rid to the sink of the request that asked: a `queue.Queue` for the blocking calls, an asyncio queue
 (fed with `loop.call_soon_threadsafe`) for the async ones. Every wait is bounded by `timeout`, and
 the transport's liveness tracking (ZMTP heartbeats and a socket monitor, independent of the runtime's
@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator
 import msgspec
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.client_transport import (
+from sgl_lite.runtime.client.transport import (
     ClientTransport,
     Item,
     RuntimeRequestError,
@@ -33,7 +33,7 @@ _ABORT_ANSWER_WAIT_S = 5.0
 
 
 class RuntimeClient:
-    """`timeout` bounds every wait for a reply. Liveness is ZeroMQ's (client_transport.py): a ZMTP
+    """`timeout` bounds every wait for a reply. Liveness is ZeroMQ's (transport.py): a ZMTP
     heartbeat every `health_interval` s, answered by the runtime's libzmq I/O thread even while its
     scheduler is inside a long step. Pending requests fail with RuntimeUnavailableError at once when the
     runtime process exits, within `health_interval + health_timeout` s when it stops answering heartbeats

@@ -5,7 +5,7 @@ It owns the tokenizer, the model runner and the scheduler, turns user inputs int
 output shape: text with the stop marker trimmed, and meta_info
 {prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, logprob lists]}.
 
-Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (fault_injection.py), which makes forward
+Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (model_executor/fault_injection.py), which makes forward
 passes fail on purpose; unset, it changes nothing.
 """
 
@@ -15,12 +15,12 @@ import logging
 import time
 from typing import Any
 
-from sgl_lite.runtime.fault_injection import install_fault_injection
+from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
 from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
-from sgl_lite.runtime.request import Req
-from sgl_lite.runtime.scheduler import Scheduler
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.stop_checker import output_ids_for_text, trim_stop
+from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_stop
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class RuntimeCore:
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RuntimeCore:
-        from sgl_lite.runtime import loader
-        from sgl_lite.runtime.model_runner import ModelRunner
+        from sgl_lite.runtime.model_executor import loader
+        from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)

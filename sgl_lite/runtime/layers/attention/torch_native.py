@@ -14,7 +14,7 @@ one or more tokens. Requests are split once per forward (in `prepare`) into two 
 GQA never materializes repeated KV: queries are viewed as [G, Hkv, group, D], so each KV head is
 read once for its whole query group.
 
-Padding positions read slot 0, which the pool keeps finite (memory.py): a masked probability of 0
+Padding positions read slot 0, which the pool keeps finite (mem_cache/memory_pool.py): a masked probability of 0
 times a NaN would still poison the output.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.attention.base import AttentionBackend, AttentionMetadata
-from sgl_lite.runtime.memory import KVPool
+from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 
 @dataclass

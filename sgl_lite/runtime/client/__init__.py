@@ -1,0 +1,6 @@
+"""The torch-free client of a runtime process: RuntimeClient over a ZeroMQ DEALER transport."""
+
+from sgl_lite.runtime.client.client import RuntimeClient
+from sgl_lite.runtime.client.transport import RuntimeRequestError, RuntimeUnavailableError
+
+__all__ = ["RuntimeClient", "RuntimeRequestError", "RuntimeUnavailableError"]

@@ -1,0 +1,1 @@
+"""Model building blocks: attention backends (torch reference, FlashInfer)."""

@@ -1,0 +1,1 @@
+"""Model execution: weight loading, the forward batch and its runner, tensor parallelism."""

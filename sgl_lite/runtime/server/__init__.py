@@ -1,0 +1,1 @@
+"""The runtime process: ZeroMQ transport, RuntimeCore (the one facade), detokenizer, Engine."""
