@@ -15,6 +15,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+# Tool-call output formats the HTTP front parses (http/tool_parsers/), named as SGLang names them.
+TOOL_CALL_PARSERS = ("qwen25", "llama3")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -30,6 +32,11 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
+    chat_template: str | None = field(default=None, metadata={"help": "Chat template used instead of the tokenizer's: a file path, or a built-in name (smollm2-tools: SmolLM2's ChatML with tool calling, Qwen 2.5's format)."})
+
+    # Tool calling (the HTTP front's /v1/chat/completions `tools`).
+    tool_call_parser: str | None = field(default=None, metadata={"help": "Format of the model's tool calls, parsed into OpenAI tool_calls; requests with `tools` are refused without it.", "choices": TOOL_CALL_PARSERS})
+    disable_tool_call_constraint: bool = field(default=False, metadata={"help": "sgl_lite: do not constrain tool calls with xgrammar (by default tool_choice required/named allows only schema-valid calls, and auto lets a started call be only schema-valid)."})
 
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
@@ -73,6 +80,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
         for name in ("schedule_policy", "dtype", "device", "attention_backend"):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:

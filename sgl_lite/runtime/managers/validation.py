@@ -57,7 +57,7 @@ class AdmissionChecks:
         if req.priority is not None and not self.args.enable_priority_scheduling and self.args.abort_on_priority_when_disabled:
             raise ValueError("priority was given but priority scheduling is disabled on this server "
                              "(--enable-priority-scheduling); send the request without a priority")
-        if params.regex is None and params.json_schema is None and params.ebnf is None:
+        if params.regex is None and params.json_schema is None and params.ebnf is None and params.structural_tag is None:
             return None
         backend = self._grammar()
         backend.validate(params)
@@ -66,7 +66,7 @@ class AdmissionChecks:
     def _grammar(self) -> Any:
         if self._grammar_backend is None:
             if self.tokenizer is None:
-                raise ValueError("regex / json_schema / ebnf need a tokenizer, and this scheduler has none")
+                raise ValueError("regex / json_schema / ebnf / structural_tag need a tokenizer, and this scheduler has none")
             from sgl_lite.runtime.sampling.grammar import GrammarBackend
 
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, eos_token_ids=self.eos_token_ids)

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from sgl_lite.runtime.chat_templates import load_chat_template
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
 from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 from sgl_lite.runtime.managers.request import Req
@@ -49,6 +50,8 @@ class RuntimeCore:
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
+        if args.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(args.chat_template)
         runner = ModelRunner(args, folder)
         install_fault_injection(runner)
         core = cls(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))
