@@ -205,8 +205,8 @@ class CompletionRequest(SamplingFields):
             return "suffix", "suffix (fill-in-the-middle) is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of other than n is not supported by this server"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo together with logprobs is not supported by this server"
+        if self.echo and self.logprobs is not None and self.stream:
+            return "echo", "echo together with logprobs is supported without stream only"
         if self.echo and not self.prompt_texts_known():
             return "echo", "echo is supported for text prompts only"
         return super().unsupported_field()

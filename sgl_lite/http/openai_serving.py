@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from sgl_lite.http.chat_template import ChatTemplateError, message_text, template_message
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
-from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs
+from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sgl_lite.http.sse import sse_response
@@ -151,6 +151,10 @@ class OpenAIServing:
             raise bad_request(str(e), "prompt") from None
         top = body.logprobs or 0
         inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs:
+            for runtime_input in inputs:
+                runtime_input.logprob_start_len = 0  # the prompt's logprobs too (how clients score text)
         response_id = "cmpl-" + uuid.uuid4().hex
         echoes = [(text or "") if body.echo else "" for text, _ in prompts for _ in range(body.n)]
         if body.stream:
@@ -162,7 +166,9 @@ class OpenAIServing:
         choices = []
         for index, gen in enumerate(generations):
             logprobs = None
-            if body.logprobs is not None:
+            if echo_logprobs:
+                logprobs = echoed_completion_logprobs(gen.meta_info, context.token_texts)
+            elif body.logprobs is not None:
                 entries = LogprobCursor().take(gen.meta_info)
                 logprobs = completion_logprobs(entries, context.token_texts, text_offset=0)
             choices.append({

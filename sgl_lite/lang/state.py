@@ -233,19 +233,28 @@ class ProgramStateGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        if mode != "gather_variable":
-            raise ValueError(f"join mode must be 'gather_variable' (the only one sgl_lite supports); got {mode!r}")
+        """gather_variable: each variable new in the branches becomes a list in the parent.
+        concate_and_append (SGLang's spelling): the branches' new text, in branch order, is appended
+        to the parent's text (as text: the runtime's radix cache makes its prefix a cache hit)."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append'; got {mode!r}")
         parent = self.src_state.stream_executor
         parent_names = set(parent.variables)
+        appended = []
         for state in self.states:
             child = state.stream_executor
             child.end()
             child.sync()
-            for name in child.variables:
-                if name in parent_names:
-                    continue
-                value = child.variables[name]
-                parent.variables.setdefault(name, []).append(value)
-                parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+            if mode == "concate_and_append":
+                appended.append(child.text_[child.fork_start_text_pos:])
+            else:
+                for name in child.variables:
+                    if name in parent_names:
+                        continue
+                    value = child.variables[name]
+                    parent.variables.setdefault(name, []).append(value)
+                    parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
             if child.error_ is not None and parent.error_ is None:
                 parent.error_ = child.error_
+        if appended:
+            self.src_state += "".join(appended)
