@@ -75,6 +75,11 @@ def live(tool_model_dir: Path) -> Iterator[Live]:
         runtime.shutdown()
 
 
+def _create(live: Live, **request: Any) -> Any:
+    # A generous timeout: the box is shared, and a random model writes up to max_tokens per choice.
+    return live.openai.with_options(timeout=300).chat.completions.create(**request)
+
+
 def _hf_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
@@ -89,7 +94,7 @@ def test_chat_prompt_is_tokenized_like_transformers_with_one_bos(live: Live) -> 
         assert expected.count(tokenizer.bos_token_id) == 1
         assert template.prompt(ASK, tools, encode).input_ids == expected
     # Through the server: the prompt the runtime ran is exactly transformers' (one BOS, not two).
-    response = live.openai.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, temperature=0)
+    response = _create(live, model="tiny", messages=ASK, max_tokens=2, temperature=0)
     assert response.usage.prompt_tokens == len(_hf_ids(tokenizer, ASK))
 
 
@@ -106,7 +111,7 @@ def _check_calls(message: Any, allowed: set[str]) -> list[tuple[str, dict[str, A
 
 def test_required_gives_schema_valid_calls_only(live: Live) -> None:
     # One call each: a random model would otherwise go on calling until max_tokens.
-    response = live.openai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+    response = _create(live, model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
                                                    parallel_tool_calls=False, n=3, seed=1, **{**CALL, "temperature": 1.0})
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls", choice
@@ -116,21 +121,21 @@ def test_required_gives_schema_valid_calls_only(live: Live) -> None:
 
 
 def test_named_function_gives_exactly_that_call(live: Live) -> None:
-    response = live.openai.chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, **CALL)
+    response = _create(live, model="tiny", messages=ASK, tools=TOOLS,
+                       tool_choice={"type": "function", "function": {"name": "add"}}, **CALL)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [name for name, _ in _check_calls(choice.message, {"add"})] == ["add"]
 
 
 def test_auto_and_none(live: Live) -> None:
-    auto = live.openai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, n=4, seed=3,
+    auto = _create(live, model="tiny", messages=ASK, tools=TOOLS, n=4, seed=3,
                                                **{**CALL, "temperature": 1.0})
     for choice in auto.choices:
         _check_calls(choice.message, {"get_weather", "add"})  # any call made is valid
         assert choice.finish_reason in ("tool_calls", "stop", "length")
         assert "<tool_call>" not in (choice.message.content or "")
-    none = live.openai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", n=4,
+    none = _create(live, model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", n=4,
                                                seed=3, **{**CALL, "temperature": 1.0})
     for choice in none.choices:
         assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
@@ -139,8 +144,8 @@ def test_auto_and_none(live: Live) -> None:
 
 def test_parallel_calls_and_their_switch(live: Live) -> None:
     def calls_and_reasons(parallel: bool) -> tuple[list[int], set[str]]:
-        response = live.openai.with_options(timeout=240).chat.completions.create(
-            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, n=4,
+        response = _create(
+            live, model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, n=8,
             seed=5, **{**CALL, "temperature": 1.0, "max_tokens": 100})
         counts = []
         for choice in response.choices:
@@ -181,8 +186,8 @@ def _reassemble(stream: Any) -> tuple[str | None, list[dict[str, Any]], str | No
 def test_streamed_deltas_reassemble_to_the_whole_response(live: Live, tool_choice: str) -> None:
     request = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, seed=11,
                    **{**CALL, "temperature": 1.0})
-    whole = live.openai.chat.completions.create(**request).choices[0]
-    content, calls, finish = _reassemble(live.openai.chat.completions.create(**request, stream=True))
+    whole = _create(live, **request).choices[0]
+    content, calls, finish = _reassemble(_create(live, **request, stream=True))
     assert content == whole.message.content
     assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or ()]
     assert finish == whole.finish_reason
@@ -192,7 +197,7 @@ def test_multi_turn_tool_loop_hits_the_prefix_cache(live: Live) -> None:
     messages: list[dict[str, Any]] = list(ASK)
     cached = []
     for turn in range(3):
-        response = live.openai.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+        response = _create(live, model="tiny", messages=messages, tools=TOOLS,
                                                        tool_choice="required" if turn < 2 else "auto",
                                                        parallel_tool_calls=False, **CALL)
         message = response.choices[0].message
@@ -238,5 +243,5 @@ def test_malformed_tools_get_400_naming_the_field(live: Live, change: dict[str, 
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"], error
     with pytest.raises(openai.BadRequestError):
-        live.openai.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **change)
+        _create(live, model="tiny", messages=ASK, max_tokens=4, **change)
     live.assert_no_kv_leak()
