@@ -245,3 +245,19 @@ def test_malformed_tools_get_400_naming_the_field(live: Live, change: dict[str, 
     with pytest.raises(openai.BadRequestError):
         _create(live, model="tiny", messages=ASK, max_tokens=4, **change)
     live.assert_no_kv_leak()
+
+
+def test_a_template_without_tools_is_refused_with_a_400_naming_tools() -> None:
+    from sgl_lite.http.errors import HttpError
+    from sgl_lite.http.openai_protocol import ChatCompletionRequest
+    from sgl_lite.http.tools import tool_request
+    from sgl_lite.lang.template_renderer import TemplateRenderer
+    from sgl_lite.testing.tiny_model import CHATML_TEMPLATE
+
+    assert not TemplateRenderer(CHATML_TEMPLATE).renders_tools()
+    assert TemplateRenderer(load_chat_template("smollm2-tools")).renders_tools()
+    body = ChatCompletionRequest(messages=ASK, tools=TOOLS)
+    for parser, renders, needle in ((None, True, "--tool-call-parser"), ("qwen25", False, "--chat-template")):
+        with pytest.raises(HttpError) as info:
+            tool_request(body, parser, renders, True)
+        assert info.value.status == 400 and info.value.param == "tools" and needle in info.value.message

@@ -199,7 +199,7 @@ class OpenAIServing:
                 if delta.finish_reason is not None:
                     pieces += streams[index].finish()
                 if not pieces and logprobs and logprobs["content"]:
-                    pieces = [{}]
+                    pieces = [{"content": ""}]
                 for piece in pieces:
                     yield _chunk(response_id, "chat.completion.chunk", context,
                                  {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": None})
