@@ -1,9 +1,10 @@
-"""The tool-call parsers on recorded model outputs, whole and streamed split at every byte boundary.
+"""The tool-call parsers on model outputs, whole and streamed split at every byte boundary.
 
-The qwen25 outputs were written by SmolLM2-135M-Instruct with the shipped smollm2-tools template
-(scripts/tool_call_validity.py, constrained and not); the llama3 outputs follow Meta's documented
-Llama 3.1-3.3 JSON tool-call format (no Llama 3 model runs on this machine), with and without
-`<|python_tag|>`, several calls separated by `;`.
+The qwen25 outputs are in the exact shape the smollm2-tools template shows the model and the
+structural tag enforces (`<tool_call>\n{"name": "f", "arguments": ` ... `}\n</tool_call>`), plus the
+deviations an unconstrained model writes (keys out of order, unknown functions, non-JSON blocks, a cut
+call); the llama3 outputs follow Meta's documented Llama 3.1-3.3 JSON tool-call format (no Llama 3
+model runs on this machine), with and without `<|python_tag|>`, several calls separated by `;`.
 """
 
 from __future__ import annotations
