@@ -13,7 +13,6 @@ class Qwen25Parser(ToolCallParser):
     header = regex.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]{1,64})"\s*,\s*"arguments"\s*:\s*\{')
     tail_end = "</tool_call>"
     end_tag = "</tool_call>"
-    # How a call is written (the structural tag constrains output to exactly this).
     call_trigger = "<tool_call>"
     call_separator = "\n"
 
