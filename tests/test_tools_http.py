@@ -93,6 +93,8 @@ def test_chat_prompt_is_tokenized_like_transformers_with_one_bos(live: Live) -> 
         expected = _hf_ids(tokenizer, ASK, tools)
         assert expected.count(tokenizer.bos_token_id) == 1
         assert template.prompt(ASK, tools, encode).input_ids == expected
+        # What the old path did (rendered text tokenized with the tokenizer's specials): two BOS.
+        assert tokenizer(template.render(ASK, tools))["input_ids"].count(tokenizer.bos_token_id) == 2
     # Through the server: the prompt the runtime ran is exactly transformers' (one BOS, not two).
     response = _create(live, model="tiny", messages=ASK, max_tokens=2, temperature=0)
     assert response.usage.prompt_tokens == len(_hf_ids(tokenizer, ASK))
