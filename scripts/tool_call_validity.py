@@ -59,9 +59,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="smollm2-135m")
     parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--per-request", type=int, default=10, help="choices (n) per request")
+    parser.add_argument("--per-request", type=int, default=25, help="choices (n) per request")
     parser.add_argument("--unconstrained", action="store_true", help="start with --disable-tool-call-constraint")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64, help="a call here takes about 35 tokens")
     args = parser.parse_args()
 
     runtime = Runtime(model_path=args.model_path, chat_template="smollm2-tools", tool_call_parser="qwen25",
@@ -83,6 +83,7 @@ def main() -> None:
                 good += valid(choice.message)
                 total += 1
             request += 1
+            print(f"  {good}/{total} valid so far", flush=True)
     finally:
         http.stop()
         runtime.shutdown()
