@@ -62,8 +62,9 @@ class ServerArgs:
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
     # Server process.
-    host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
-    port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
+    port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
+    zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
@@ -95,6 +96,14 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        for name in ("port", "zmq_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+        if self.port and self.resolved_zmq_port() == self.port:
+            raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
+        if self.port == 65535 and self.zmq_port is None:
+            raise ValueError("--port 65535 leaves no room for the default ZeroMQ port --port + 1: give --zmq-port")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 
@@ -105,6 +114,12 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def resolved_zmq_port(self) -> int:
+        """The ZeroMQ port to bind: --zmq-port, else --port + 1; 0 (a free port) when --port is 0."""
+        if self.zmq_port is not None:
+            return self.zmq_port
+        return self.port + 1 if self.port else 0
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -36,13 +36,14 @@ import signal
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.server_args import ServerArgs
@@ -115,11 +116,11 @@ class RuntimeServer:
                 os.umask(previous_umask)
             os.chmod(host[len("ipc://") :], 0o600)
             self.address = host
-        elif self._args.port == 0:
+        elif self._args.resolved_zmq_port() == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
         else:
-            self.address = f"tcp://{host}:{self._args.port}"
+            self.address = f"tcp://{host}:{self._args.resolved_zmq_port()}"
             sock.bind(self.address)
         self._socket = sock
         return self.address
@@ -361,22 +362,37 @@ class RuntimeServer:
             logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
 
 
-def run_server(args: ServerArgs) -> None:
+def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
     """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
 
-    The ready line `SGL_LITE_READY <address>` on stdout is what the launcher waits for; everything
-    else goes to the log (stderr).
+    `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
+    waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
+    The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
+    for; everything else goes to the log (stderr).
     """
     from sgl_lite.runtime.server.core import RuntimeCore
 
     core = RuntimeCore.from_args(args)
     server = RuntimeServer(core, args)
-    address = server.bind()
+    try:
+        address = server.bind()
+    except zmq.ZMQError as e:
+        core.close()
+        raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.request_shutdown())
+    announced = [address]
+    if after_bind is not None:
+        try:
+            announced += after_bind(server.request_shutdown)
+        except BaseException:
+            server.request_shutdown()
+            server.serve_forever()  # returns at once: closes the socket
+            core.close()
+            raise
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
-    logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
-    print(f"{READY_PREFIX} {address}", flush=True)
+    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
