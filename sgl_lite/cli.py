@@ -44,12 +44,25 @@ def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any],
         decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
-    click_type: Any = click.Choice(choices) if choices else base
+    click_type: Any = _HintedChoice(choices, f.metadata.get("hints", {})) if choices else base
     envvar = _ENV_VARS.get(f.name)
     if envvar:
         help_text += f" Default: ${envvar}; prefer it to the flag on a shared machine (`ps` shows command lines)."
     return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
                         envvar=envvar)
+
+
+class _HintedChoice(click.Choice):
+    """A choice whose likely wrong values (e.g. SGLang habits) get a hint instead of the bare list."""
+
+    def __init__(self, choices: Any, hints: dict[str, str]) -> None:
+        super().__init__(choices)
+        self.hints = hints
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.hints:
+            self.fail(self.hints[value], param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def server_arg_options(command: Callable[..., Any]) -> Callable[..., Any]:

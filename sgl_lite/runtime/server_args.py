@@ -46,7 +46,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
 
     # Queue policy.
-    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order (priority order is --enable-priority-scheduling, over any policy).", "choices": SCHEDULE_POLICIES, "hints": {"priority": "priority is not a queue policy here: add --enable-priority-scheduling (it orders by priority first, over any --schedule-policy)"}})
     lpm_fallback_threshold: int | None = field(default=None, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128 because it re-matches the whole queue each step; sgl_lite orders incrementally, so the default None never falls back)."})
     disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order the queue by sorting it (and, for LPM/DFS-weight, re-matching every waiting request) each step, SGLang's way, O(queue), instead of reading the incremental waiting index, O(admitted). Priority scheduling always sorts."})
     lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
@@ -76,6 +76,9 @@ class ServerArgs:
         """Raise ValueError naming the flag when a value is out of range."""
         for name in ("schedule_policy", "dtype", "device", "attention_backend"):
             choices = _FIELDS[name].metadata["choices"]
+            hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
+            if hint is not None:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
