@@ -38,6 +38,7 @@ def _field_base_type(annotation: Any) -> type:
 
 def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
     flag = "--" + f.name.replace("_", "-")
+    aliases = list(f.metadata.get("aliases", ()))  # SGLang's short spellings (--model, --tp)
     help_text = f.metadata.get("help", "")
     base = _field_base_type(annotation)
     if base is bool:
@@ -48,7 +49,7 @@ def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any],
     envvar = _ENV_VARS.get(f.name)
     if envvar:
         help_text += f" Default: ${envvar}; prefer it to the flag on a shared machine (`ps` shows command lines)."
-    return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
+    return click.option(flag, *aliases, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
                         envvar=envvar)
 
 

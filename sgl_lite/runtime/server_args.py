@@ -22,13 +22,13 @@ API_KEY_ENV = "SGL_LITE_API_KEY"
 @dataclass
 class ServerArgs:
     # Model and device.
-    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default)."})
+    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default).", "aliases": ("--model",)})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
-    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
 
     # KV memory.
@@ -69,12 +69,22 @@ class ServerArgs:
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
+    # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
+    chat_template: str | None = field(default=None, metadata={"help": "A Jinja chat template file to use instead of the model's (HTTP chat and the DSL's roles); SGLang's built-in template names are not available."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (the model's dtype) is the only one on this build.", "choices": ("auto",), "hints": {d: "the KV cache is kept in the model's dtype on this build; use auto" for d in ("fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")}})
+    page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
+    grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
+    stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
+    watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP API serves /metrics (Prometheus) always."})
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
-        for name in ("schedule_policy", "dtype", "device", "attention_backend"):
+        for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
             if hint is not None:
@@ -107,6 +117,13 @@ class ServerArgs:
             raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
         if self.port == 65535 and self.zmq_port is None:
             raise ValueError("--port 65535 leaves no room for the default ZeroMQ port --port + 1: give --zmq-port")
+        if self.page_size != 1:
+            raise ValueError(f"--page-size {self.page_size}: only 1 is supported (the radix tree and the KV pool "
+                             "index single tokens)")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1; got {self.stream_interval}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be positive; got {self.watchdog_timeout}")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 

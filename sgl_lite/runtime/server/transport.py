@@ -33,6 +33,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 import time
 import typing
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class RuntimeServer:
         self._inflight: dict[str, _InFlight] = {}
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
+        self.step_started_at: float | None = None
         self.address = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -149,6 +151,7 @@ class RuntimeServer:
 
     def _step(self) -> list[Req]:
         scheduler = self._core.scheduler
+        self.step_started_at = time.monotonic()  # read by the watchdog (run_server)
         try:
             return scheduler.step()
         except Exception as e:
@@ -160,6 +163,8 @@ class RuntimeServer:
                 scheduler.abort_request(key)
             scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
+        finally:
+            self.step_started_at = None
 
     def _shutdown(self) -> None:
         scheduler = self._core.scheduler
@@ -324,7 +329,8 @@ class RuntimeServer:
             last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
                                        flight.stream_state.new_ids(req.output_ids), meta_info)
             return [last, final]
-        if flight.stream_state is not None:
+        # --stream-interval N: a chunk every N tokens (SGLang's rule), the rest comes with the last one.
+        if flight.stream_state is not None and len(req.output_ids) % self._args.stream_interval == 0:
             delta = flight.stream_state.update(req.output_ids)
             if delta:
                 ids = flight.stream_state.new_ids(req.output_ids)
@@ -390,9 +396,27 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
             server.serve_forever()  # returns at once: closes the socket
             core.close()
             raise
+    _start_watchdog(server, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
     logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
     print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
+
+
+def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
+    """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
+    process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
+    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            started = server.step_started_at
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sgl-lite-watchdog", daemon=True).start()
