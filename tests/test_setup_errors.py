@@ -69,7 +69,3 @@ def test_missing_model(tmp_path):
     line = _serve_error(tmp_path / "no-such-model")
     assert "no-such-model" in line
 
-
-def test_chat_template_that_is_not_a_file(tiny_llama_dir):
-    line = _serve_error(tiny_llama_dir, "--chat-template", "chatml")
-    assert "--chat-template chatml" in line and "Jinja template file" in line

@@ -38,11 +38,10 @@ def _parsed(*argv: str) -> dict:
 def test_sglang_spellings_and_accepted_flags_parse():
     values = _parsed("--model", "/models/x", "--tp", "2", "--trust-remote-code", "--enable-metrics",
                      "--kv-cache-dtype", "auto", "--page-size", "1", "--grammar-backend", "xgrammar",
-                     "--stream-interval", "4", "--watchdog-timeout", "60", "--chat-template", "t.jinja")
+                     "--stream-interval", "4", "--watchdog-timeout", "60")
     assert values["model_path"] == "/models/x" and values["tp_size"] == 2
     assert values["trust_remote_code"] and values["enable_metrics"]
     assert values["stream_interval"] == 4 and values["watchdog_timeout"] == 60.0
-    assert values["chat_template"] == "t.jinja"
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -54,13 +53,6 @@ def test_sglang_spellings_and_accepted_flags_parse():
 def test_what_this_build_lacks_is_one_clear_line(argv, says):
     result = CliRunner().invoke(parse_only, argv)
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
-
-
-def test_chat_template_file_replaces_the_models(tiny_llama_dir, tmp_path):
-    template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}<<assistant>>")
-    with Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=512, chat_template=str(template)) as engine:
-        assert engine.get_server_info()["chat_template"] == template.read_text()
 
 
 def test_stream_interval_sends_a_chunk_every_n_tokens(tiny_llama_dir, tmp_path):

@@ -70,14 +70,13 @@ class ServerArgs:
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
-    chat_template: str | None = field(default=None, metadata={"help": "A Jinja chat template file to use instead of the model's (HTTP chat and the DSL's roles); SGLang's built-in template names are not available."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (the model's dtype) is the only one on this build.", "choices": ("auto",), "hints": {d: "the KV cache is kept in the model's dtype on this build; use auto" for d in ("fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")}})
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
     grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
     stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
     watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
-    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP API serves /metrics (Prometheus) always."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
 
     def __post_init__(self) -> None:
         self.validate()

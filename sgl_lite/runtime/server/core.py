@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
@@ -50,8 +49,6 @@ class RuntimeCore:
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
-        if args.chat_template is not None:  # --chat-template: what server_info tells the DSL and the HTTP front
-            tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         runner = ModelRunner(args, folder)
         install_fault_injection(runner)
         core = cls(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))

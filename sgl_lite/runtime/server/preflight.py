@@ -8,7 +8,6 @@ is read, the weights are not.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -27,9 +26,6 @@ def check_setup(args: ServerArgs) -> None:
     except ValueError as e:
         raise SetupError(f"{e}: use --device cpu (or auto)") from None
     _check_attention_backend(args, device.type)
-    if args.chat_template is not None and not Path(args.chat_template).is_file():
-        raise SetupError(f"--chat-template {args.chat_template}: no such file (sgl_lite takes a Jinja template file; "
-                         "SGLang's built-in template names are not available)")
     try:
         config = loader.load_config(loader.resolve_model_path(args.model_path))
     except loader.LoaderError as e:
