@@ -142,7 +142,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     import os
     import signal
 
-    from sgl_lite.http.launch import HttpFront
+    from sgl_lite.http.launch import HttpFront, connect_host
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
     from sgl_lite.runtime.server.ports import claim_ports
@@ -158,7 +158,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     except SetupError as e:
         claimed.close()
         raise click.ClickException(str(e)) from None
-    zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{_connect_host(args.host)}:{args.zmq_port}"
+    zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{connect_host(args.host)}:{args.zmq_port}"
     front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
                       served_model_name=served_model_name, log_level=args.log_level)
     claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
@@ -188,10 +188,6 @@ def _stop_self(pid: int, signum: int) -> None:
     timer = threading.Timer(_PARENT_DEATH_GRACE_S, lambda: os._exit(1))
     timer.daemon = True
     timer.start()
-
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def _serve_cluster(args: ServerArgs, dp_size: int, router_policy: str, served_model_name: str | None,

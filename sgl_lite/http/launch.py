@@ -102,7 +102,7 @@ class HttpFront:
     def __init__(self, runtime_address: str, listening: socket.socket, api_key: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info") -> None:
         host, port = listening.getsockname()[:2]
-        self.url = f"http://{_connect_host(host)}:{port}"
+        self.url = f"http://{connect_host(host)}:{port}"
         fd = listening.fileno()
         cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", host,
                "--port", str(port), "--fd", str(fd), "--log-level", log_level, "--parent-pid", str(os.getpid())]
@@ -155,7 +155,7 @@ class HttpFront:
                 self._ready.set()
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
     """A wildcard bind is reached through loopback."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
