@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import click
 
+from sgl_lite.runtime.client.discovery import check_zmq_address
 from sgl_lite.runtime.server.parent_watch import exit_with_parent
 from sgl_lite.runtime.server_args import API_KEY_ENV
 
@@ -180,6 +181,10 @@ def http_command(runtime_address: str, host: str, port: int, api_key: str | None
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if parent_pid is not None:
         exit_with_parent(parent_pid, lambda: os._exit(0))
+    try:
+        check_zmq_address(runtime_address)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runtime") from None
     run_http_server(runtime_address, host, port, api_key, served_model_name,
                     runtime_api_key=runtime_api_key, log_level=log_level, fd=fd)
 
