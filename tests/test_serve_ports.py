@@ -71,6 +71,15 @@ def test_runtime_endpoint_over_http_url_runs_a_dsl_program(runtime):
         endpoint.close()
 
 
+def test_generate_command_takes_the_url(runtime):
+    result = subprocess.run([sys.executable, "-m", "sgl_lite.cli", "generate", "--address", runtime.url,
+                             "--prompt", "Hello", "--max-new-tokens", "3"], capture_output=True, text=True,
+                            timeout=120, env=_child_env())
+    assert result.returncode == 0, result.stderr
+    expected = json.loads(runtime.generate("Hello", {"max_new_tokens": 3, "temperature": 0}))["text"]
+    assert result.stdout.rstrip("\n") == expected
+
+
 def test_runtime_has_sglangs_methods(runtime):
     params = {"max_new_tokens": 5, "temperature": 0}
     out = json.loads(runtime.generate("The capital of France is", params))  # a JSON string, as SGLang's
