@@ -2,11 +2,11 @@
 
 Start a server on the default model with the shipped tool-capable template and the matching parser:
 
-    sgl-lite serve --chat-template smollm2-tools --tool-call-parser qwen25 --http-port 8000
+    sgl-lite serve --chat-template smollm2-tools --tool-call-parser qwen25 --port 30000
 
 then run this file with the server's OpenAI base URL (the only thing that ties it to a server):
 
-    python examples/tool_agent.py --base-url http://127.0.0.1:8000/v1
+    python examples/tool_agent.py --base-url http://127.0.0.1:30000/v1
 
 Each user turn runs the tool loop: the model must call a tool first (tool_choice="required", so even
 a 135M model calls one; the xgrammar constraint makes the call valid), the tools run here, and the
@@ -72,7 +72,7 @@ def step(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], tool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000/v1", help="the server's OpenAI base URL")
     parser.add_argument("--api-key", default="EMPTY")
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
