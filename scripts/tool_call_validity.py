@@ -80,8 +80,13 @@ def main() -> None:
                 tool_choice="required", parallel_tool_calls=False, temperature=1.0, n=n, seed=request * 1000,
                 max_tokens=args.max_tokens)
             for choice in response.choices:
-                good += valid(choice.message)
+                ok = valid(choice.message)
+                good += ok
                 total += 1
+                if not ok:
+                    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+                    print(f"  invalid ({choice.finish_reason}): content={choice.message.content!r} calls={calls}",
+                          flush=True)
             request += 1
             print(f"  {good}/{total} valid so far", flush=True)
     finally:
