@@ -101,11 +101,15 @@ struct E5m2Kv {
 };
 // e4m3fn (bias 7) has one mantissa bit more than e5m2: placed in an fp16's fields it reads as the value
 // times 2^-8 (fp16's bias is 15), subnormals included (they land on fp16 subnormals); rescale in fp32.
+// e4m3fn has no infinities; its all-ones magnitude is NaN.
 struct E4m3Kv {
   using T = uint8_t;
   static inline vfloat decode(const T* p) {
     const vu16 u = __builtin_convertvector(load_vec<vu8>(p), vu16);
-    return half_to_float(((u & 0x7f) << 7) | ((u & 0x80) << 8)) * 256.0f;
+    const vu16 magnitude = u & 0x7f;
+    const vfloat value = half_to_float((magnitude << 7) | ((u & 0x80) << 8)) * 256.0f;
+    const vu32 is_nan = __builtin_convertvector(magnitude == 0x7f, vu32);
+    return is_nan ? std::numeric_limits<float>::quiet_NaN() + vfloat{} : value;
   }
 };
 
