@@ -32,7 +32,7 @@ NEIGHBOURS = ("none", "busy, unpinned", "busy, pinned to last core")
 def worker(batch: int, steps: int, prompt_len: int) -> None:
     import logging
 
-    import torch
+    import torch  # first: libgomp reads OMP_WAIT_POLICY now, before bench_model's passive default could apply
 
     sys.path.insert(0, str(ROOT / "scripts"))
     sys.path.insert(0, str(ROOT))
