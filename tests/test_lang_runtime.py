@@ -174,6 +174,7 @@ def test_select_matches_transformers_logprobs(runtime, hf, method, prefix, choic
     else:
         width = max(len(v) for v in cond)
         matrix = [v + [sum(v) / len(v)] * (width - len(v)) for v in cond]
+        assert len(meta["greedy_logprob_matrix"]) == len(matrix)
         for got, want in zip(meta["greedy_logprob_matrix"], matrix):
             assert got == pytest.approx(want, abs=1e-3)
         # Greedy: the first column (all distinct here) decides.
@@ -220,7 +221,9 @@ def test_fork_prefix_hint_gives_branches_a_cache_hit(runtime, hf):
     sgl.flush_cache()
     state = prog.run(temperature=0)
     shared_tokens = len(hf[1](shared).input_ids)
-    for meta in state.get_meta_info("x"):
+    metas = state.get_meta_info("x")
+    assert len(metas) == 3, metas  # one per branch: the check below ran for every fork
+    for meta in metas:
         assert meta["cached_tokens"] >= shared_tokens - 1
 
 
