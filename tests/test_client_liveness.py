@@ -26,7 +26,6 @@ from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, parse_slow_forward_spec
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
-from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -195,11 +194,6 @@ def test_a_stopped_process_counts_as_dead_and_gets_the_abort_when_it_resumes(mut
 
 
 # ---------------------------------------------------------------------------- a real runtime, slow steps
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def start_slow_runtime(tiny_model: str) -> Runtime:

@@ -12,7 +12,6 @@ from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
-from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,11 +20,6 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, 
            "A journey of a thousand miles", "Thought: I should call a tool."]
 SHORT = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 480, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def run_concurrently(client: RuntimeClient, prompts: list[str], params: dict) -> dict[str, object]:

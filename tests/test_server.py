@@ -27,7 +27,6 @@ from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
-from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,11 +35,6 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, 
            "Thought: I should call a tool.", "A journey of a thousand miles", "Berlin is the capital of", "{\"name\": "]
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
 LONG = {"max_new_tokens": 480, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 @pytest.fixture(scope="module")
