@@ -18,10 +18,8 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from sgl_lite.testing.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")

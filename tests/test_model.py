@@ -164,8 +164,8 @@ def test_choose_dtype():
     assert choose_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
 
 
-def test_kv_pool_sized_from_memory(tmp_path):
-    path = make_tiny_model(tmp_path / "m")
+def test_kv_pool_sized_from_memory(tiny_llama_dir):
+    path = tiny_llama_dir
     runner = ModelRunner(ServerArgs(model_path=str(path), dtype="float32", device="cpu", context_length=256), model_dir=path)
     assert 0 < runner.num_slots <= 64 * 256
     assert runner.kv_pool.total_bytes == runner.kv_cache_summary()["bytes"]
@@ -225,12 +225,12 @@ def test_logprob_start_and_bad_batch(tiny):
         runner.forward(ForwardBatch(reqs=[bad], prefix_lens=[0], extend_lens=[5], out_cache_loc=torch.arange(1, 6), sample=[True]))
 
 
-def test_bf16_packed_weights_match_plain_linear(tmp_path):
+def test_bf16_packed_weights_match_plain_linear(tiny_llama_dir):
     from sgl_lite.runtime.models.llama import cpu_packed_linear_supported
 
     if not cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN bf16 linear in this torch build")
-    path = make_tiny_model(tmp_path / "m")
+    path = tiny_llama_dir
     runner = make_runner(path, dtype="bfloat16")
     assert runner.packed_weights
     ids = prompts(runner.vocab_size, [9], seed=6)[0]
