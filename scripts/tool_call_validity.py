@@ -4,7 +4,8 @@ Starts a runtime on the default model (SmolLM2-135M-Instruct) with the shipped t
 qwen25 parser, serves the HTTP API in this process, and asks the `openai` client for --samples tool
 calls at temperature 1 (tool_choice "required", one call per answer, --per-request choices per
 request). A sample counts as valid when the answer holds a call of a declared function whose
-arguments are JSON that validates against its schema. Run once per setting:
+arguments are JSON that validates against its schema. String arguments carry a maxLength: unbounded,
+a sampled string may run past max_tokens and cut the call (finish_reason "length"). Run once per setting:
 
     python scripts/tool_call_validity.py                 # constrained (the default)
     python scripts/tool_call_validity.py --unconstrained # --disable-tool-call-constraint
@@ -28,7 +29,7 @@ TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather of a city.",
         "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "City name"},
+            "city": {"type": "string", "description": "City name", "maxLength": 40},
             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
             "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {
@@ -37,7 +38,7 @@ TOOLS = [
                        "required": ["a", "b"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "search", "description": "Search the web.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+        "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 80},
                                                         "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
                        "required": ["query"], "additionalProperties": False}}},
 ]

@@ -26,6 +26,7 @@ from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.chat_templates import load_chat_template
 from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 from test_http import API_KEY, Live
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,7 +120,7 @@ def test_required_gives_schema_valid_calls_only(live: Live) -> None:
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None
         assert _check_calls(choice.message, {"get_weather", "add"})
-    live.assert_no_kv_leak()
+    assert_idle_without_leaks(live.client)
 
 
 def test_named_function_gives_exactly_that_call(live: Live) -> None:
@@ -212,7 +213,7 @@ def test_multi_turn_tool_loop_hits_the_prefix_cache(live: Live) -> None:
     assert len(cached) >= 2
     for (previous_prompt, _), (prompt, hit) in zip(cached, cached[1:]):
         assert hit >= previous_prompt, cached  # the whole previous prompt came from the cache
-    live.assert_no_kv_leak()
+    assert_idle_without_leaks(live.client)
 
 
 DEEP: dict[str, Any] = {"type": "object"}
@@ -246,7 +247,7 @@ def test_malformed_tools_get_400_naming_the_field(live: Live, change: dict[str, 
     assert error["param"] == field and field in error["message"], error
     with pytest.raises(openai.BadRequestError):
         _create(live, model="tiny", messages=ASK, max_tokens=4, **change)
-    live.assert_no_kv_leak()
+    assert_idle_without_leaks(live.client)
 
 
 def test_a_template_without_tools_is_refused_with_a_400_naming_tools() -> None:
