@@ -111,6 +111,34 @@ def test_stream_chunks_add_up(engine: Engine) -> None:
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
 
 
+def test_stream_never_sends_a_stop_string_prefix_the_final_text_cuts(engine: Engine) -> None:
+    prompt = "Berlin is the capital of"
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+    decode = engine.core.decode
+    ids = free["output_ids"]
+    # A stop string made of the text of two output tokens, whose first part arrives a step before
+    # the token that completes it: a stream that re-decodes each step sends that part, then the
+    # final text cuts it.
+    def stop_at(k: int) -> str:  # the text of tokens k and k + 1
+        return decode(ids[: k + 2])[len(decode(ids[:k])):]
+
+    start = next(k for k in range(1, len(ids) - 2)
+                 if len(decode(ids[: k + 1])) > len(decode(ids[:k])) and not stop_at(k).endswith("\ufffd")
+                 and len(stop_at(k)) > len(decode(ids[: k + 1])) - len(decode(ids[:k]))
+                 and stop_at(k) not in decode(ids[: k + 1]))
+    stop = stop_at(start)
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop": [stop]}
+    chunks = list(engine.generate(prompt, params, stream=True))
+    final = engine.generate(prompt, params)
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    sent = ""
+    for chunk in chunks:
+        sent += chunk["text"]
+        assert final["text"].startswith(sent), f"streamed {sent!r}, which the final text {final['text']!r} does not start with"
+    assert sent == final["text"] == decode(ids[:start])
+    assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
+
+
 def test_constrained_request_waits_for_its_grammar(engine: Engine) -> None:
     out = engine.generate("The number is", {"temperature": 0, "max_new_tokens": 10, "regex": "[0-9]{3}"})
     assert len(out["text"]) == 3 and out["text"].isdigit()

@@ -36,7 +36,7 @@ from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, res
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
-from sgl_lite.runtime.managers.validation import AdmissionChecks
+from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import StopChecker
 
@@ -45,10 +45,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-
-
-class QueueFullError(ValueError):
-    """The waiting queue holds --max-queued-requests requests."""
 
 
 class Scheduler:
@@ -77,7 +73,7 @@ class Scheduler:
         chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else (8192 if on_cuda else 2048)
         self.chunk_size: int | None = None if chunk == -1 else chunk
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
-        self.checks = AdmissionChecks(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
+        self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
@@ -104,9 +100,9 @@ class Scheduler:
         """Validate and queue `req`; ValueError (QueueFullError when full) names what is wrong."""
         if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        matcher_future = self.checks.validate(req)
-        if self.checks.priority_default is not None and req.priority is None:
-            req.priority = self.checks.priority_default
+        matcher_future = self.validator.validate(req)
+        if self.validator.priority_default is not None and req.priority is None:
+            req.priority = self.validator.priority_default
         self._make_queue_room(req)
         req.queue_enter_time = self.clock()
         self._live[req.rid] = req

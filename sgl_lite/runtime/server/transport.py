@@ -1,8 +1,9 @@
 """The runtime process's front door: one ZeroMQ ROUTER socket in front of one RuntimeCore.
 
-A single thread owns the socket and the scheduler. Each loop iteration reads every waiting message
-(non-blocking while the scheduler has work, otherwise blocking up to IDLE_POLL_MS so that shutdown
-requests are noticed), then runs one `scheduler.step()` and replies to whoever asked for each
+A single thread owns the socket and the core. Pure transport: every request goes through the
+RuntimeCore's methods (submit, abort, step, flush_cache, stream_state), never the scheduler itself.
+Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise
+blocking up to IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for each
 changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted.
 
 Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
@@ -28,7 +29,6 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import os
@@ -36,20 +36,26 @@ import signal
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
+from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.managers.request import FinishKind, Req
+from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:  # the core needs torch, which this module does not import at load time
+    from sgl_lite.runtime.server.core import RuntimeCore
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+PENDING_POLL_MS = 2  # while a long prompt is tokenized elsewhere and nothing else runs
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
@@ -80,13 +86,14 @@ def _wire_value(obj: Any) -> Any:
 
 
 class RuntimeServer:
-    def __init__(self, core: Any, args: ServerArgs, context: zmq.Context | None = None) -> None:
+    def __init__(self, core: RuntimeCore, args: ServerArgs, context: zmq.Context | None = None) -> None:
         self._core = core
         self._args = args
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._socket: zmq.Socket | None = None
         self._inflight: dict[str, _InFlight] = {}
+        self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
         self.address = ""
@@ -132,14 +139,16 @@ class RuntimeServer:
         assert self._socket is not None, "bind() first"
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        scheduler = self._core.scheduler
+        core = self._core
         try:
             while not self._stop_requested:
-                busy = scheduler.has_work()
-                if poller.poll(0 if busy else IDLE_POLL_MS):
+                busy = core.has_work()
+                if poller.poll(0 if busy else PENDING_POLL_MS if self._pending else IDLE_POLL_MS):
                     self._read_messages()
+                if self._pending:
+                    self._accept_tokenized()
                 # has_work() stays true while an abort awaits its report by step().
-                if scheduler.has_work():
+                if core.has_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
@@ -147,30 +156,32 @@ class RuntimeServer:
             self._shutdown()
 
     def _step(self) -> list[Req]:
-        scheduler = self._core.scheduler
+        core = self._core
         try:
-            return scheduler.step()
+            return core.step()
         except Exception as e:
             # The scheduler contains forward failures itself; this is a bug elsewhere in a step.
             logger.exception("scheduler step failed; aborting every request in flight")
             message = f"internal error in the runtime: {type(e).__name__}: {e}"
             for key, flight in self._inflight.items():
                 flight.abort_message = message
-                scheduler.abort_request(key)
-            scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
+                core.abort(key)
+            core.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
 
     def _shutdown(self) -> None:
-        scheduler = self._core.scheduler
+        core = self._core
+        for pending in self._pending.cancel_all():
+            self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, "server shutting down", "aborted"))
         for key, flight in list(self._inflight.items()):
-            scheduler.abort_request(key)
+            core.abort(key)
             if not flight.client_gone:
                 self._send(flight.identity, protocol.ErrorReply(flight.rid, "server shutting down", "aborted"))
         if self._inflight:
             logger.info("aborted %d in-flight request(s) on shutdown", len(self._inflight))
             # Everything is aborted, so this step runs no forward: it only collects the abort
             # reports, leaving the scheduler idle for whoever owns the core next (tests, Engine).
-            scheduler.step()
+            core.step()
         self._inflight.clear()
         if self._socket is not None:
             self._socket.close(linger=SHUTDOWN_LINGER_MS)
@@ -237,49 +248,67 @@ class RuntimeServer:
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def _dispatch(self, identity: bytes, msg: protocol.Request) -> None:
-        scheduler = self._core.scheduler
         if isinstance(msg, protocol.GenerateReq):
             self._add_generate(identity, msg)
         elif isinstance(msg, protocol.AbortReq):
             key = self._key(identity, msg.rid)
             flight = self._inflight.get(key)
-            if flight is None or not scheduler.abort_request(key):
+            if self._pending.cancel(key) is not None:
+                self._send(identity, protocol.ErrorReply(msg.rid, "aborted by the client", "aborted"))
+            elif flight is None or not self._core.abort(key):
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
             else:
                 flight.abort_message = "aborted by the client"
         elif isinstance(msg, protocol.FlushCacheReq):
-            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(scheduler.flush_cache())}))
+            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(self._core.flush_cache())}))
         elif isinstance(msg, protocol.ServerInfoReq):
             self._send(identity, protocol.InfoReply(msg.rid, self._core.server_info()))
         elif isinstance(msg, protocol.HealthReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
 
     def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
-        # Imported here: the scheduler needs torch, which this module does not import at load time.
-        from sgl_lite.runtime.managers.scheduler import QueueFullError
-
         key = self._key(identity, msg.rid)
-        if key in self._inflight:
+        if key in self._inflight or key in self._pending:
             self._send(identity, protocol.ErrorReply(msg.rid, f"request id {msg.rid!r} is already in flight"))
             return
         try:
-            req = self._core.make_req(
+            req = self._core.prepare(
                 key, msg.text, msg.input_ids, msg.sampling_params,
                 return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                 top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
             )
-            self._core.scheduler.add_request(req)
+        except ValueError as e:
+            self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
+            return
+        if isinstance(req, Req):
+            self._submit(identity, msg, req)
+        else:
+            self._pending.add(key, identity, msg, req)
+
+    def _accept_tokenized(self) -> None:
+        for key, pending in self._pending.take_ready():
+            try:
+                req = pending.future.result()
+            except ValueError as e:
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, str(e)))
+                continue
+            except Exception as e:
+                logger.exception("tokenizing %s failed", key)
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, f"internal error: {e}", "internal"))
+                continue
+            self._submit(pending.identity, pending.msg, req)
+
+    def _submit(self, identity: bytes, msg: protocol.GenerateReq, req: Req) -> None:
+        try:
+            self._core.submit(req)
         except QueueFullError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e), "queue_full"))
             return
         except ValueError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
             return
-        stream_state = None
-        if msg.stream:
-            hold_back = stop_hold_back_chars(msg.sampling_params.stop_strings())
-            stream_state = IncrementalDetokenizer(functools.partial(self._core.decode, params=req.sampling_params), hold_back)
-        self._inflight[key] = _InFlight(identity, msg.rid, stream_state)
+        stream_state = self._core.stream_state(req) if msg.stream else None
+        self._inflight[req.rid] = _InFlight(identity, msg.rid, stream_state)
 
     @staticmethod
     def _key(identity: bytes, rid: str) -> str:
@@ -297,7 +326,7 @@ class RuntimeServer:
         except Exception as e:  # a bug (e.g. in detokenizing) must cost this request, not the server
             logger.exception("could not build the reply for %s", req.rid)
             if not req.finished:
-                self._core.scheduler.abort_request(req.rid)  # its abort report finds no flight: silent
+                self._core.abort(req.rid)  # its abort report finds no flight: silent
             replies = [protocol.ErrorReply(flight.rid, f"internal error: {type(e).__name__}: {e}", "internal")]
             done = True
         if done:
@@ -356,7 +385,7 @@ class RuntimeServer:
             flight = self._inflight[key]
             flight.client_gone = True
             flight.abort_message = "client disconnected"
-            self._core.scheduler.abort_request(key)
+            self._core.abort(key)
         if gone:
             logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
 
