@@ -73,8 +73,8 @@ def bench_one(policy: str, extra: dict, num_waiting: int, rounds: int, max_runni
     sched = Scheduler(args, runner, eos_token_ids=(), context_length=512)
     work = Workload(seed=1)
     for prefix in work.prefixes:  # warm the cache with every shared prefix
-        slots = sched.allocator.alloc(len(prefix))
-        sched.tree_cache.insert(prefix, slots)
+        slots = sched.kv.allocator.alloc(len(prefix))
+        sched.kv.tree_cache.insert(prefix, slots)
     for _ in range(num_waiting):
         sched.add_request(work.request())
 

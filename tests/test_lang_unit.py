@@ -61,7 +61,7 @@ def test_signatures_match_sglang():
         assert _params(getattr(sgl, f"{role}_begin")) == []
         assert _params(getattr(sgl, f"{role}_end")) == []
     assert _params(sgl.set_default_backend) == [("backend", inspect.Parameter.empty)]
-    assert _params(sgl.flush_cache) == [("backend", None), ("empty_cache", True)]
+    assert _params(sgl.flush_cache) == [("backend", None)]
     assert _params(sgl.get_server_info) == [("backend", None)]
 
     @sgl.function

@@ -179,7 +179,7 @@ class ModelRunner(ModelRunnerBase):
         reqs = batch.reqs
         num_reqs = len(reqs)
         if not num_reqs:
-            return ForwardOutput(next_token_ids=[], next_token_logprobs=[])
+            return ForwardOutput(next_token_ids=[])
         for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
             if extend <= 0 or prefix + extend > req.seq_len:
                 raise ValueError(f"request {req.rid}: prefix {prefix} + extend {extend} does not fit its {req.seq_len} tokens")
@@ -208,9 +208,8 @@ class ModelRunner(ModelRunnerBase):
         for i, first, last in score_ranges:
             rows.extend(range(qo[i] + first - batch.prefix_lens[i], qo[i] + last - batch.prefix_lens[i]))
         next_ids: list[int | None] = [None] * num_reqs
-        next_logprobs: list[float | None] = [None] * num_reqs
         if not rows:
-            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+            return ForwardOutput(next_token_ids=next_ids)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         num_sample = len(sample_idx)
         self._score_inputs(batch, score_ranges, logits[num_sample:])
@@ -224,9 +223,8 @@ class ModelRunner(ModelRunnerBase):
             for j, i in enumerate(sample_idx):
                 next_ids[i] = tokens_list[j]
                 if reqs[i].return_logprob:
-                    next_logprobs[i] = logprob_list[j]
                     self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
-        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+        return ForwardOutput(next_token_ids=next_ids)
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""
