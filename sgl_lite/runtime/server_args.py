@@ -8,6 +8,7 @@ lacks are marked as sgl_lite's own in their help text.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ class ServerArgs:
         for name in ("schedule_policy", "dtype", "device", "attention_backend"):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
-                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+                raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
@@ -84,7 +85,7 @@ class ServerArgs:
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"{_flag(name)} must be positive; got {value}")
+                raise ValueError(f"{flag_of(name)} must be positive; got {value}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -110,8 +111,16 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_of(name: str, negated: bool = False) -> str:
+    """The command-line flag of a field, SGLang's rule: `max_running_requests` -> `--max-running-requests`
+    (`--no-...` for a negated boolean). The CLI, the Runtime launcher and the benchmark all use this."""
+    return ("--no-" if negated else "--") + name.replace("_", "-")
+
+
+def field_base_type(annotation: Any) -> Any:
+    """`int | None` -> int; plain types unchanged: the type a flag's value is parsed as."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
