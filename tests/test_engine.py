@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sgl_lite.runtime.server.engine import Engine
 
@@ -166,3 +169,17 @@ def test_default_model_second_prompt_hits_cache(default_model_dir: Path) -> None
         assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
         assert again["output_ids"] == first["output_ids"]
         eng.core.scheduler.check_invariant()
+
+
+def test_sampler_and_stop_check_share_one_eos_set(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """min_new_tokens keeps exactly the EOS ids from being sampled that the stop check ends on: the
+    model config's and the tokenizer's, resolved once at startup (here they differ)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer_eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    config["eos_token_id"] = tokenizer_eos + 1
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with Engine(model_path=str(model_dir), max_total_tokens=512, dtype="float32", device="cpu") as eng:
+        sampler_eos = set(eng.core.runner.sampler.eos_token_ids)
+        assert sampler_eos == set(eng.core.scheduler.stop_checker.eos_token_ids) == {tokenizer_eos, tokenizer_eos + 1}

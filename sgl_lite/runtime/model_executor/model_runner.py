@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -101,7 +102,9 @@ def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
 
 
 class ModelRunner(ModelRunnerBase):
-    def __init__(self, args: ServerArgs, model_dir: Path | None = None) -> None:
+    def __init__(self, args: ServerArgs, model_dir: Path | None = None, eos_token_ids: Iterable[int] | None = None) -> None:
+        """`eos_token_ids`: what the sampler keeps from being sampled before min_new_tokens; the runtime
+        passes the set its stop check uses (RuntimeCore.from_args), None takes the model config's."""
         from sgl_lite.runtime.model_executor import loader
 
         self.args = args
@@ -135,7 +138,7 @@ class ModelRunner(ModelRunnerBase):
         self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads, self.model.head_dim)
-        self.sampler = self._make_sampler()
+        self.sampler = self._make_sampler(eos_token_ids)
         logger.info(
             "model %s: %s on %s, context %d, KV pool %d slots (%.1f MiB), max running requests %d",
             model_dir, self.dtype, self.device, self.context_length, self.num_slots,
@@ -157,12 +160,13 @@ class ModelRunner(ModelRunnerBase):
             raise ValueError("no memory left for the KV pool; pass --max-total-tokens or raise --mem-fraction-static")
         return slots
 
-    def _make_sampler(self):
+    def _make_sampler(self, eos_token_ids: Iterable[int] | None):
         from sgl_lite.runtime.sampling.sampler import Sampler
 
-        eos = self.config.eos_token_id
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return Sampler(self.vocab_size, eos_ids, self.args.random_seed)
+        if eos_token_ids is None:
+            eos = self.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return Sampler(self.vocab_size, eos_token_ids, self.args.random_seed)
 
     def kv_cache_summary(self) -> dict:
         return {

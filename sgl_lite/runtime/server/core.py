@@ -49,9 +49,11 @@ class RuntimeCore:
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
-        runner = ModelRunner(args, folder)
+        # Resolved once: the sampler (min_new_tokens masking) and the stop check use this one set.
+        eos_token_ids = eos_ids_of(loader.load_config(folder), tokenizer)
+        runner = ModelRunner(args, folder, eos_token_ids=eos_token_ids)
         install_fault_injection(runner)
-        core = cls(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))
+        core = cls(args, tokenizer, runner, str(folder), eos_token_ids)
         kv = runner.kv_cache_summary()
         num_params = sum(p.numel() for p in runner.model.parameters())
         logger.info(
