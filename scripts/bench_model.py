@@ -9,7 +9,7 @@ shapes and the batch's row count, divided by 2 x (matmul parameters per token). 
 not part of the limit, so the limit is an upper bound that ignores attention and elementwise ops.
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
-Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N] [--out bench_model.json]
+Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N] [--out artifacts/bench_model.json]
 The machine's load average is printed with the table: on a shared box, other processes skew every column.
 """
 
@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", default="bench_model.json")
+    parser.add_argument("--out", default=artifact_path("bench_model.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -230,7 +231,7 @@ def main() -> None:
         ratio_cell = "-" if hf is None else f"{r['sgl_lite'] / hf:.2f}x"
         print(f"| {r['phase']} | {r['batch']} | {r['sgl_lite']:.1f} | {hf_cell} | {r['limit']:.1f} | "
               f"{r['sgl_lite'] / r['limit']:.0%} | {ratio_cell} | {r['matmul_gflops']:.1f} |")
-    out = Path(args.out)
+    out = output_file(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
                                "load_average": load, "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from sgl_lite.bench.artifacts import artifact_path
 from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts at import
 from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
@@ -61,7 +62,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     # baselines and output
     naive_batch_size: int = 8
-    output_dir: str = "bench_results"
+    output_dir: str = artifact_path("bench")
     plots: bool = True
     progress: bool = True
     startup_timeout: float = 900.0
