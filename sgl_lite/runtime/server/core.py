@@ -1,8 +1,13 @@
-"""RuntimeCore: what the in-process Engine and the ZeroMQ server share.
+"""RuntimeCore: the one way into the runtime, for the ZeroMQ transport and the in-process Engine.
 
-It owns the tokenizer, the model runner and the scheduler, turns user inputs into validated `Req`s
-(tokenizing text; ValueError naming the field at fault) and turns finished requests into SGLang's
-output shape: text with the stop marker trimmed, and meta_info
+It owns the tokenizer, the model runner and the scheduler; the transport and the Engine never reach the
+scheduler itself (tests and benchmarks read it, `core.scheduler`, to inspect it).
+Requests: `make_req` (or `prepare`, which tokenizes long texts on a worker thread) turns user inputs
+into a `Req` after the cheap size checks, `submit` validates and queues it (managers/validation.py:
+ValueError naming the field at fault), `step` runs one scheduler step, `abort`, `flush_cache`,
+`has_work` and `take_reports` do what they say, and `stream_state` gives a request's incremental
+detokenizer with the stop-string hold-back. Finished requests come out in SGLang's output shape:
+text with the stop marker trimmed (`output_text`), and `meta_info`
 {prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, logprob lists]}.
 
 Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (model_executor/fault_injection.py), which makes forward
