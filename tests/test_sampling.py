@@ -224,7 +224,6 @@ def test_grammar_hook_masks_through_apply_grammar_masks(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "sgl_lite.runtime.sampling.grammar", fake)
     import sgl_lite.runtime.sampling
 
-    # The sampler imports the module as an attribute of its package, set once the real one was imported.
     monkeypatch.setattr(sgl_lite.runtime.sampling, "grammar", fake, raising=False)
     logits = random_logits(2, seed=4)
     constrained = make_req("g", temperature=0.0)
