@@ -407,5 +407,8 @@ def run_server(args: ServerArgs) -> None:
     logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
     print(f"{READY_PREFIX} {address}", flush=True)
     logger.info("ready")
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        core.close()  # the tensor-parallel ranks and the tokenizer thread
     logger.info("server stopped")
