@@ -377,6 +377,34 @@ def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_pat
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeRequestError) and "context length" in str(outcome[0])
 
 
+def test_a_prompt_aborted_while_it_is_tokenized_never_runs(tokenizer, serve, tmp_path):
+    gate = threading.Event()
+    gated = _GatedTokenizer(tokenizer, gate)
+    core = RuntimeCore(ServerArgs(model_path="fake"), gated, ScriptedRunner(vocab_size=len(tokenizer), context_length=8192),
+                       "fake", [tokenizer.eos_token_id])
+    server = serve(core, tmp_path)
+    outcome: list[BaseException] = []
+    with RuntimeClient(server.address, timeout=30) as client:
+        def send_long() -> None:
+            try:
+                client.generate("word " * 1000, sampling_params={"max_new_tokens": 4}, rid="long")
+            except BaseException as e:  # noqa: BLE001 - kept for the assertion below
+                outcome.append(e)
+
+        sender = threading.Thread(target=send_long)
+        sender.start()
+        deadline = time.monotonic() + 10
+        while not gated.threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gated.threads, "the long text was never tokenized"
+        client.abort("long")
+        sender.join(30)
+        assert len(outcome) == 1 and "aborted by the client" in str(outcome[0])
+        gate.set()  # its tokenizing ends now, for nobody
+        assert client.generate("hi", sampling_params={"max_new_tokens": 2}).output_ids
+    assert core.scheduler.prompt_tokens_total == len(tokenizer("hi")["input_ids"])  # only "hi" ever ran
+
+
 def server_thread(server: RuntimeServer) -> threading.Thread:
     return next(t for t in threading.enumerate() if getattr(t, "_target", None) == server.serve_forever)
 
