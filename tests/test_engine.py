@@ -105,12 +105,19 @@ def test_prefill_only_and_logprobs(engine: Engine) -> None:
     assert len(meta["output_top_logprobs"]) == 3 and all(len(top) == 2 for top in meta["output_top_logprobs"])
 
 
-def test_stream_chunks_add_up(engine: Engine) -> None:
+def test_stream_chunks_are_sglangs(engine: Engine) -> None:
+    # SGLang's Engine.generate(stream=True): each chunk holds the text and ids so far (not a delta),
+    # with a meta_info; the last chunk is the whole output.
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     whole = engine.generate("Berlin is the capital of", params)
     chunks = list(engine.generate("Berlin is the capital of", params, stream=True))
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    assert len(chunks) > 2
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert all(c["meta_info"]["completion_tokens"] == len(c["output_ids"]) for c in chunks)
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
 
 
@@ -134,12 +141,13 @@ def test_stream_never_sends_a_stop_string_prefix_the_final_text_cuts(engine: Eng
     chunks = list(engine.generate(prompt, params, stream=True))
     final = engine.generate(prompt, params)
     assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    sent = ""
+    # Chunks hold the text so far (SGLang's Engine shape): each must be a prefix of the final text,
+    # and the last one is the final text.
     for chunk in chunks:
-        sent += chunk["text"]
-        assert final["text"].startswith(sent), f"streamed {sent!r}, which the final text {final['text']!r} does not start with"
-    assert sent == final["text"] == decode(ids[:start])
-    assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
+        assert final["text"].startswith(chunk["text"]), \
+            f"streamed {chunk['text']!r}, which the final text {final['text']!r} does not start with"
+    assert chunks[-1]["text"] == final["text"] == decode(ids[:start])
+    assert chunks[-1]["output_ids"] == final["output_ids"]
 
 
 def test_constrained_request_waits_for_its_grammar(engine: Engine) -> None:

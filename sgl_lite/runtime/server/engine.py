@@ -6,8 +6,8 @@
 
 `generate` queues the request(s) and steps the scheduler until they finish. A list of prompts (or
 of input_ids lists) gives a list of outputs, in input order, with a progress bar above
-PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts whose "text" is the new text
-since the previous chunk; the last one carries the full meta_info.
+PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts, as SGLang's Engine does, whose
+"text" and "output_ids" are everything so far; the last one is the whole output with its meta_info.
 """
 
 from __future__ import annotations
@@ -117,26 +117,31 @@ class Engine:
                 bar.close()
 
     def _stream(self, req: Req) -> Iterator[dict]:
-        """The server's streaming rule (RuntimeCore.stream_state): incremental detokenizing, and the
-        last characters withheld while a stop string could still be completing, so that every chunk
-        is final and the chunks add up to the final text."""
+        """SGLang's Engine stream: each chunk holds the text and output ids *so far* and a meta_info
+        (prompt/completion tokens, finish_reason None until the last chunk, which is the full output).
+        The text comes from the server's streaming state (RuntimeCore.stream_state): incremental
+        detokenizing, and the last characters withheld while a stop string could still be completing,
+        so every chunk's text is a prefix of the final text."""
         self._submit_all([req])
         state = self.core.stream_state(req)
+        text = ""
         try:
             while not req.finished:
                 changed = self.core.step()
                 if req not in changed or req.finished:
                     continue
                 delta = state.update(req.output_ids)
-                if delta:
-                    yield {"text": delta, "output_ids": state.new_ids(req.output_ids), "meta_info": {}}
+                if not delta:
+                    continue  # an incomplete UTF-8 character, or text a stop string may still cut
+                text += delta
+                meta_info = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.input_ids),
+                             "completion_tokens": len(req.output_ids)}
+                yield {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info}
         finally:
             if not req.finished:
                 self.core.abort(req.rid)
                 self._drain()
-        final = self._output(req)
-        yield {"text": state.finish(final["text"]), "output_ids": state.new_ids(req.output_ids),
-               "meta_info": final["meta_info"]}
+        yield self._output(req)
 
     def _drain(self) -> None:
         """Drop the reports of requests this engine aborted (nobody waits for them)."""
