@@ -88,7 +88,7 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
             if hint is not None:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
+                raise ValueError(f"{flag_of(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
                 raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
@@ -112,7 +112,7 @@ class ServerArgs:
         for name in ("port", "zmq_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
-                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+                raise ValueError(f"{flag_of(name)} must be in 0..65535; got {value}")
         if self.port and self.resolved_zmq_port() == self.port:
             raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
         if self.port == 65535 and self.zmq_port is None:
