@@ -6,10 +6,13 @@ whose `type` field is the struct's class name exactly as written here ("Generate
 accept exactly the union of their direction and raise `msgspec.ValidationError`/`DecodeError`
 naming the field at fault for anything else. No pickle anywhere.
 
-Request ids are chosen by the client and must be non-empty: the empty rid is reserved for the
-server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent about once a second to
-every client that has requests in flight (so that a vanished client is noticed, server/transport.py).
-Clients ignore it; it is never an answer to a request.
+Request ids are chosen by the client, at most MAX_RID_CHARS long, and must be non-empty: the empty
+rid is reserved for the server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent
+about once a second to every client that has requests in flight (so that a vanished client is
+noticed, server/transport.py). Clients ignore it; it is never an answer to a request. An
+`ErrorReply` with rid "" and code "unauthorized" answers a message without the right api_key: the
+server never echoes anything of an unauthenticated message, so the client fails every request it
+has pending (they all carry the same key).
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
 sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
@@ -28,8 +31,10 @@ READY_PREFIX = "SGL_LITE_READY"
 FLOAT32_MAX = 3.4028234663852886e38  # logits are divided by the temperature in float32
 GREEDY_TEMPERATURE_EPS = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
-# A request id: any non-empty string (the empty one is the keepalive's, see the module docstring).
-RequestId = Annotated[str, msgspec.Meta(min_length=1)]
+# A request id: a non-empty string (the empty one is the keepalive's, see the module docstring) of
+# bounded length, since replies carry it back: a huge rid would make every reply huge.
+MAX_RID_CHARS = 256
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -204,8 +209,17 @@ def encode(msg: Request | Reply) -> bytes:
 
 
 def decode_request(data: bytes) -> Request:
-    return _request_decoder.decode(data)
+    return _decode(_request_decoder, data)
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _reply_decoder.decode(data)
+    return _decode(_reply_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    # msgspec decodes (and skips) nested values recursively: a ~1 KB message of arrays nested a
+    # thousand deep raises RecursionError. It is an undecodable message like any other.
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("message nested too deeply to decode") from None

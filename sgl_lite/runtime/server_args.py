@@ -66,6 +66,7 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
+    max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     def __post_init__(self) -> None:
@@ -80,7 +81,8 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
+                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
+                    "max_queued_replies_per_client")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:

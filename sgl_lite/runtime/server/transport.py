@@ -9,7 +9,9 @@ Request ids are chosen by clients, so the scheduler sees them prefixed with the 
 identity: two clients may use the same rid, and a client can only abort its own requests.
 
 Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
-vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
+vanished identity raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client
+replies pile up without reading raises EAGAIN; the server then aborts all of that identity's requests
+and sends it nothing more until it reads again. To
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
@@ -17,6 +19,9 @@ Liveness, the other way round, does not involve this thread: clients send ZMTP h
 which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
 long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
 between steps: it tells that the runtime is ready to serve, not merely alive.
+
+Hostile input: one message is handled under a guard (_handle_guarded), so nothing it raises (a
+RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
 
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
 names the cause); an error building one reply costs only that request; anything else raising from a
@@ -98,9 +103,14 @@ class RuntimeServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Unbounded send queue: a chunk may never be dropped (stream deltas must add up), and a
-        # slow reader only costs memory until it reads or disconnects.
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
+        # wait for it (sending raises EAGAIN, see _send), so it cannot grow the server without bound.
+        sock.setsockopt(zmq.SNDHWM, self._args.max_queued_replies_per_client)
+        # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
+        # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
+        # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
+        # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+        sock.setsockopt(zmq.RCVHWM, 0)
         # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
         # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
         # hostile peer can never make the server buffer more than that.
@@ -185,7 +195,18 @@ class RuntimeServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._handle_guarded(frames)
+
+    def _handle_guarded(self, frames: list[bytes]) -> None:
+        """No single message may end the loop: whatever handling it raises is logged and answered."""
+        try:
             self._handle(frames)
+        except Exception as e:
+            logger.exception("internal error handling a message of %d bytes", sum(map(len, frames[1:])))
+            try:
+                self._send(frames[0], protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
+            except Exception:
+                logger.exception("could not answer that message either")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[-1]
@@ -193,10 +214,12 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
             return
         envelope = self._envelope(payload)
-        rid = envelope.rid if envelope is not None and isinstance(envelope.rid, str) else ""
         if not self._authorized(envelope):
-            self._send(identity, protocol.ErrorReply(rid, "missing or wrong api_key", "unauthorized"))
+            # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
+            # the client that every request it sent with this key is refused.
+            self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
+        rid = envelope.rid if envelope is not None and _is_echoable_rid(envelope.rid) else ""
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
             self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
@@ -216,7 +239,7 @@ class RuntimeServer:
     def _envelope(payload: bytes) -> _Envelope | None:
         try:
             return msgspec.msgpack.decode(payload, type=_Envelope)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # nested too deeply
             return None
 
     @staticmethod
@@ -358,7 +381,12 @@ class RuntimeServer:
             flight.abort_message = "client disconnected"
             self._core.scheduler.abort_request(key)
         if gone:
-            logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
+            logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
+
+
+def _is_echoable_rid(rid: Any) -> bool:
+    """A rid the reply to an invalid message may carry back: the wire's own rid rule."""
+    return isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_RID_CHARS
 
 
 def run_server(args: ServerArgs) -> None:
