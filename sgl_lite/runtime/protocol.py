@@ -34,6 +34,9 @@ MIN_REPETITION_PENALTY = 1e-6
 # A request id: a non-empty string (the empty one is the keepalive's, see the module docstring) of
 # bounded length, since replies carry it back: a huge rid would make every reply huge.
 MAX_RID_CHARS = 256
+# Stop strings are matched after every token and withheld from streams up to the longest one's length.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 512
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
 
 
@@ -75,8 +78,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"top_k must be -1 (off) or in [1, 2**63 - 1]; got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must fit in a signed 64-bit integer; got {self.seed}")
-        if any(not s for s in self.stop_strings()):
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
