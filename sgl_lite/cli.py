@@ -130,13 +130,15 @@ def serve(http_port: int | None, http_host: str, served_model_name: str | None, 
     http_process = None
     if http_port is not None:
         from sgl_lite.http.launch import runtime_address_of, spawn_http_server
+        from sgl_lite.http.limits import HttpLimits
 
         try:
             address = runtime_address_of(args.host, args.port)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--http-port") from None
+        limits = HttpLimits(args.max_request_body_bytes, args.max_chat_messages, args.max_request_fanout)
         http_process = spawn_http_server(address, host=http_host, port=http_port, api_key=args.api_key,
-                                         served_model_name=served_model_name, log_level=args.log_level)
+                                         served_model_name=served_model_name, log_level=args.log_level, limits=limits)
     try:
         run_server(args)
     except LoaderError as e:
