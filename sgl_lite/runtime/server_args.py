@@ -8,8 +8,12 @@ lacks are marked as sgl_lite's own in their help text.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,12 +65,22 @@ class ServerArgs:
     priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
+    # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
+    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF or JSON schema longer than this many characters is refused (compile time and memory grow with it)."})
+    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
+    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
+    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
+
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
     port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
+    # HTTP front (`serve --http-port`, `sgl-lite http`).
+    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"help": "sgl_lite: HTTP request bodies larger than this get 413."})
+    max_chat_messages: int = field(default=4096, metadata={"help": "sgl_lite: a chat request with more messages than this gets 400."})
+    max_request_fanout: int = field(default=256, metadata={"help": "sgl_lite: one HTTP request may ask for at most this many generations (prompts x n); more get 400 before anything runs."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     def __post_init__(self) -> None:
@@ -82,7 +96,8 @@ class ServerArgs:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                     "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
-                    "max_queued_replies_per_client")
+                    "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
+                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -97,6 +112,8 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 
@@ -117,3 +134,16 @@ def _flag(name: str) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
+
+
+def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
+    """Log a warning when `what` listens beyond this machine without an API key."""
+    if api_key or host.startswith("ipc://") or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to any interface
+    if not loopback:
+        logger.warning("%s listens on %s without an API key: anyone who can reach it can use it "
+                       "(give --api-key, or bind 127.0.0.1)", what, host)

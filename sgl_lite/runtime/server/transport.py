@@ -38,6 +38,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import time
 import typing
 from dataclasses import dataclass
@@ -50,11 +51,12 @@ from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.managers.request import FinishKind, Req
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
@@ -145,16 +147,23 @@ class RuntimeServer:
         scheduler = self._core.scheduler
         try:
             while not self._stop_requested:
-                busy = scheduler.has_work()
-                if poller.poll(0 if busy else IDLE_POLL_MS):
+                if poller.poll(self._poll_timeout_ms()):
                     self._read_messages()
-                # has_work() stays true while an abort awaits its report by step().
-                if scheduler.has_work():
+                # has_ready_work() stays true while an abort awaits its report by step().
+                if scheduler.has_ready_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
         finally:
             self._shutdown()
+
+    def _poll_timeout_ms(self) -> int:
+        """0 when a step has work to do; a short wait while only grammar compiles are pending (no
+        busy loop: a compile's end is noticed within GRAMMAR_POLL_MS); else the idle wait."""
+        scheduler = self._core.scheduler
+        if scheduler.has_ready_work():
+            return 0
+        return GRAMMAR_POLL_MS if scheduler.has_work() else IDLE_POLL_MS
 
     def _step(self) -> list[Req]:
         scheduler = self._core.scheduler
@@ -336,7 +345,7 @@ class RuntimeServer:
         reason = req.finished_reason
         if reason is not None and reason.kind == FinishKind.ABORT:
             message = flight.abort_message or reason.message or "request aborted"
-            return [protocol.ErrorReply(flight.rid, message, "aborted")]
+            return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
         if reason is not None:
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
@@ -404,7 +413,16 @@ def run_server(args: ServerArgs) -> None:
         signal.signal(signum, lambda *_: server.request_shutdown())
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
     logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
+    warn_if_exposed(args.host, args.api_key, "the runtime")
     print(f"{READY_PREFIX} {address}", flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
+    if core.scheduler.checks.is_compiling():
+        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
+        # on a daemon thread): every client has been answered, so leave at once. An HTTP front
+        # started beside us notices its parent's exit within a second and exits too.
+        logger.info("exiting without waiting for a grammar compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
