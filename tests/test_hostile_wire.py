@@ -120,6 +120,21 @@ def test_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(serve,
     still_serving(server.address, api_key)
 
 
+def test_a_client_refuses_to_send_what_the_server_could_not_decode(serve):
+    server = serve()
+    schema: dict = {}
+    for _ in range(5000):
+        schema = {"a": schema}
+    with RuntimeClient(server.address, timeout=30) as client:
+        with pytest.raises(RuntimeRequestError, match="nested too deeply"):
+            client.generate("hi", sampling_params={"max_new_tokens": 1, "json_schema": schema})
+        with pytest.raises(RuntimeRequestError, match="64-bit"):
+            client.generate("hi", sampling_params={"max_new_tokens": 1}, priority=2**70)
+        with pytest.raises(RuntimeRequestError, match="surrogate"):
+            client.generate("a\ud800b", sampling_params={"max_new_tokens": 1})
+        assert client.health(timeout=10)
+
+
 def test_nested_payloads_decode_to_a_decode_error():
     with pytest.raises(msgspec.DecodeError, match="nested too deeply"):  # a dict of anything
         protocol.decode_request(nested_message("json_schema", depth=5000, kind="map"))

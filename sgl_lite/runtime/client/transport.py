@@ -272,6 +272,8 @@ def _encode(msg: protocol.Request) -> bytes:
         raise RuntimeRequestError("the request holds an integer outside the 64-bit range") from None
     except UnicodeEncodeError as e:
         raise RuntimeRequestError(f"the request holds text that is not valid Unicode ({e.reason}: a lone surrogate)") from None
+    except RecursionError:  # the server could not decode it either (and could not even tell whose it is)
+        raise RuntimeRequestError("the request is nested too deeply to encode") from None
 
 
 def _milliseconds(seconds: float) -> int:
