@@ -168,6 +168,8 @@ class Cluster:
     def _spawn_front(self, index: int, runtime_address: str, port: int) -> _Child:
         cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", _LOOPBACK,
                "--port", str(port), "--log-level", self.args.log_level, "--parent-pid", str(os.getpid())]
+        for flag in ("max_request_body_bytes", "max_chat_messages", "max_request_fanout"):  # the HTTP front's limits
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(self.args, flag))]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]  # the router labels workers by it
         return _spawn(f"http front {index}", cmd, env=self._env(threads=1))
