@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -30,7 +31,7 @@ class ServerArgs:
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
-    attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
+    attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
@@ -38,6 +39,7 @@ class ServerArgs:
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool storage: auto (the model's dtype) or an 8-bit float, fp8_e4m3 / fp8_e5m2 (scale 1.0): half the bytes per token, twice the slots.", "choices": KV_CACHE_DTYPES, "hints": {d: "the KV cache is kept in the model's dtype (auto) or in 8 bits (fp8_e4m3, fp8_e5m2)" for d in ("bf16", "bfloat16")}})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
 
     # Batching and admission (SGLang's PrefillAdder budgets).
@@ -86,7 +88,6 @@ class ServerArgs:
 
     # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (the model's dtype) is the only one on this build.", "choices": ("auto",), "hints": {d: "the KV cache is kept in the model's dtype on this build; use auto" for d in ("fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")}})
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
     grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
     stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
