@@ -96,6 +96,14 @@ class RuntimeCore:
         """True while anything is queued, running, awaiting a grammar, or an abort awaits its report."""
         return self.scheduler.has_work()
 
+    def has_ready_work(self) -> bool:
+        """True when a step would do something now (not only wait for grammar compiles)."""
+        return self.scheduler.has_ready_work()
+
+    def is_compiling_grammar(self) -> bool:
+        """A grammar compile is running (xgrammar cannot interrupt it; exit need not wait for it)."""
+        return self.scheduler.validator.is_compiling()
+
     def step(self) -> list[Req]:
         """One scheduler step: every request with new output or a finish since the last step."""
         return self.scheduler.step()
