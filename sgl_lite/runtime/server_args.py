@@ -8,8 +8,13 @@ lacks are marked as sgl_lite's own in their help text.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
+import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -70,12 +75,23 @@ class ServerArgs:
     priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
+    # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
+    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF or JSON schema longer than this many characters is refused (compile time and memory grow with it)."})
+    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
+    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
+    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
+
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
     port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
     zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
+    max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
+    # HTTP front (`serve`, `sgl-lite http`).
+    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"help": "sgl_lite: HTTP request bodies larger than this get 413."})
+    max_chat_messages: int = field(default=4096, metadata={"help": "sgl_lite: a chat request with more messages than this gets 400."})
+    max_request_fanout: int = field(default=256, metadata={"help": "sgl_lite: one HTTP request may ask for at most this many generations (prompts x n); more get 400 before anything runs."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
@@ -97,17 +113,19 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
             if hint is not None:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
+                raise ValueError(f"{flag_of(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
-                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+                raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
+                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
+                    "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
+                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"{_flag(name)} must be positive; got {value}")
+                raise ValueError(f"{flag_of(name)} must be positive; got {value}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -118,10 +136,12 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         for name in ("port", "zmq_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
-                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+                raise ValueError(f"{flag_of(name)} must be in 0..65535; got {value}")
         if self.port and self.resolved_zmq_port() == self.port:
             raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
         if self.port == 65535 and self.zmq_port is None:
@@ -154,8 +174,29 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_of(name: str, negated: bool = False) -> str:
+    """The command-line flag of a field, SGLang's rule: `max_running_requests` -> `--max-running-requests`
+    (`--no-...` for a negated boolean). The CLI, the Runtime launcher and the benchmark all use this."""
+    return ("--no-" if negated else "--") + name.replace("_", "-")
+
+
+def field_base_type(annotation: Any) -> Any:
+    """`int | None` -> int; plain types unchanged: the type a flag's value is parsed as."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
+
+
+def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
+    """Log a warning when `what` listens beyond this machine without an API key."""
+    if api_key or host.startswith("ipc://") or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to any interface
+    if not loopback:
+        logger.warning("%s listens on %s without an API key: anyone who can reach it can use it "
+                       "(give --api-key, or bind 127.0.0.1)", what, host)
