@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, Optional
 
+import msgspec
+
 from sgl_lite.lang.backend import BaseBackend, PrefillRequest
 from sgl_lite.lang.chat_template import CHATML, ChatTemplate
 from sgl_lite.lang.choices import ChoicesDecision, ChoicesSamplingMethod
@@ -43,7 +45,10 @@ class OpenAI(BaseBackend):
     def _request(self, params: SglSamplingParams) -> dict[str, Any]:
         request: dict[str, Any] = {}
         extra: dict[str, Any] = {}
-        for key, value in params.to_runtime_params().items():
+        runtime_params = params.to_runtime_params()
+        fields = msgspec.to_builtins(runtime_params)  # the fields that differ from the runtime's defaults
+        fields["max_new_tokens"] = runtime_params.max_new_tokens  # OpenAI's default differs: always send it
+        for key, value in fields.items():
             if key in _OPENAI_NAMES:
                 request[_OPENAI_NAMES[key]] = value
             elif key == "min_new_tokens":

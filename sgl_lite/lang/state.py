@@ -97,7 +97,7 @@ class ProgramState:
             child.cur_role_begin_pos = executor.cur_role_begin_pos
             child.error_ = executor.error_
             branches.append(ProgramState(child))
-        return ProgramStateGroup(branches, self)
+        return ProgramStateGroup(branches, self, fork_text_len=len(executor.text_))
 
     @contextlib.contextmanager
     def copy(self, position_ids_offset: Optional[list[int]] = None) -> Iterator[ProgramState]:
@@ -199,9 +199,10 @@ class ProgramStateGroup:
     list gives one item per branch); `join()` waits for all branches and copies each variable new
     in the branches back into the parent as a list (one value per branch)."""
 
-    def __init__(self, states: list[ProgramState], src_state: ProgramState) -> None:
+    def __init__(self, states: list[ProgramState], src_state: ProgramState, fork_text_len: int = 0) -> None:
         self.states = states
         self.src_state = src_state
+        self.fork_text_len = fork_text_len  # where each branch's own text starts (for concate_and_append)
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
@@ -245,7 +246,7 @@ class ProgramStateGroup:
             child.end()
             child.sync()
             if mode == "concate_and_append":
-                appended.append(child.text_[child.fork_start_text_pos:])
+                appended.append(child.text_[self.fork_text_len:])
             else:
                 for name in child.variables:
                     if name in parent_names:
