@@ -61,6 +61,12 @@ class ServerArgs:
     priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
+    # Speculative decoding (SGLang's flag names; only the n-gram drafter, which needs no draft model).
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "ngram: draft tokens by looking the last tokens up in the request's own prompt and output, and verify every draft in the decode forward (greedy output unchanged, sampled output keeps its distribution). Default: off."})
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "Max draft tokens per request per step (default 4); each request's draft adapts to what it had accepted."})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "Shortest suffix of a request's tokens looked up to draft."})
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "Longest suffix looked up (the longest one found wins)."})
+
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
     port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
@@ -77,6 +83,14 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.lower()  # SGLang spells it NGRAM
+            if self.speculative_algorithm != "ngram":
+                raise ValueError(f"--speculative-algorithm must be ngram (the only drafter without a draft model); got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1; got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= --speculative-ngram-max-match-window-size")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",

@@ -180,15 +180,18 @@ class ModelRunner(ModelRunnerBase):
         num_reqs = len(reqs)
         if not num_reqs:
             return ForwardOutput(next_token_ids=[], next_token_logprobs=[])
-        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
-            if extend <= 0 or prefix + extend > req.seq_len:
-                raise ValueError(f"request {req.rid}: prefix {prefix} + extend {extend} does not fit its {req.seq_len} tokens")
+        drafts = batch.draft_ids or [[] for _ in reqs]
+        for req, prefix, extend, draft in zip(reqs, batch.prefix_lens, batch.extend_lens, drafts):
+            own = extend - len(draft)
+            if own <= 0 or prefix + own > req.seq_len:
+                raise ValueError(f"request {req.rid}: prefix {prefix} + extend {own} does not fit its {req.seq_len} tokens")
             if req.req_pool_idx is None:
                 raise ValueError(f"request {req.rid} has no req_to_token row")
         device = self.device
         ids: list[int] = []
-        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
-            ids.extend(_new_token_ids(req, prefix, extend))
+        for req, prefix, extend, draft in zip(reqs, batch.prefix_lens, batch.extend_lens, drafts):
+            ids.extend(_new_token_ids(req, prefix, extend - len(draft)))
+            ids.extend(draft)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         meta = AttentionMetadata.build(
             [r.req_pool_idx for r in reqs], batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self.req_to_token
@@ -201,19 +204,33 @@ class ModelRunner(ModelRunnerBase):
 
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.
+        # Rows that verify a draft need logits at every position of their draft (the last ones).
         qo = meta.qo_indptr.tolist()
-        sample_idx = [i for i in range(num_reqs) if batch.sample[i]]
+        spec_idx = [i for i in range(num_reqs) if batch.sample[i] and drafts[i]]
+        sample_idx = [i for i in range(num_reqs) if batch.sample[i] and not drafts[i]]
         score_ranges = self._input_logprob_ranges(batch)
         rows = [qo[i + 1] - 1 for i in sample_idx]
         for i, first, last in score_ranges:
             rows.extend(range(qo[i] + first - batch.prefix_lens[i], qo[i] + last - batch.prefix_lens[i]))
+        num_scored = len(rows)
+        for i in spec_idx:
+            rows.extend(range(qo[i + 1] - len(drafts[i]) - 1, qo[i + 1]))
         next_ids: list[int | None] = [None] * num_reqs
         next_logprobs: list[float | None] = [None] * num_reqs
+        accepted: list[list[int] | None] = [None] * num_reqs
         if not rows:
-            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs, accepted_ids=accepted)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         num_sample = len(sample_idx)
-        self._score_inputs(batch, score_ranges, logits[num_sample:])
+        self._score_inputs(batch, score_ranges, logits[num_sample:num_scored])
+        if spec_idx:
+            from sgl_lite.runtime.sampling.speculative import verify_drafts
+
+            verified = verify_drafts(self.sampler, logits[num_scored:], [reqs[i] for i in spec_idx],
+                                     [drafts[i] for i in spec_idx])
+            for i, tokens in zip(spec_idx, verified):
+                accepted[i] = tokens
+                next_ids[i] = tokens[0]
         if num_sample:
             sample_reqs = [reqs[i] for i in sample_idx]
             sample_logits = logits[:num_sample]
@@ -226,7 +243,7 @@ class ModelRunner(ModelRunnerBase):
                 if reqs[i].return_logprob:
                     next_logprobs[i] = logprob_list[j]
                     self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
-        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs, accepted_ids=accepted)
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""
