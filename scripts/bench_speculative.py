@@ -68,7 +68,9 @@ def agent_turns(n: int) -> list[list[str]]:
 
 
 def chat(engine: Engine, messages: list[dict]) -> list[int]:
-    return engine.core.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    tokenizer = engine.core.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: dict, concurrency: int) -> list[dict]:

@@ -179,9 +179,16 @@ def test_sampled_requests_and_logprob_requests_run_and_leak_nothing(engines) -> 
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 30, "seed": 5, "ignore_eos": True}
     outs = spec.generate(COPY_PROMPTS, params)
     assert all(len(o["output_ids"]) == 30 for o in outs)
-    with_logprobs = spec.generate(COPY_PROMPTS[0], {"temperature": 0, "max_new_tokens": 12}, return_logprob=True)
-    assert len(with_logprobs["meta_info"]["output_token_logprobs"]) == len(with_logprobs["output_ids"])
-    assert "spec_verify_ct" not in with_logprobs["meta_info"]  # logprob requests decode one token a step
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(engines) -> None:
+    plain, spec = engines
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    want = plain.generate(COPY_PROMPTS[2], params, return_logprob=True)["meta_info"]
+    got = spec.generate(COPY_PROMPTS[2], params, return_logprob=True)["meta_info"]
+    assert got["spec_verify_ct"] > 0
+    assert [t for _, t, _ in got["output_token_logprobs"]] == [t for _, t, _ in want["output_token_logprobs"]]
+    assert [lp for lp, _, _ in got["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in want["output_token_logprobs"]], abs=1e-4)
 
 
 def test_bad_speculative_flags_are_refused() -> None:

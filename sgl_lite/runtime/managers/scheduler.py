@@ -375,9 +375,8 @@ class Scheduler:
         for req in self.running:
             params = req.sampling_params
             # Requests whose next-token distribution depends on the tokens before it in ways the
-            # verifier does not replay (grammar state, penalties, min_new_tokens) or that report
-            # per-token logprobs decode one token at a time.
-            plain = (req.grammar is None and not req.return_logprob and len(req.output_ids) >= params.min_new_tokens
+            # verifier does not replay (grammar state, penalties, min_new_tokens) decode one token a step.
+            plain = (req.grammar is None and len(req.output_ids) >= params.min_new_tokens
                      and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
@@ -468,6 +467,9 @@ class Scheduler:
         if kept < extend:
             row = self.req_to_token.table[req.req_pool_idx]
             self.kv.allocator.free(row[start + kept : start + extend].clone())
+        if kept < len(tokens) and req.return_logprob:  # the runner scored every verified token
+            del req.output_token_logprobs[kept - len(tokens):]
+            del req.output_top_logprobs[kept - len(tokens):]
         if reason is not None:
             self._finish(req, reason)
 

@@ -226,11 +226,20 @@ class ModelRunner(ModelRunnerBase):
         if spec_idx:
             from sgl_lite.runtime.sampling.speculative import verify_drafts
 
-            verified = verify_drafts(self.sampler, logits[num_scored:], [reqs[i] for i in spec_idx],
+            spec_logits = logits[num_scored:]
+            verified = verify_drafts(self.sampler, spec_logits, [reqs[i] for i in spec_idx],
                                      [drafts[i] for i in spec_idx])
+            offset = 0
             for i, tokens in zip(spec_idx, verified):
                 accepted[i] = tokens
                 next_ids[i] = tokens[0]
+                if reqs[i].return_logprob:  # the raw model logprob of each emitted token, as when sampled
+                    rows_i = spec_logits[offset : offset + len(tokens)].float()
+                    chosen = torch.log_softmax(rows_i, dim=-1).gather(1, torch.tensor(tokens, device=device)[:, None])
+                    for j, logprob in enumerate(chosen.squeeze(1).tolist()):
+                        self._record_output_logprobs(reqs[i], logprob, rows_i[j])
+                    next_logprobs[i] = reqs[i].output_token_logprobs[-len(tokens)]
+                offset += len(drafts[i]) + 1
         if num_sample:
             sample_reqs = [reqs[i] for i in sample_idx]
             sample_logits = logits[:num_sample]
