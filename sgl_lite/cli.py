@@ -12,15 +12,14 @@ import logging
 import re
 import shlex
 import sys
-import types
 import typing
 from typing import Any, Callable
 
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
-from sgl_lite.runtime.server_args import API_KEY_ENV
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.openmp_env import prefer_passive_wait
+from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, field_base_type, flag_of
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
 _PARENT_DEATH_GRACE_S = 5.0
@@ -28,21 +27,13 @@ _PARENT_DEATH_GRACE_S = 5.0
 _ENV_VARS = {"api_key": API_KEY_ENV}
 
 
-def _field_base_type(annotation: Any) -> type:
-    """`int | None` -> int; plain types unchanged."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return base
-    return annotation
-
-
 def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
-    flag = "--" + f.name.replace("_", "-")
+    flag = flag_of(f.name)
     aliases = list(f.metadata.get("aliases", ()))  # SGLang's short spellings (--model, --tp)
     help_text = f.metadata.get("help", "")
-    base = _field_base_type(annotation)
+    base = field_base_type(annotation)
     if base is bool:
-        decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
+        decls = [f"{flag}/{flag_of(f.name, negated=True)}"] if f.default else [flag]
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
     click_type: Any = _HintedChoice(choices, f.metadata.get("hints", {})) if choices else base
@@ -127,6 +118,7 @@ def serve(served_model_name: str | None, dp_size: int, router_policy: str, route
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefer_passive_wait()  # before anything imports torch; replicas inherit it
     from sgl_lite.runtime.server.ports import PortUnavailableError
 
     try:
@@ -143,6 +135,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     import signal
 
     from sgl_lite.http.launch import HttpFront, connect_host
+    from sgl_lite.http.limits import HttpLimits
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
     from sgl_lite.runtime.server.ports import claim_ports
@@ -159,8 +152,9 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
         claimed.close()
         raise click.ClickException(str(e)) from None
     zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{connect_host(args.host)}:{args.zmq_port}"
+    limits = HttpLimits(args.max_request_body_bytes, args.max_chat_messages, args.max_request_fanout)
     front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
-                      served_model_name=served_model_name, log_level=args.log_level)
+                      served_model_name=served_model_name, log_level=args.log_level, limits=limits)
     claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
 
     def after_bind(request_shutdown: Callable[[], None]) -> list[str]:

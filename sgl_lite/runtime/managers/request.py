@@ -29,6 +29,9 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # for ABORT: why
+    # For ABORT: the ErrorReply code; "bad_request" when the request itself was at fault (a grammar
+    # that does not compile, or not in time), so the caller gets a 400 rather than a server error.
+    error_code: str = "aborted"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind.value}
@@ -67,7 +70,6 @@ class Req:
     first_token_time: float | None = None
     num_retractions: int = 0
     num_preemptions: int = 0
-    is_chunked: bool = False  # a chunk of its prompt is computed but not all of it
 
     # Logprobs, filled by the model runner when return_logprob is set.
     input_token_logprobs: list[float] = field(default_factory=list)
@@ -78,6 +80,8 @@ class Req:
     grammar: Any = None
     # Per-request sampling generator (seeded requests), created by the sampler on first use.
     generator: Any = None
+    # Its stop strings indexed for one-pass matching (stop_checker.StopStrings), built on first use.
+    stop_strings: Any = None
 
     # N-gram speculative decoding (--speculative-algorithm ngram): the proposer's per-request state
     # (managers/ngram_proposer.py), verification steps, and draft tokens proposed / accepted.

@@ -57,9 +57,6 @@ class ForwardBatch:
 class ForwardOutput:
     # One entry per request of the batch: the sampled token id, or None where sample[i] is False.
     next_token_ids: list[int | None]
-    # Logprob of each sampled token under the (temperature-free, penalty-free) model distribution,
-    # filled only for requests with return_logprob; None elsewhere.
-    next_token_logprobs: list[float | None] = field(default_factory=list)
     # Rows that drafted (batch.draft_ids[i] non-empty): every token to append, the accepted draft
     # prefix then one more (next_token_ids[i] is its first); None for the other rows.
     accepted_ids: list[list[int] | None] = field(default_factory=list)

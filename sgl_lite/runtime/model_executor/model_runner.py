@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
@@ -101,7 +102,9 @@ def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
 
 
 class ModelRunner(ModelRunnerBase):
-    def __init__(self, args: ServerArgs, model_dir: Path | None = None) -> None:
+    def __init__(self, args: ServerArgs, model_dir: Path | None = None, eos_token_ids: Iterable[int] | None = None) -> None:
+        """`eos_token_ids`: what the sampler keeps from being sampled before min_new_tokens; the runtime
+        passes the set its stop check uses (RuntimeCore.from_args), None takes the model config's."""
         from sgl_lite.runtime.model_executor import loader
 
         self.args = args
@@ -126,26 +129,27 @@ class ModelRunner(ModelRunnerBase):
         self.packed_weights = self.model.pack_weights()
         self.vocab_size = self.config.vocab_size
 
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.num_slots = self._pool_size()
         if self.tp is not None:
             self.num_slots = self.tp.agree_min(self.num_slots)  # every rank's pool holds the same slots
         self.kv_pool = KVPool(
-            self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
+            self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, self.device
         )
         self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads, self.model.head_dim)
-        self.sampler = self._make_sampler()
+        self.sampler = self._make_sampler(eos_token_ids)
         logger.info(
-            "model %s: %s on %s, context %d, KV pool %d slots (%.1f MiB), max running requests %d",
-            model_dir, self.dtype, self.device, self.context_length, self.num_slots,
-            self.kv_pool.total_bytes / 2**20, self.max_running_requests,
+            "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",
+            model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
+            self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__,
         )
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
-        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype)
         fraction = self.args.mem_fraction_static or (_CUDA_MEM_FRACTION if self.device.type == "cuda" else _CPU_MEM_FRACTION)
         budget = int(available_memory_bytes(self.device) * fraction)
         if self.device.type == "cpu" and self.args.mem_fraction_static is None:
@@ -157,18 +161,19 @@ class ModelRunner(ModelRunnerBase):
             raise ValueError("no memory left for the KV pool; pass --max-total-tokens or raise --mem-fraction-static")
         return slots
 
-    def _make_sampler(self):
+    def _make_sampler(self, eos_token_ids: Iterable[int] | None):
         from sgl_lite.runtime.sampling.sampler import Sampler
 
-        eos = self.config.eos_token_id
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return Sampler(self.vocab_size, eos_ids, self.args.random_seed)
+        if eos_token_ids is None:
+            eos = self.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return Sampler(self.vocab_size, eos_token_ids, self.args.random_seed)
 
     def kv_cache_summary(self) -> dict:
         return {
             "slots": self.num_slots,
             "bytes": self.kv_pool.total_bytes,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.kv_dtype).removeprefix("torch."),
             "layers": self.config.num_hidden_layers,
             "kv_heads": self.model.num_kv_heads,
             "head_dim": self.model.head_dim,
@@ -179,7 +184,7 @@ class ModelRunner(ModelRunnerBase):
         reqs = batch.reqs
         num_reqs = len(reqs)
         if not num_reqs:
-            return ForwardOutput(next_token_ids=[], next_token_logprobs=[])
+            return ForwardOutput(next_token_ids=[])
         drafts = batch.draft_ids or [[] for _ in reqs]
         for req, prefix, extend, draft in zip(reqs, batch.prefix_lens, batch.extend_lens, drafts):
             own = extend - len(draft)
@@ -216,10 +221,9 @@ class ModelRunner(ModelRunnerBase):
         for i in spec_idx:
             rows.extend(range(qo[i + 1] - len(drafts[i]) - 1, qo[i + 1]))
         next_ids: list[int | None] = [None] * num_reqs
-        next_logprobs: list[float | None] = [None] * num_reqs
         accepted: list[list[int] | None] = [None] * num_reqs
         if not rows:
-            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs, accepted_ids=accepted)
+            return ForwardOutput(next_token_ids=next_ids, accepted_ids=accepted)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         num_sample = len(sample_idx)
         self._score_inputs(batch, score_ranges, logits[num_sample:num_scored])
@@ -238,7 +242,6 @@ class ModelRunner(ModelRunnerBase):
                     chosen = torch.log_softmax(rows_i, dim=-1).gather(1, torch.tensor(tokens, device=device)[:, None])
                     for j, logprob in enumerate(chosen.squeeze(1).tolist()):
                         self._record_output_logprobs(reqs[i], logprob, rows_i[j])
-                    next_logprobs[i] = reqs[i].output_token_logprobs[-len(tokens)]
                 offset += len(drafts[i]) + 1
         if num_sample:
             sample_reqs = [reqs[i] for i in sample_idx]
@@ -250,9 +253,8 @@ class ModelRunner(ModelRunnerBase):
             for j, i in enumerate(sample_idx):
                 next_ids[i] = tokens_list[j]
                 if reqs[i].return_logprob:
-                    next_logprobs[i] = logprob_list[j]
                     self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
-        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs, accepted_ids=accepted)
+        return ForwardOutput(next_token_ids=next_ids, accepted_ids=accepted)
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""

@@ -1,15 +1,18 @@
 """The runtime process's front door: one ZeroMQ ROUTER socket in front of one RuntimeCore.
 
-A single thread owns the socket and the scheduler. Each loop iteration reads every waiting message
-(non-blocking while the scheduler has work, otherwise blocking up to IDLE_POLL_MS so that shutdown
-requests are noticed), then runs one `scheduler.step()` and replies to whoever asked for each
+A single thread owns the socket and the core. Pure transport: every request goes through the
+RuntimeCore's methods (submit, abort, step, flush_cache, stream_state), never the scheduler itself.
+Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise
+blocking up to IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for each
 changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted.
 
 Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
 identity: two clients may use the same rid, and a client can only abort its own requests.
 
 Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
-vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
+vanished identity raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client
+replies pile up without reading raises EAGAIN; the server then aborts all of that identity's requests
+and sends it nothing more until it reads again. To
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
@@ -17,6 +20,9 @@ Liveness, the other way round, does not involve this thread: clients send ZMTP h
 which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
 long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
 between steps: it tells that the runtime is ready to serve, not merely alive.
+
+Hostile input: one message is handled under a guard (_handle_guarded), so nothing it raises (a
+RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
 
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
 names the cause); an error building one reply costs only that request; anything else raising from a
@@ -28,16 +34,16 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import zmq
@@ -45,13 +51,20 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.ports import PortUnavailableError
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
+from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.managers.request import FinishKind, Req
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.managers.validation import QueueFullError
+from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
+
+if TYPE_CHECKING:  # the core needs torch, which this module does not import at load time
+    from sgl_lite.runtime.server.core import RuntimeCore
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+PENDING_POLL_MS = 2  # while a long prompt is tokenized elsewhere and nothing else runs
+GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
@@ -82,13 +95,14 @@ def _wire_value(obj: Any) -> Any:
 
 
 class RuntimeServer:
-    def __init__(self, core: Any, args: ServerArgs, context: zmq.Context | None = None) -> None:
+    def __init__(self, core: RuntimeCore, args: ServerArgs, context: zmq.Context | None = None) -> None:
         self._core = core
         self._args = args
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._socket: zmq.Socket | None = None
         self._inflight: dict[str, _InFlight] = {}
+        self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
         self.step_started_at: float | None = None
@@ -101,9 +115,14 @@ class RuntimeServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Unbounded send queue: a chunk may never be dropped (stream deltas must add up), and a
-        # slow reader only costs memory until it reads or disconnects.
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
+        # wait for it (sending raises EAGAIN, see _send), so it cannot grow the server without bound.
+        sock.setsockopt(zmq.SNDHWM, self._args.max_queued_replies_per_client)
+        # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
+        # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
+        # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
+        # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+        sock.setsockopt(zmq.RCVHWM, 0)
         # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
         # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
         # hostile peer can never make the server buffer more than that.
@@ -135,48 +154,61 @@ class RuntimeServer:
         assert self._socket is not None, "bind() first"
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        scheduler = self._core.scheduler
+        core = self._core
         try:
             while not self._stop_requested:
-                busy = scheduler.has_work()
-                if poller.poll(0 if busy else IDLE_POLL_MS):
+                if poller.poll(self._poll_timeout_ms()):
                     self._read_messages()
-                # has_work() stays true while an abort awaits its report by step().
-                if scheduler.has_work():
+                if self._pending:
+                    self._accept_tokenized()
+                # has_ready_work() stays true while an abort awaits its report by step().
+                if core.has_ready_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
         finally:
             self._shutdown()
 
+    def _poll_timeout_ms(self) -> int:
+        """0 when a step has work to do; a short wait while only grammar compiles or long prompts'
+        tokenizing are pending (no busy loop: their end is noticed within that wait); else the idle wait."""
+        core = self._core
+        if core.has_ready_work():
+            return 0
+        if self._pending:
+            return PENDING_POLL_MS
+        return GRAMMAR_POLL_MS if core.has_work() else IDLE_POLL_MS
+
     def _step(self) -> list[Req]:
-        scheduler = self._core.scheduler
+        core = self._core
         self.step_started_at = time.monotonic()  # read by the watchdog (run_server)
         try:
-            return scheduler.step()
+            return core.step()
         except Exception as e:
             # The scheduler contains forward failures itself; this is a bug elsewhere in a step.
             logger.exception("scheduler step failed; aborting every request in flight")
             message = f"internal error in the runtime: {type(e).__name__}: {e}"
             for key, flight in self._inflight.items():
                 flight.abort_message = message
-                scheduler.abort_request(key)
-            scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
+                core.abort(key)
+            core.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
         finally:
             self.step_started_at = None
 
     def _shutdown(self) -> None:
-        scheduler = self._core.scheduler
+        core = self._core
+        for pending in self._pending.cancel_all():
+            self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, "server shutting down", "aborted"))
         for key, flight in list(self._inflight.items()):
-            scheduler.abort_request(key)
+            core.abort(key)
             if not flight.client_gone:
                 self._send(flight.identity, protocol.ErrorReply(flight.rid, "server shutting down", "aborted"))
         if self._inflight:
             logger.info("aborted %d in-flight request(s) on shutdown", len(self._inflight))
             # Everything is aborted, so this step runs no forward: it only collects the abort
             # reports, leaving the scheduler idle for whoever owns the core next (tests, Engine).
-            scheduler.step()
+            core.step()
         self._inflight.clear()
         if self._socket is not None:
             self._socket.close(linger=SHUTDOWN_LINGER_MS)
@@ -191,7 +223,18 @@ class RuntimeServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._handle_guarded(frames)
+
+    def _handle_guarded(self, frames: list[bytes]) -> None:
+        """No single message may end the loop: whatever handling it raises is logged and answered."""
+        try:
             self._handle(frames)
+        except Exception as e:
+            logger.exception("internal error handling a message of %d bytes", sum(map(len, frames[1:])))
+            try:
+                self._send(frames[0], protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
+            except Exception:
+                logger.exception("could not answer that message either")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[-1]
@@ -199,10 +242,12 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
             return
         envelope = self._envelope(payload)
-        rid = envelope.rid if envelope is not None and isinstance(envelope.rid, str) else ""
         if not self._authorized(envelope):
-            self._send(identity, protocol.ErrorReply(rid, "missing or wrong api_key", "unauthorized"))
+            # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
+            # the client that every request it sent with this key is refused.
+            self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
+        rid = envelope.rid if envelope is not None and _is_echoable_rid(envelope.rid) else ""
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
             self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
@@ -222,7 +267,7 @@ class RuntimeServer:
     def _envelope(payload: bytes) -> _Envelope | None:
         try:
             return msgspec.msgpack.decode(payload, type=_Envelope)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # nested too deeply
             return None
 
     @staticmethod
@@ -243,49 +288,67 @@ class RuntimeServer:
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def _dispatch(self, identity: bytes, msg: protocol.Request) -> None:
-        scheduler = self._core.scheduler
         if isinstance(msg, protocol.GenerateReq):
             self._add_generate(identity, msg)
         elif isinstance(msg, protocol.AbortReq):
             key = self._key(identity, msg.rid)
             flight = self._inflight.get(key)
-            if flight is None or not scheduler.abort_request(key):
+            if self._pending.cancel(key) is not None:
+                self._send(identity, protocol.ErrorReply(msg.rid, "aborted by the client", "aborted"))
+            elif flight is None or not self._core.abort(key):
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
             else:
                 flight.abort_message = "aborted by the client"
         elif isinstance(msg, protocol.FlushCacheReq):
-            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(scheduler.flush_cache())}))
+            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(self._core.flush_cache())}))
         elif isinstance(msg, protocol.ServerInfoReq):
             self._send(identity, protocol.InfoReply(msg.rid, self._core.server_info()))
         elif isinstance(msg, protocol.HealthReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
 
     def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
-        # Imported here: the scheduler needs torch, which this module does not import at load time.
-        from sgl_lite.runtime.managers.scheduler import QueueFullError
-
         key = self._key(identity, msg.rid)
-        if key in self._inflight:
+        if key in self._inflight or key in self._pending:
             self._send(identity, protocol.ErrorReply(msg.rid, f"request id {msg.rid!r} is already in flight"))
             return
         try:
-            req = self._core.make_req(
+            req = self._core.prepare(
                 key, msg.text, msg.input_ids, msg.sampling_params,
                 return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                 top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
             )
-            self._core.scheduler.add_request(req)
+        except ValueError as e:
+            self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
+            return
+        if isinstance(req, Req):
+            self._submit(identity, msg, req)
+        else:
+            self._pending.add(key, identity, msg, req)
+
+    def _accept_tokenized(self) -> None:
+        for key, pending in self._pending.take_ready():
+            try:
+                req = pending.future.result()
+            except ValueError as e:
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, str(e)))
+                continue
+            except Exception as e:
+                logger.exception("tokenizing %s failed", key)
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, f"internal error: {e}", "internal"))
+                continue
+            self._submit(pending.identity, pending.msg, req)
+
+    def _submit(self, identity: bytes, msg: protocol.GenerateReq, req: Req) -> None:
+        try:
+            self._core.submit(req)
         except QueueFullError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e), "queue_full"))
             return
         except ValueError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
             return
-        stream_state = None
-        if msg.stream:
-            hold_back = stop_hold_back_chars(msg.sampling_params.stop_strings())
-            stream_state = IncrementalDetokenizer(functools.partial(self._core.decode, params=req.sampling_params), hold_back)
-        self._inflight[key] = _InFlight(identity, msg.rid, stream_state)
+        stream_state = self._core.stream_state(req) if msg.stream else None
+        self._inflight[req.rid] = _InFlight(identity, msg.rid, stream_state)
 
     @staticmethod
     def _key(identity: bytes, rid: str) -> str:
@@ -303,7 +366,7 @@ class RuntimeServer:
         except Exception as e:  # a bug (e.g. in detokenizing) must cost this request, not the server
             logger.exception("could not build the reply for %s", req.rid)
             if not req.finished:
-                self._core.scheduler.abort_request(req.rid)  # its abort report finds no flight: silent
+                self._core.abort(req.rid)  # its abort report finds no flight: silent
             replies = [protocol.ErrorReply(flight.rid, f"internal error: {type(e).__name__}: {e}", "internal")]
             done = True
         if done:
@@ -319,7 +382,7 @@ class RuntimeServer:
         reason = req.finished_reason
         if reason is not None and reason.kind == FinishKind.ABORT:
             message = flight.abort_message or reason.message or "request aborted"
-            return [protocol.ErrorReply(flight.rid, message, "aborted")]
+            return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
         if reason is not None:
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
@@ -363,9 +426,14 @@ class RuntimeServer:
             flight = self._inflight[key]
             flight.client_gone = True
             flight.abort_message = "client disconnected"
-            self._core.scheduler.abort_request(key)
+            self._core.abort(key)
         if gone:
-            logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
+            logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
+
+
+def _is_echoable_rid(rid: Any) -> bool:
+    """A rid the reply to an invalid message may carry back: the wire's own rid rule."""
+    return isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_RID_CHARS
 
 
 def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
@@ -399,10 +467,22 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
     _start_watchdog(server, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
     logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    warn_if_exposed(args.host, args.api_key, "the runtime")
     print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        core.close()  # the tensor-parallel ranks and the tokenizer thread
     logger.info("server stopped")
+    if core.is_compiling_grammar():
+        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
+        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
+        # notices its parent's exit (parent watch) and exits too.
+        logger.info("exiting without waiting for a grammar compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
