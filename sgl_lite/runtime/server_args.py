@@ -15,6 +15,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+# Weight-only CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
+QUANTIZATIONS = ("w8a16_int8", "w4a16_int4")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -27,6 +29,7 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
+    quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
@@ -77,6 +80,8 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
