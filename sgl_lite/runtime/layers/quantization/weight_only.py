@@ -35,11 +35,12 @@ class Int8WeightOnly:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8WeightOnly:
-        """Round-to-nearest with scale = max|row| / 127 (computed in float32)."""
+        """Round-to-nearest with scale = max|row| / 127."""
         w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales.to(dtype))
+        # the scales as the kernel will read them (rounded to the activations' dtype)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
