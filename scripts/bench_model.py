@@ -8,6 +8,9 @@ the limit the machine's matmuls allow: GFLOP/s measured with F.linear at the mod
 shapes and the batch's row count, divided by 2 x (matmul parameters per token). Attention FLOPs are
 not part of the limit, so the limit is an upper bound that ignores attention and elementwise ops.
 
+With --quantizations (default: w8a16_int8,w4a16_int4), decode is also measured on runners started with
+those --quantization values, in turn with the dense runner within each repeat (same-run ratios).
+
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
 Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N] [--out bench_model.json]
 The machine's load average is printed with the table: on a shared box, other processes skew every column.
@@ -181,6 +184,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--quantizations", default="w8a16_int8,w4a16_int4",
+                        help="decode also with these --quantization values (comma-separated; empty: none)")
     parser.add_argument("--out", default="bench_model.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -193,6 +198,8 @@ def main() -> None:
     runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu",
                                     max_total_tokens=pool, max_running_requests=max(batch_sizes) + 1), model_dir=model_dir)
     ours = RunnerBench(runner)
+    quantizations = [q for q in args.quantizations.split(",") if q]
+    quantized = {q: RunnerBench(ModelRunner(runner.args.replace(quantization=q), model_dir=model_dir)) for q in quantizations}
     ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)
     g = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
@@ -211,8 +218,11 @@ def main() -> None:
             limit = matmul_limit(runner, args.prefill_len, with_lm_head=False)
         else:
             ps = prompts(batch, args.decode_prompt_len)
-            row = {"phase": "decode", "batch": batch, "sgl_lite": ours.decode(ps, args.decode_steps, args.repeats),
+            row = {"phase": "decode", "batch": batch, "sgl_lite": 0.0, **dict.fromkeys(quantizations, 0.0),
                    "transformers": ref.decode(ps, args.decode_steps, args.repeats) if ref else None}
+            for _ in range(args.repeats):  # dense and quantized runners in turn: same-run ratios
+                for key, bench in {"sgl_lite": ours, **quantized}.items():
+                    row[key] = max(row[key], bench.decode(ps, args.decode_steps, 1))
             limit = matmul_limit(runner, batch, with_lm_head=True)
         row.update(matmul_gflops=limit["gflops"], limit=limit["tokens_per_s"])
         rows.append(row)
@@ -222,14 +232,16 @@ def main() -> None:
     print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs")
     print(f"model {model_dir.name}, dtype {dtype_name}, threads {torch.get_num_threads()}, decode prompt "
           f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
-    print("| phase | batch | sgl_lite | transformers | matmul limit | sgl_lite / limit | vs transformers | matmul GFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| phase | batch | sgl_lite | transformers | matmul limit | sgl_lite / limit | vs transformers | matmul GFLOP/s |"
+          + "".join(f" {q} (vs sgl_lite) |" for q in quantizations))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(quantizations))
     for r in rows:
         hf = r["transformers"]
         hf_cell = "-" if hf is None else f"{hf:.1f}"
         ratio_cell = "-" if hf is None else f"{r['sgl_lite'] / hf:.2f}x"
         print(f"| {r['phase']} | {r['batch']} | {r['sgl_lite']:.1f} | {hf_cell} | {r['limit']:.1f} | "
-              f"{r['sgl_lite'] / r['limit']:.0%} | {ratio_cell} | {r['matmul_gflops']:.1f} |")
+              f"{r['sgl_lite'] / r['limit']:.0%} | {ratio_cell} | {r['matmul_gflops']:.1f} |"
+              + "".join(f" {r[q]:.1f} ({r[q] / r['sgl_lite']:.2f}x) |" if q in r else " - |" for q in quantizations))
     out = Path(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
                                "load_average": load, "args": vars(args), "results": rows}, indent=2))

@@ -11,9 +11,14 @@ The served model picks the quantized kernels only for steps of at most QUANTIZED
 (layers/linear.py), so a prompt's prefill and large decode batches stay dense. Here every matmul is
 forced onto the quantized kernels: the numbers bound what any request can see (a single stream's decode).
 
+`--kernels` instead times the matmul kernels alone at the model's shapes (fused qkv, o, gate_up, down,
+LM head) for several row counts: the dense oneDNN-packed bf16 kernel vs int8 vs int4, interleaved, best
+of --kernel-repeats calls each; this is what QUANTIZED_MAX_ROWS is chosen from.
+
 The text is Python's own documentation (pydoc_data.topics: the language reference, ~460 kB of English),
 so it is fixed for a given Python version and needs no download.
 Usage: nice python scripts/bench_quant.py [--model smollm2-135m] [--num-prompts 200] [--out bench_quant.json]
+       python scripts/bench_quant.py --kernels [--rows 1,2,4,8,32] [--threads N]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch  # noqa: E402
 from bench_model import RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.runtime.layers.linear import QuantizedLinear  # noqa: E402
+from sgl_lite.runtime.layers.linear import QuantizedLinear, linear, quantize_linear  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import load_tokenizer, resolve_model_path  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -84,6 +89,38 @@ def perplexity(bench: RunnerBench, windows: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
+def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
+    from sgl_lite.runtime.model_executor.loader import load_config
+
+    config = load_config(model_dir)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+              "lm_head": (config.vocab_size, hidden)}
+    g = torch.Generator().manual_seed(0)
+    print(f"\n{model_dir.name}, bf16 activations, {torch.get_num_threads()} threads, best of {repeats} (microseconds)\n")
+    print("| weight | [N, K] | rows | dense bf16 (oneDNN) | w8a16_int8 | w4a16_int4 |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, (n, k) in shapes.items():
+        weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        dense = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        kernels = {"dense": lambda x: linear(x, weight, None, dense)}
+        for method in ("w8a16_int8", "w4a16_int4"):
+            kernels[method] = quantize_linear(method, weight, None).quantized.matmul
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            best = dict.fromkeys(kernels, math.inf)
+            for _ in range(repeats):  # interleaved: a disturbance hits all three alike
+                for key, fn in kernels.items():
+                    start = time.perf_counter()
+                    fn(x)
+                    best[key] = min(best[key], time.perf_counter() - start)
+            base = best["dense"]
+            cells = " | ".join(f"{best[key] * 1e6:.0f} ({base / best[key]:.2f}x)" for key in ("w8a16_int8", "w4a16_int4"))
+            print(f"| {name} | [{n}, {k}] | {m} | {base * 1e6:.0f} | {cells} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -95,9 +132,18 @@ def main() -> None:
     parser.add_argument("--ppl-len", type=int, default=512)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default="bench_quant.json")
+    parser.add_argument("--kernels", action="store_true", help="time the matmul kernels alone (see above)")
+    parser.add_argument("--rows", default="1,2,4,8,32")
+    parser.add_argument("--kernel-repeats", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(args.model)
+    if args.kernels:
+        kernel_table(model_dir, [int(r) for r in args.rows.split(",")], args.kernel_repeats)
+        return
     ids = fixed_text_ids(load_tokenizer(model_dir))
     ppl_span = args.ppl_windows * args.ppl_len
     windows = [ids[i * args.ppl_len : (i + 1) * args.ppl_len] for i in range(args.ppl_windows)]
