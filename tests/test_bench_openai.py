@@ -21,7 +21,7 @@ from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.model_executor.loader import load_tokenizer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)  # a loaded 2-core box starts a server slowly
 
 API_KEY = "bench-key"
 AGENT = dict(agent_num_sessions=3, agent_num_turns=3, agent_system_prompt_len=48, agent_task_len=8,
