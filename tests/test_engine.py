@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +29,11 @@ def _invariant(engine: Engine):
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
-def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_matches_transformers_and_cache_hit_keeps_it(engine: Engine, tiny_llama_dir: Path) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
     first = engine.generate(prompt, GREEDY)
     ids = engine.core.tokenizer(prompt)["input_ids"]
-    assert first["output_ids"] == hf_greedy(tiny_llama_dir, ids, 12)
+    assert first["output_ids"] == hf_greedy(hf_model(tiny_llama_dir), ids, 12)
     assert first["text"] == engine.core.tokenizer.decode(first["output_ids"], skip_special_tokens=True)
     second = engine.generate(prompt, GREEDY)
     assert second["meta_info"]["cached_tokens"] > 0
@@ -102,12 +94,19 @@ def test_prefill_only_and_logprobs(engine: Engine) -> None:
     assert len(meta["output_top_logprobs"]) == 3 and all(len(top) == 2 for top in meta["output_top_logprobs"])
 
 
-def test_stream_chunks_add_up(engine: Engine) -> None:
+def test_stream_chunks_are_sglangs(engine: Engine) -> None:
+    # SGLang's Engine.generate(stream=True): each chunk holds the text and ids so far (not a delta),
+    # with a meta_info; the last chunk is the whole output.
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     whole = engine.generate("Berlin is the capital of", params)
     chunks = list(engine.generate("Berlin is the capital of", params, stream=True))
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    assert len(chunks) > 2
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert all(c["meta_info"]["completion_tokens"] == len(c["output_ids"]) for c in chunks)
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
 
 

@@ -8,13 +8,18 @@ lacks are marked as sgl_lite's own in their help text.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Weight-only CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
 QUANTIZATIONS = ("w8a16_int8", "w4a16_int4")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
@@ -24,19 +29,20 @@ API_KEY_ENV = "SGL_LITE_API_KEY"
 @dataclass
 class ServerArgs:
     # Model and device.
-    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default)."})
+    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default).", "aliases": ("--model",)})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
-    attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
+    attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
-    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
 
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool storage: auto (the model's dtype) or an 8-bit float, fp8_e4m3 / fp8_e5m2 (scale 1.0): half the bytes per token, twice the slots.", "choices": KV_CACHE_DTYPES, "hints": {d: "the KV cache is kept in the model's dtype (auto) or in 8 bits (fp8_e4m3, fp8_e5m2)" for d in ("bf16", "bfloat16")}})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
 
     # Batching and admission (SGLang's PrefillAdder budgets).
@@ -49,7 +55,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
 
     # Queue policy.
-    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order (priority order is --enable-priority-scheduling, over any policy).", "choices": SCHEDULE_POLICIES, "hints": {"priority": "priority is not a queue policy here: add --enable-priority-scheduling (it orders by priority first, over any --schedule-policy)"}})
     lpm_fallback_threshold: int | None = field(default=None, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128 because it re-matches the whole queue each step; sgl_lite orders incrementally, so the default None never falls back)."})
     disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order the queue by sorting it (and, for LPM/DFS-weight, re-matching every waiting request) each step, SGLang's way, O(queue), instead of reading the incremental waiting index, O(admitted). Priority scheduling always sorts."})
     lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
@@ -64,20 +70,43 @@ class ServerArgs:
     priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
+    # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
+    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF or JSON schema longer than this many characters is refused (compile time and memory grow with it)."})
+    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
+    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
+    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
+
     # Server process.
-    host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
-    port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
+    port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
+    zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
+    max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
+    # HTTP front (`serve`, `sgl-lite http`).
+    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"help": "sgl_lite: HTTP request bodies larger than this get 413."})
+    max_chat_messages: int = field(default=4096, metadata={"help": "sgl_lite: a chat request with more messages than this gets 400."})
+    max_request_fanout: int = field(default=256, metadata={"help": "sgl_lite: one HTTP request may ask for at most this many generations (prompts x n); more get 400 before anything runs."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
+
+    # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
+    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
+    page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
+    grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
+    stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
+    watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
-        for name in ("schedule_policy", "dtype", "device", "attention_backend"):
+        for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
             choices = _FIELDS[name].metadata["choices"]
+            hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
+            if hint is not None:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -85,7 +114,9 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
+                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
+                    "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
+                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -100,6 +131,23 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
+        for name in ("port", "zmq_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+        if self.port and self.resolved_zmq_port() == self.port:
+            raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
+        if self.port == 65535 and self.zmq_port is None:
+            raise ValueError("--port 65535 leaves no room for the default ZeroMQ port --port + 1: give --zmq-port")
+        if self.page_size != 1:
+            raise ValueError(f"--page-size {self.page_size}: only 1 is supported (the radix tree and the KV pool "
+                             "index single tokens)")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1; got {self.stream_interval}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be positive; got {self.watchdog_timeout}")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 
@@ -111,6 +159,12 @@ class ServerArgs:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    def resolved_zmq_port(self) -> int:
+        """The ZeroMQ port to bind: --zmq-port, else --port + 1; 0 (a free port) when --port is 0."""
+        if self.zmq_port is not None:
+            return self.zmq_port
+        return self.port + 1 if self.port else 0
+
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
@@ -120,3 +174,16 @@ def _flag(name: str) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
+
+
+def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
+    """Log a warning when `what` listens beyond this machine without an API key."""
+    if api_key or host.startswith("ipc://") or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to any interface
+    if not loopback:
+        logger.warning("%s listens on %s without an API key: anyone who can reach it can use it "
+                       "(give --api-key, or bind 127.0.0.1)", what, host)

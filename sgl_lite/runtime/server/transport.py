@@ -9,7 +9,9 @@ Request ids are chosen by clients, so the scheduler sees them prefixed with the 
 identity: two clients may use the same rid, and a client can only abort its own requests.
 
 Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
-vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
+vanished identity raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client
+replies pile up without reading raises EAGAIN; the server then aborts all of that identity's requests
+and sends it nothing more until it reads again. To
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
@@ -17,6 +19,9 @@ Liveness, the other way round, does not involve this thread: clients send ZMTP h
 which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
 long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
 between steps: it tells that the runtime is ready to serve, not merely alive.
+
+Hostile input: one message is handled under a guard (_handle_guarded), so nothing it raises (a
+RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
 
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
 names the cause); an error building one reply costs only that request; anything else raising from a
@@ -33,23 +38,27 @@ import hmac
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.managers.request import FinishKind, Req
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
@@ -89,6 +98,7 @@ class RuntimeServer:
         self._inflight: dict[str, _InFlight] = {}
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
+        self.step_started_at: float | None = None
         self.address = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -98,9 +108,14 @@ class RuntimeServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Unbounded send queue: a chunk may never be dropped (stream deltas must add up), and a
-        # slow reader only costs memory until it reads or disconnects.
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
+        # wait for it (sending raises EAGAIN, see _send), so it cannot grow the server without bound.
+        sock.setsockopt(zmq.SNDHWM, self._args.max_queued_replies_per_client)
+        # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
+        # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
+        # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
+        # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+        sock.setsockopt(zmq.RCVHWM, 0)
         # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
         # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
         # hostile peer can never make the server buffer more than that.
@@ -115,11 +130,11 @@ class RuntimeServer:
                 os.umask(previous_umask)
             os.chmod(host[len("ipc://") :], 0o600)
             self.address = host
-        elif self._args.port == 0:
+        elif self._args.resolved_zmq_port() == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
         else:
-            self.address = f"tcp://{host}:{self._args.port}"
+            self.address = f"tcp://{host}:{self._args.resolved_zmq_port()}"
             sock.bind(self.address)
         self._socket = sock
         return self.address
@@ -135,19 +150,27 @@ class RuntimeServer:
         scheduler = self._core.scheduler
         try:
             while not self._stop_requested:
-                busy = scheduler.has_work()
-                if poller.poll(0 if busy else IDLE_POLL_MS):
+                if poller.poll(self._poll_timeout_ms()):
                     self._read_messages()
-                # has_work() stays true while an abort awaits its report by step().
-                if scheduler.has_work():
+                # has_ready_work() stays true while an abort awaits its report by step().
+                if scheduler.has_ready_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
         finally:
             self._shutdown()
 
+    def _poll_timeout_ms(self) -> int:
+        """0 when a step has work to do; a short wait while only grammar compiles are pending (no
+        busy loop: a compile's end is noticed within GRAMMAR_POLL_MS); else the idle wait."""
+        scheduler = self._core.scheduler
+        if scheduler.has_ready_work():
+            return 0
+        return GRAMMAR_POLL_MS if scheduler.has_work() else IDLE_POLL_MS
+
     def _step(self) -> list[Req]:
         scheduler = self._core.scheduler
+        self.step_started_at = time.monotonic()  # read by the watchdog (run_server)
         try:
             return scheduler.step()
         except Exception as e:
@@ -159,6 +182,8 @@ class RuntimeServer:
                 scheduler.abort_request(key)
             scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
+        finally:
+            self.step_started_at = None
 
     def _shutdown(self) -> None:
         scheduler = self._core.scheduler
@@ -185,7 +210,18 @@ class RuntimeServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._handle_guarded(frames)
+
+    def _handle_guarded(self, frames: list[bytes]) -> None:
+        """No single message may end the loop: whatever handling it raises is logged and answered."""
+        try:
             self._handle(frames)
+        except Exception as e:
+            logger.exception("internal error handling a message of %d bytes", sum(map(len, frames[1:])))
+            try:
+                self._send(frames[0], protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
+            except Exception:
+                logger.exception("could not answer that message either")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[-1]
@@ -193,10 +229,12 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
             return
         envelope = self._envelope(payload)
-        rid = envelope.rid if envelope is not None and isinstance(envelope.rid, str) else ""
         if not self._authorized(envelope):
-            self._send(identity, protocol.ErrorReply(rid, "missing or wrong api_key", "unauthorized"))
+            # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
+            # the client that every request it sent with this key is refused.
+            self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
+        rid = envelope.rid if envelope is not None and _is_echoable_rid(envelope.rid) else ""
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
             self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
@@ -216,7 +254,7 @@ class RuntimeServer:
     def _envelope(payload: bytes) -> _Envelope | None:
         try:
             return msgspec.msgpack.decode(payload, type=_Envelope)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # nested too deeply
             return None
 
     @staticmethod
@@ -313,7 +351,7 @@ class RuntimeServer:
         reason = req.finished_reason
         if reason is not None and reason.kind == FinishKind.ABORT:
             message = flight.abort_message or reason.message or "request aborted"
-            return [protocol.ErrorReply(flight.rid, message, "aborted")]
+            return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
         if reason is not None:
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
@@ -323,7 +361,8 @@ class RuntimeServer:
             last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
                                        flight.stream_state.new_ids(req.output_ids), meta_info)
             return [last, final]
-        if flight.stream_state is not None:
+        # --stream-interval N: a chunk every N tokens (SGLang's rule), the rest comes with the last one.
+        if flight.stream_state is not None and len(req.output_ids) % self._args.stream_interval == 0:
             delta = flight.stream_state.update(req.output_ids)
             if delta:
                 ids = flight.stream_state.new_ids(req.output_ids)
@@ -358,25 +397,72 @@ class RuntimeServer:
             flight.abort_message = "client disconnected"
             self._core.scheduler.abort_request(key)
         if gone:
-            logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
+            logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
 
 
-def run_server(args: ServerArgs) -> None:
+def _is_echoable_rid(rid: Any) -> bool:
+    """A rid the reply to an invalid message may carry back: the wire's own rid rule."""
+    return isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_RID_CHARS
+
+
+def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
     """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
 
-    The ready line `SGL_LITE_READY <address>` on stdout is what the launcher waits for; everything
-    else goes to the log (stderr).
+    `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
+    waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
+    The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
+    for; everything else goes to the log (stderr).
     """
     from sgl_lite.runtime.server.core import RuntimeCore
 
     core = RuntimeCore.from_args(args)
     server = RuntimeServer(core, args)
-    address = server.bind()
+    try:
+        address = server.bind()
+    except zmq.ZMQError as e:
+        core.close()
+        raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.request_shutdown())
+    announced = [address]
+    if after_bind is not None:
+        try:
+            announced += after_bind(server.request_shutdown)
+        except BaseException:
+            server.request_shutdown()
+            server.serve_forever()  # returns at once: closes the socket
+            core.close()
+            raise
+    _start_watchdog(server, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
-    logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
-    print(f"{READY_PREFIX} {address}", flush=True)
+    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    warn_if_exposed(args.host, args.api_key, "the runtime")
+    print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
+    if core.scheduler.checks.is_compiling():
+        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
+        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
+        # notices its parent's exit (parent watch) and exits too.
+        logger.info("exiting without waiting for a grammar compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
+    """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
+    process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
+    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            started = server.step_started_at
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sgl-lite-watchdog", daemon=True).start()
