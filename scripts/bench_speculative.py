@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.bench.workloads import Vocabulary, random_prompts  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 
@@ -119,7 +120,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
-    parser.add_argument("--out", default="artifacts/bench_speculative.json")
+    parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
     args = parser.parse_args()
 
     common = dict(model_path=args.model, dtype=args.dtype, max_running_requests=max(args.concurrency))
@@ -156,8 +157,7 @@ def main() -> None:
         print(f"| {r['workload']} | {r['concurrency']} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | {r['speedup']:.2f}x | "
               f"{on['accept_rate']:.0%} | {off['output_tokens'] / max(off['forward_steps'], 1):.2f} -> "
               f"{on['output_tokens'] / max(on['forward_steps'], 1):.2f} | {r['identical']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = output_file(args.out)
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     try:
         import matplotlib

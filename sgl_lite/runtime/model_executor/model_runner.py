@@ -112,6 +112,8 @@ class ModelRunner(ModelRunnerBase):
         if self.device.type == "cpu":
             keep_freed_heap_memory()
         self.dtype = choose_dtype(args.dtype, self.device)
+        if args.quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"--quantization {args.quantization} runs on torch's CPU kernels; the device is {self.device.type}")
         model_dir = Path(model_dir) if model_dir is not None else loader.resolve_model_path(args.model_path)
         self.model_dir = model_dir
         self.config = loader.load_config(model_dir)
@@ -126,7 +128,7 @@ class ModelRunner(ModelRunnerBase):
         self.tp = TensorParallel.from_args(args, model_dir, self.device, self.config)
         if self.tp is not None:
             self.tp.shard(self.model)
-        self.packed_weights = self.model.pack_weights()
+        self.packed_weights = self.model.pack_weights(quantization=args.quantization, int4_values=self._gguf_int4_values())
         self.vocab_size = self.config.vocab_size
 
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
@@ -145,6 +147,20 @@ class ModelRunner(ModelRunnerBase):
             model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
             self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__,
         )
+
+    def _gguf_int4_values(self) -> dict | None:
+        """`--quantization w4a16_int4` on a model converted from a GGUF file: that file's own Q4 blocks
+        (exact), not a second rounding of their dequantized values. Not under TP (the blocks are unsharded)."""
+        from sgl_lite.runtime.model_executor import loader
+
+        if self.args.quantization != "w4a16_int4" or self.tp is not None:
+            return None
+        gguf_file = loader.gguf_source(self.model_dir)
+        if gguf_file is None:
+            return None
+        from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
+
+        return read_int4_blocks(gguf_file)
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
