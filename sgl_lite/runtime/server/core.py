@@ -202,6 +202,11 @@ class RuntimeCore:
         admitted, entered = req.admission_time, req.queue_enter_time
         if admitted is not None and admitted >= entered:
             meta["queue_time"] = admitted - entered
+        if req.spec_verify_ct:
+            # SGLang's meta_info names: verification forwards, and accepted draft tokens per forward.
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accepted_tokens / req.spec_verify_ct
+            meta["spec_accept_rate"] = req.spec_accepted_tokens / max(req.spec_draft_tokens, 1)
         if req.return_logprob:
             meta.update(logprob_lists(req))
         return meta
