@@ -44,7 +44,8 @@ def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = D
         app = create_app(client, api_key=api_key, served_model_name=served_model_name)
         logger.info("HTTP API for runtime %s on http://%s:%d%s", runtime_address, host, port,
                     " (API key required)" if api_key else "")
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+        # uvicorn's access log: one line per HTTP request (client, method, path, status), as SGLang prints.
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=True)
     finally:
         client.close()
 

@@ -24,7 +24,7 @@ class ServerArgs:
     # Model and device.
     model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default)."})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
-    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
+    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
@@ -68,6 +68,12 @@ class ServerArgs:
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
+    # Logs, metrics and reproducibility (SGLang's flags).
+    decode_log_interval: int = field(default=40, metadata={"help": "Log a 'Decode batch' line (running, tokens, usage, gen throughput, queue) every this many decode steps."})
+    log_requests: bool = field(default=False, metadata={"help": "Log every finished request: its id, finish reason, token counts, and its input and output text (each cut to 512 tokens)."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
+    enable_deterministic_inference: bool = field(default=False, metadata={"help": "Greedy results independent of the prefix cache and of batching (prefill computes whole prompts, attention reduces in a fixed order); see README for the cost."})
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -79,7 +85,7 @@ class ServerArgs:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
-        positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
+        positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                     "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
         for name in positive:
             value = getattr(self, name)
