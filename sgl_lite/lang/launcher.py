@@ -89,6 +89,8 @@ class Runtime:
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._ready = threading.Event()
         self.address = ""
+        self._started = time.monotonic()
+        _say(f"sgl.Runtime: starting `sgl-lite serve` for model {model_path} (its start-up log follows)")
         self.process = subprocess.Popen(serve_command(self.args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env=api_key_env(_child_env(), self.api_key),
                                         start_new_session=True)
@@ -159,12 +161,25 @@ class Runtime:
         for line in self.process.stdout:
             if not self._ready.is_set() and line.startswith(READY_PREFIX + " "):
                 self.address = line.split(maxsplit=1)[1].strip()
+                _say(f"sgl.Runtime: ready at {self.address} after {time.monotonic() - self._started:.1f} s")
                 self._ready.set()
 
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            self._stderr_tail.append(line.rstrip("\n"))
+            line = line.rstrip("\n")
+            self._stderr_tail.append(line)
+            # The start-up log (model fetch, load, KV memory, address) shows what the wait is for;
+            # once serving, only problems are passed on, so a program's own output stays readable.
+            if not self._ready.is_set() or any(level in line for level in _PROBLEM_LEVELS):
+                _say(line)
+
+
+_PROBLEM_LEVELS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _child_env() -> dict[str, str]:
