@@ -9,9 +9,14 @@ from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
 
 
 def create_backend(
-    name: str, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int
+    name: str, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int, deterministic: bool = False
 ) -> AttentionBackend:
-    """`name` is ServerArgs.attention_backend: auto picks flashinfer on CUDA, torch_native elsewhere."""
+    """`name` is ServerArgs.attention_backend: auto picks flashinfer on CUDA, torch_native elsewhere;
+    `deterministic` (--enable-deterministic-inference) picks the batch-invariant backend instead."""
+    if deterministic:
+        from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
+
+        return BatchInvariantBackend(num_q_heads, num_kv_heads, head_dim)
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" else "torch_native"
     if name == "torch_native":
