@@ -5,8 +5,8 @@ naive transformers server, on one reproducible workload.
     python scripts/bench_serving.py --workload multiturn-agent --agent-num-sessions 8 --agent-num-turns 4
     python scripts/bench_serving.py --workload shared-prefix --gsp-num-groups 8 --gsp-prompts-per-group 8
     python scripts/bench_serving.py --workload random --num-prompts 32 --request-rate 2 --max-concurrency 8
-    python scripts/bench_serving.py --address tcp://127.0.0.1:30000 --systems sgl_lite
-    python scripts/bench_serving.py --url http://127.0.0.1:8000 --systems sgl_lite      # HTTP server or router
+    python scripts/bench_serving.py --address http://127.0.0.1:30000 --systems sgl_lite   # over ZeroMQ
+    python scripts/bench_serving.py --url http://127.0.0.1:30000 --systems sgl_lite      # HTTP server or router
     python scripts/bench_serving.py --systems router-dp1,router-dp2   # N replicas behind sglang-router
 
 Any runtime flag (--max-total-tokens, --schedule-policy, --dtype, ...) is passed to the runtimes it

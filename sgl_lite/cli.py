@@ -23,6 +23,7 @@ from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
+_PARENT_DEATH_GRACE_S = 5.0
 # Flags read from the environment when not given: a secret on a command line is visible in `ps`.
 _ENV_VARS = {"api_key": API_KEY_ENV}
 
@@ -37,18 +38,32 @@ def _field_base_type(annotation: Any) -> type:
 
 def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
     flag = "--" + f.name.replace("_", "-")
+    aliases = list(f.metadata.get("aliases", ()))  # SGLang's short spellings (--model, --tp)
     help_text = f.metadata.get("help", "")
     base = _field_base_type(annotation)
     if base is bool:
         decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
-    click_type: Any = click.Choice(choices) if choices else base
+    click_type: Any = _HintedChoice(choices, f.metadata.get("hints", {})) if choices else base
     envvar = _ENV_VARS.get(f.name)
     if envvar:
         help_text += f" Default: ${envvar}; prefer it to the flag on a shared machine (`ps` shows command lines)."
-    return click.option(flag, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
+    return click.option(flag, *aliases, f.name, type=click_type, default=f.default, show_default=True, help=help_text,
                         envvar=envvar)
+
+
+class _HintedChoice(click.Choice):
+    """A choice whose likely wrong values (e.g. SGLang habits) get a hint instead of the bare list."""
+
+    def __init__(self, choices: Any, hints: dict[str, str]) -> None:
+        super().__init__(choices)
+        self.hints = hints
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.hints:
+            self.fail(self.hints[value], param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def server_arg_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,61 +109,102 @@ def main() -> None:
 
 @main.command()
 @server_arg_options
-@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
-              help="sgl_lite: also serve the OpenAI-compatible / SGLang-native HTTP API on this port (same --api-key).")
-@click.option("--http-host", default="127.0.0.1", show_default=True, help="sgl_lite: bind address of the HTTP API.")
 @click.option("--served-model-name", default=None, help="Model name reported by the HTTP API (default: --model-path).")
 @click.option("--dp-size", "--dp", "dp_size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Data parallelism: N runtime replicas (each on its share of the CPUs) with their HTTP fronts, "
-                   "behind sglang-router on --http-host/--http-port (needs the `router` extra).")
+              help="Data parallelism: N runtime replicas (each on its share of the CPUs, with its HTTP API on a free "
+                   "loopback port) behind sglang-router on --host/--port (needs sglang-router installed).")
 @click.option("--router-policy", type=click.Choice(ROUTER_POLICIES), default="cache_aware", show_default=True,
               help="sglang-router's routing policy when --dp-size > 1.")
 @click.option("--router-args", default="", show_default=True,
               help="sgl_lite: extra sglang-router flags when --dp-size > 1, one shell-quoted string (they override "
                    "sgl_lite's router defaults, e.g. --router-args='--balance-abs-threshold 64').")
-def serve(http_port: int | None, http_host: str, served_model_name: str | None, dp_size: int, router_policy: str,
-          router_args: str, **values: Any) -> None:
-    """Run the runtime server (ZeroMQ) until SIGINT/SIGTERM, optionally with its HTTP front;
-    with --dp-size N, N replicas behind sglang-router."""
+@click.option("--parent-pid", type=int, default=None, hidden=True)
+def serve(served_model_name: str | None, dp_size: int, router_policy: str, router_args: str,
+          parent_pid: int | None, **values: Any) -> None:
+    """Run the server until SIGINT/SIGTERM: the HTTP API (OpenAI-compatible and SGLang-native) on
+    --host/--port, and the ZeroMQ endpoint of DSL programs on --zmq-port (named by /server_info, so
+    sgl.RuntimeEndpoint("http://HOST:PORT") finds it); with --dp-size N, N replicas behind sglang-router."""
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if dp_size > 1:
-        if http_port is None:
-            raise click.BadParameter("--dp-size > 1 serves through sglang-router over HTTP: give --http-port too",
-                                     param_hint="--http-port")
-        from sgl_lite.cluster import ClusterError, launch_cluster
+    from sgl_lite.runtime.server.ports import PortUnavailableError
 
-        try:
-            sys.exit(launch_cluster(args, dp_size, http_port, router_policy, http_host=http_host,
-                                    served_model_name=served_model_name, router_args=shlex.split(router_args)))
-        except ClusterError as e:
-            raise click.ClickException(str(e)) from None
+    try:
+        if dp_size > 1:
+            sys.exit(_serve_cluster(args, dp_size, router_policy, served_model_name, shlex.split(router_args)))
+        _serve_one(args, served_model_name, parent_pid)
+    except PortUnavailableError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int | None) -> None:
+    """One runtime and its HTTP front; every setup mistake ends here as one line (SetupError)."""
+    import os
+    import signal
+
+    from sgl_lite.http.launch import HttpFront, connect_host
     from sgl_lite.runtime.model_executor.loader import LoaderError
+    from sgl_lite.runtime.server.parent_watch import exit_with_parent
+    from sgl_lite.runtime.server.ports import claim_ports
+    from sgl_lite.runtime.server.preflight import SetupError, check_setup
     from sgl_lite.runtime.server.transport import run_server
 
-    http_process = None
-    if http_port is not None:
-        from sgl_lite.http.launch import runtime_address_of, spawn_http_server
-
-        try:
-            address = runtime_address_of(args.host, args.port)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--http-port") from None
-        http_process = spawn_http_server(address, host=http_host, port=http_port, api_key=args.api_key,
-                                         served_model_name=served_model_name, log_level=args.log_level)
+    if parent_pid is not None:  # started by sgl.Runtime() or a cluster: do not outlive it
+        exit_with_parent(parent_pid, lambda: _stop_self(os.getpid(), signal.SIGTERM))
+    claimed = claim_ports(args)  # first: a taken port is found at once, before the model is even read
+    args = claimed.args
     try:
-        run_server(args)
-    except LoaderError as e:
+        check_setup(args)
+    except SetupError as e:
+        claimed.close()
+        raise click.ClickException(str(e)) from None
+    zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{connect_host(args.host)}:{args.zmq_port}"
+    front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
+                      served_model_name=served_model_name, log_level=args.log_level)
+    claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
+
+    def after_bind(request_shutdown: Callable[[], None]) -> list[str]:
+        claimed.release_zmq()
+        try:
+            return [front.wait_ready(on_exit=request_shutdown)]
+        except RuntimeError as e:
+            raise SetupError(str(e)) from None
+
+    try:
+        run_server(args, after_bind)
+    except (SetupError, LoaderError) as e:
         raise click.ClickException(str(e)) from None
     finally:
-        if http_process is not None:
-            http_process.terminate()
-            http_process.wait(10)
+        claimed.close()
+        front.stop()
+
+
+def _stop_self(pid: int, signum: int) -> None:
+    """Parent gone: stop like on SIGTERM (in-flight requests get an error), or hard after a grace period."""
+    import os
+    import threading
+
+    os.kill(pid, signum)
+    timer = threading.Timer(_PARENT_DEATH_GRACE_S, lambda: os._exit(1))
+    timer.daemon = True
+    timer.start()
+
+
+def _serve_cluster(args: ServerArgs, dp_size: int, router_policy: str, served_model_name: str | None,
+                   router_args: list[str]) -> int:
+    from sgl_lite.cluster import ClusterError, launch_cluster
+
+    try:
+        return launch_cluster(args, dp_size, router_policy, served_model_name=served_model_name,
+                              router_args=router_args)
+    except ClusterError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()
-@click.option("--address", required=True, help="Server address, e.g. tcp://127.0.0.1:30000.")
+@click.option("--address", default="http://127.0.0.1:30000", show_default=True,
+              help="The server's URL (its --port; the ZeroMQ endpoint is found from it) or its ZeroMQ address "
+                   "(tcp://host:port, ipc://path).")
 @click.option("--prompt", required=True, help="Prompt text (sent as is, no chat template).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
@@ -162,8 +218,16 @@ def generate(address: str, prompt: str, max_new_tokens: int, temperature: float,
     """Send one generate request to a running server and print the answer."""
     from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
 
+    from sgl_lite.runtime.client.discovery import discover_zmq_address
+
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
-    with RuntimeClient(address, api_key=api_key, timeout=timeout) as client:
+    try:
+        if address.startswith(("http://", "https://")):
+            address = discover_zmq_address(address, api_key, timeout=min(timeout, 10.0))
+        client = RuntimeClient(address, api_key=api_key, timeout=timeout)
+    except (ValueError, RuntimeRequestError, RuntimeUnavailableError) as e:
+        raise click.ClickException(str(e)) from None
+    with client:
         try:
             if stream:
                 for chunk in client.generate_stream(prompt, sampling_params=params):

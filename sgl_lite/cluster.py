@@ -1,16 +1,17 @@
 """`sgl-lite serve --dp N`: N runtime replicas, each with its HTTP front, behind SGLang's own router.
 
 Data parallelism uses existing engines (ARCHITECTURE.md, "Scale-out"): every replica is an ordinary
-`sgl-lite serve` process with an HTTP front that speaks SGLang's worker API (sgl_lite.http), and
-`sglang-router` (the optional extra `router`) routes between them, by default with its cache-aware
+`sgl-lite serve` process, whose HTTP front speaks SGLang's worker API (sgl_lite.http), and
+`sglang-router` (pip install sglang-router==0.3.2) routes between them, by default with its cache-aware
 policy, which sends a request to the replica whose radix cache most likely holds its prefix.
 
 Placement: the CPUs this process may use are split into N disjoint sets, one per replica (its
 affinity mask, OMP_NUM_THREADS and hence torch's intra-op thread count), so that replicas do not
 fight over cores. With more replicas than CPUs, replicas share CPUs one thread each.
 
-Only the router listens outside (on --http-host/--http-port); replicas and their fronts bind loopback.
-SIGINT/SIGTERM stop the router first (no new requests), then the fronts, then the replicas.
+Only the router listens outside (on --host/--port); replicas bind loopback on free ports.
+SIGINT/SIGTERM stop the router first (no new requests), then the replicas (each stops its front).
+Replicas watch this process: if it dies without stopping them, they exit too (each with its front).
 """
 
 from __future__ import annotations
@@ -110,23 +111,22 @@ class _Child:
 class Cluster:
     """The processes of one `serve --dp N`; `start()` returns once the router answers, `stop()` ends all."""
 
-    def __init__(self, args: ServerArgs, dp: int, http_port: int, router_policy: str = "cache_aware", *,
-                 http_host: str = _LOOPBACK, served_model_name: str | None = None,
+    def __init__(self, args: ServerArgs, dp: int, router_policy: str = "cache_aware", *,
+                 served_model_name: str | None = None,
                  startup_timeout: float = 600.0, router_args: list[str] | None = None) -> None:
-        """The router listens on http_host:http_port; `router_args` are extra sglang-router flags
+        """The router listens on args.host:args.port; `router_args` are extra sglang-router flags
         (health-check interval, retries, circuit breaker ...)."""
         if router_policy not in ROUTER_POLICIES:
             raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}; got {router_policy!r}")
         self.args = args
         self.dp = dp
-        self.http_port = http_port
-        self.http_host = http_host
+        self.http_port = args.port
+        self.http_host = args.host
         self.served_model_name = served_model_name
         self.router_policy = router_policy
         self.startup_timeout = startup_timeout
         self.router_args = list(router_args or [])
         self.replicas: list[_Child] = []
-        self.fronts: list[_Child] = []
         self.router: _Child | None = None
         self.worker_urls: list[str] = []
         self.metrics_urls: list[str] = []  # each replica's /metrics, then the router's
@@ -146,16 +146,15 @@ class Cluster:
         if importlib.util.find_spec("sglang_router") is None:
             raise ClusterError("--dp-size > 1 runs sglang-router, which is not installed: "
                                "pip install 'sgl-lite[router]' (or sglang-router==0.3.2)")
+        from sgl_lite.runtime.server.ports import check_port_free
+
+        check_port_free(self.http_host, self.http_port, "sglang-router", "--port")  # before any replica loads
         deadline = time.monotonic() + self.startup_timeout
         for i, cpus in enumerate(cpu_sets(self.dp)):
             self.replicas.append(self._spawn_replica(i, cpus))
-        addresses = [self._wait_replica_ready(r, deadline) for r in self.replicas]
-        for i, address in enumerate(addresses):
-            port = free_port()
-            self.fronts.append(self._spawn_front(i, address, port))
-            self.worker_urls.append(f"http://{_LOOPBACK}:{port}")
-        for front, url in zip(self.fronts, self.worker_urls):
-            _wait_http_ok(url + "/health", front, deadline, self.args.api_key)
+        self.worker_urls = [self._wait_replica_ready(r, deadline) for r in self.replicas]
+        for replica, url in zip(self.replicas, self.worker_urls):
+            _wait_http_ok(url + "/health", replica, deadline, self.args.api_key)
         cmd = router_command(self.worker_urls, self.http_host, self.http_port, self.router_policy,
                              self.args.log_level) + self.router_args
         self.router = _spawn("router", cmd, env=self._env(threads=None))
@@ -171,17 +170,12 @@ class Cluster:
     def _spawn_replica(self, index: int, cpus: list[int]) -> _Child:
         from sgl_lite.lang.launcher import serve_command
 
-        cmd = serve_command(self.args.replace(host=_LOOPBACK, port=0))
+        cmd = serve_command(self.args.replace(host=_LOOPBACK, port=0, zmq_port=None)) + ["--parent-pid", str(os.getpid())]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]  # the router labels workers by it
         # Affinity is set in the child before it imports torch, so every thread it starts inherits it.
         return _spawn(f"replica {index} (cpus {cpus})", cmd, env=self._env(threads=len(cpus)),
                       preexec_fn=lambda: os.sched_setaffinity(0, cpus), stdout=subprocess.PIPE)
-
-    def _spawn_front(self, index: int, runtime_address: str, port: int) -> _Child:
-        cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", _LOOPBACK,
-               "--port", str(port), "--log-level", self.args.log_level, "--parent-pid", str(os.getpid())]
-        if self.served_model_name:
-            cmd += ["--served-model-name", self.served_model_name]  # the router labels workers by it
-        return _spawn(f"http front {index}", cmd, env=self._env(threads=1))
 
     def _env(self, threads: int | None) -> dict[str, str]:
         """A child's environment; the API key travels here, never on a command line (`ps` shows those)."""
@@ -190,6 +184,7 @@ class Cluster:
         return api_key_env(_child_env(threads), self.args.api_key)
 
     def _wait_replica_ready(self, replica: _Child, deadline: float) -> str:
+        """The replica's HTTP URL, once it has announced it."""
         from sgl_lite.runtime.protocol import READY_PREFIX as RUNTIME_READY
 
         ready = threading.Event()
@@ -199,7 +194,7 @@ class Cluster:
             assert replica.process.stdout is not None
             for line in replica.process.stdout:
                 if not ready.is_set() and line.startswith(RUNTIME_READY + " "):
-                    address.append(line.split(maxsplit=1)[1].strip())
+                    address.append(line.split()[-1])
                     ready.set()
 
         threading.Thread(target=read_stdout, name=f"{replica.name} stdout", daemon=True).start()
@@ -210,8 +205,8 @@ class Cluster:
         return address[0]
 
     def stop(self) -> None:
-        """Router first (no new requests reach a stopping replica), then fronts, then replicas."""
-        for group in ([self.router] if self.router else [], self.fronts, self.replicas):
+        """Router first (no new requests reach a stopping replica), then the replicas."""
+        for group in ([self.router] if self.router else [], self.replicas):
             for child in group:
                 if child.process.poll() is None:
                     child.process.terminate()
@@ -228,16 +223,13 @@ class Cluster:
         return self.router.process.wait()
 
 
-def launch_cluster(args: ServerArgs, dp: int, http_port: int, router_policy: str = "cache_aware", *,
-                   http_host: str = _LOOPBACK, served_model_name: str | None = None,
-                   router_args: list[str] | None = None) -> int:
+def launch_cluster(args: ServerArgs, dp: int, router_policy: str = "cache_aware", *,
+                   served_model_name: str | None = None, router_args: list[str] | None = None) -> int:
     """Run a cluster in the foreground until SIGINT/SIGTERM; return the exit code for the CLI.
 
-    args.host/args.port are not used: replicas bind loopback on free ports, and only the router
-    listens outside, on http_host:http_port.
+    Only the router listens on args.host/args.port; replicas bind loopback on free ports.
     """
-    cluster = Cluster(args, dp, http_port, router_policy, http_host=http_host, served_model_name=served_model_name,
-                      router_args=router_args)
+    cluster = Cluster(args, dp, router_policy, served_model_name=served_model_name, router_args=router_args)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -105,14 +105,15 @@ def test_serve_dp_router_args_reach_the_router_and_override_its_defaults(monkeyp
 
     seen: dict = {}
 
-    def fake_launch(args, dp, http_port, router_policy="cache_aware", **kw):  # stands in for the processes
-        seen.update(dp=dp, policy=router_policy, router_args=kw["router_args"])
+    def fake_launch(args, dp, router_policy="cache_aware", **kw):  # stands in for the processes
+        seen.update(dp=dp, policy=router_policy, router_args=kw["router_args"], port=args.port)
         return 0
 
     monkeypatch.setattr(cluster, "launch_cluster", fake_launch)
-    result = CliRunner().invoke(main, ["serve", "--dp-size", "2", "--http-port", "18000",
+    result = CliRunner().invoke(main, ["serve", "--dp-size", "2", "--port", "18000",
                                        "--router-args=--balance-abs-threshold 64 --cache-threshold 0.5"])
     assert result.exit_code == 0, result.output
+    assert seen["port"] == 18000  # the router listens on --port, SGLang's HTTP port
     assert seen["dp"] == 2 and seen["router_args"] == ["--balance-abs-threshold", "64", "--cache-threshold", "0.5"]
     # The command Cluster runs: sgl_lite's default first, the user's flags after it, as the router parses them.
     cmd = cluster.router_command(["http://127.0.0.1:1"], "127.0.0.1", 18000, seen["policy"])

@@ -3,6 +3,7 @@ command line (which any local user reads with `ps`), and the router still enforc
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ pytest.importorskip("sglang_router")
 
 from sgl_lite.cluster import Cluster, free_port  # noqa: E402
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError  # noqa: E402
+from sgl_lite.runtime.client.discovery import discover_zmq_address  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -20,21 +22,27 @@ KEY = "cluster-test-key-7f3a9c"
 GREEDY = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
 
 
+def front_pid(replica_pid: int) -> int:
+    found = subprocess.run(["pgrep", "-P", str(replica_pid), "-f", "sgl_lite.http.launch"], capture_output=True,
+                           text=True)
+    return int(found.stdout.split()[0])
+
+
 def command_line(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def test_the_key_is_on_no_command_line_and_the_router_enforces_it(tiny_llama_dir: Path) -> None:
     args = ServerArgs(model_path=str(tiny_llama_dir), dtype="float32", log_level="warning", api_key=KEY)
-    cluster = Cluster(args, dp=2, http_port=free_port(), startup_timeout=80)
+    cluster = Cluster(args.replace(port=free_port()), dp=2, startup_timeout=80)
     try:
         cluster.start()
         assert cluster.router is not None
-        children = [*cluster.replicas, *cluster.fronts, cluster.router]
-        assert len(children) == 5
-        for child in children:
-            assert child.process.poll() is None, child.name
-            assert KEY not in command_line(child.process.pid), child.name
+        pids = [c.process.pid for c in [*cluster.replicas, cluster.router]]
+        pids += [front_pid(r.process.pid) for r in cluster.replicas]  # each replica's own HTTP front
+        assert len(pids) == 5
+        for pid in pids:
+            assert KEY not in command_line(pid), command_line(pid)
         body = {"text": "hello", "sampling_params": GREEDY}
         refused = requests.post(cluster.url + "/generate", json=body, timeout=30)
         assert refused.status_code == 401, refused.text
@@ -55,9 +63,8 @@ def test_the_key_is_on_no_command_line_and_the_router_enforces_it(tiny_llama_dir
         assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
         # Each replica's runtime read the key from its environment (the fronts alone checking it would
         # let the requests above through too): asked directly, without the key, it refuses.
-        for front in cluster.fronts:
-            front_argv = command_line(front.process.pid).split()
-            address = front_argv[front_argv.index("--runtime") + 1]
+        for worker_url in cluster.worker_urls:
+            address = discover_zmq_address(worker_url, KEY)
             with RuntimeClient(address, timeout=30) as anonymous:
                 with pytest.raises(RuntimeRequestError) as refused_by_runtime:
                     anonymous.generate("hello", sampling_params=GREEDY)

@@ -1,6 +1,6 @@
 """`serve --dp-size 2 --tp-size 2`: two replicas behind sglang-router, each a TP group of two processes
 (rank 0 serves, rank 1 is its child). Results match one unsharded process; stopping the cluster ends
-all seven processes (router, 2 fronts, 2 replicas, 2 TP ranks). Loopback only."""
+all seven processes (router, 2 replicas with their HTTP fronts, 2 TP ranks). Loopback only."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def process_state(pid: int) -> tuple[str, int] | None:
 
 
 def tp_ranks_of(parents: set[int]) -> set[int]:
+    return children_running(parents, b"sgl_lite.runtime.model_executor.tp")
+
+
+def fronts_of(parents: set[int]) -> list[int]:
+    return sorted(children_running(parents, b"sgl_lite.http.launch"))
+
+
+def children_running(parents: set[int], module: bytes) -> set[int]:
     ranks = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -41,7 +49,7 @@ def tp_ranks_of(parents: set[int]) -> set[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if state is not None and state[1] in parents and b"sgl_lite.runtime.model_executor.tp" in cmdline:
+        if state is not None and state[1] in parents and module in cmdline:
             ranks.add(int(entry.name))
     return ranks
 
@@ -56,7 +64,7 @@ def test_dp2_tp2_serves_like_one_process_and_stops_every_rank(tiny_llama_dir: Pa
         expected = [reference.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
     args = ServerArgs(model_path=str(tiny_llama_dir), dtype="float32", log_level="warning", tp_size=2,
                       max_total_tokens=1024)
-    cluster = Cluster(args, dp=2, http_port=free_port(), router_policy="round_robin", startup_timeout=100)
+    cluster = Cluster(args.replace(port=free_port()), dp=2, router_policy="round_robin", startup_timeout=100)
     ranks: set[int] = set()
     try:
         cluster.start()
@@ -71,7 +79,7 @@ def test_dp2_tp2_serves_like_one_process_and_stops_every_rank(tiny_llama_dir: Pa
             assert reply.json()["output_ids"] == ids
         assert requests.post(cluster.url + "/flush_cache", timeout=30).json()["workers_flushed"] == 2
     finally:
-        started = [c.process.pid for c in [*cluster.replicas, *cluster.fronts]]
+        started = [c.process.pid for c in cluster.replicas] + fronts_of({c.process.pid for c in cluster.replicas})
         cluster.stop()
     # A replica stops its rank before it exits; a rank whose replica died anyway follows within a second.
     deadline = time.monotonic() + 10

@@ -102,12 +102,19 @@ def test_prefill_only_and_logprobs(engine: Engine) -> None:
     assert len(meta["output_top_logprobs"]) == 3 and all(len(top) == 2 for top in meta["output_top_logprobs"])
 
 
-def test_stream_chunks_add_up(engine: Engine) -> None:
+def test_stream_chunks_are_sglangs(engine: Engine) -> None:
+    # SGLang's Engine.generate(stream=True): each chunk holds the text and ids so far (not a delta),
+    # with a meta_info; the last chunk is the whole output.
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     whole = engine.generate("Berlin is the capital of", params)
     chunks = list(engine.generate("Berlin is the capital of", params, stream=True))
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    assert len(chunks) > 2
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert all(c["meta_info"]["completion_tokens"] == len(c["output_ids"]) for c in chunks)
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
 
 

@@ -244,7 +244,23 @@ def test_program_error_surfaces(backend):
         s += "x" + sgl.gen("a", max_tokens=2)
         raise ValueError("boom")
 
-    state = bad.run(backend=backend)
+    # SGLang's behaviour: the caller of run() sees the program's own exception.
+    with pytest.raises(ValueError, match="boom"):
+        bad.run(backend=backend)
+
+    @sgl.function
+    def reads_then_raises(s):
+        s += "x" + sgl.gen("a", max_tokens=2)
+        if len(s["a"]) == 2:
+            raise KeyError("no such tool")
+
+    with pytest.raises(KeyError, match="no such tool"):
+        reads_then_raises.run(backend=backend)
+
+    # A streamed run has returned before the body raises: the error is on the state.
+    state = bad.run(backend=backend, stream=True)
+    for _ in state.text_iter():  # ends when the program has
+        pass
     assert isinstance(state.error(), ValueError)
     assert len(state["a"]) == 2  # produced before the error
 

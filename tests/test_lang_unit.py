@@ -203,11 +203,9 @@ def test_choices_methods_math():
 
 
 def test_request_options_forward_logprobs_and_priority():
-    from sgl_lite.lang.endpoint import RuntimeEndpoint, _zmq_address
+    from sgl_lite.lang.endpoint import RuntimeEndpoint
 
     params = sgl.gen("x", return_logprob=True, top_logprobs_num=2).sampling_params.resolve(
         SglSamplingParams(max_new_tokens=4, priority=7))
     assert RuntimeEndpoint._options(params) == {"return_logprob": True, "top_logprobs_num": 2, "priority": 7}
     assert RuntimeEndpoint._options(SglSamplingParams(logprob_start_len=3)) == {}
-    assert _zmq_address("http://127.0.0.1:30000/") == "tcp://127.0.0.1:30000"
-    assert _zmq_address("ipc:///tmp/x") == "ipc:///tmp/x"

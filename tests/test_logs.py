@@ -66,7 +66,7 @@ def test_runtime_start_progress_and_http_access_lines(tiny_llama_dir: Path, capf
         err = capfd.readouterr().err
         assert "sgl.Runtime: starting `sgl-lite serve`" in err
         assert "KV cache" in err and "listening on" in err  # the child's start-up log, passed on
-        assert f"sgl.Runtime: ready at {runtime.address}" in err
+        assert f"sgl.Runtime: ready at {runtime.url} (DSL over {runtime.address})" in err
         deadline = time.monotonic() + 60
         while True:
             try:

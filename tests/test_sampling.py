@@ -222,9 +222,9 @@ def test_grammar_hook_masks_through_apply_grammar_masks(monkeypatch: pytest.Monk
     fake = types.ModuleType("sgl_lite.runtime.sampling.grammar")
     fake.apply_grammar_masks = apply_grammar_masks
     monkeypatch.setitem(sys.modules, "sgl_lite.runtime.sampling.grammar", fake)
-    import sgl_lite.runtime
+    import sgl_lite.runtime.sampling
 
-    monkeypatch.setattr(sgl_lite.runtime, "grammar", fake, raising=False)
+    monkeypatch.setattr(sgl_lite.runtime.sampling, "grammar", fake, raising=False)
     logits = random_logits(2, seed=4)
     constrained = make_req("g", temperature=0.0)
     constrained.grammar = AllowOnly([7, 9])

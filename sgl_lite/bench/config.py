@@ -125,7 +125,7 @@ def make_workload(config: BenchConfig, vocab: Vocabulary) -> Workload:
 
 _HELP = {
     "model_path": "Model for started runtimes and the hf baseline (alias, .gguf or HF folder).",
-    "address": "Use this running runtime (ZeroMQ) as the sgl_lite system (its cache is flushed first).",
+    "address": "Use this running server as the sgl_lite system over ZeroMQ: its URL (http://host:PORT, the endpoint is found from it) or its tcp:// address (its cache is flushed first).",
     "url": "Use this running HTTP server or sglang-router (http://host:port) as the sgl_lite system, "
            "driven through SGLang's native /generate (its cache is flushed first).",
     "api_key": "Key of the runtime at --address or the server at --url.",

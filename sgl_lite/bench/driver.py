@@ -127,13 +127,13 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
 
 def _open_router_cluster(name: str, dp_size: int, config: BenchConfig) -> GenerationBackend:
     """`dp_size` replicas (each pinned to its share of the CPUs) behind sglang-router, as `sgl-lite
-    serve --dp-size N --http-port P` runs them; the backend drives the router and owns the cluster."""
+    serve --dp-size N --port P` runs them; the backend drives the router and owns the cluster."""
     from sgl_lite.bench.http_backend import HTTPBackend
     from sgl_lite.cluster import Cluster, free_port
     from sgl_lite.runtime.server_args import ServerArgs
 
-    args = ServerArgs.from_kwargs(model_path=config.model_path, **config.server_args)
-    cluster = Cluster(args, dp_size, free_port(), config.router_policy, startup_timeout=config.startup_timeout,
+    args = ServerArgs.from_kwargs(model_path=config.model_path, **config.server_args).replace(port=free_port())
+    cluster = Cluster(args, dp_size, config.router_policy, startup_timeout=config.startup_timeout,
                       router_args=shlex.split(config.router_args))
     cluster.start()
     return HTTPBackend(name, cluster.url, api_key=args.api_key, worker_urls=cluster.worker_urls, owned=cluster)
@@ -141,9 +141,13 @@ def _open_router_cluster(name: str, dp_size: int, config: BenchConfig) -> Genera
 
 def _patient_client(address: str, api_key: str | None) -> Any:
     """A client whose requests may wait an hour (a benchmark queues many); liveness comes from the
-    connection's heartbeats, so a long step never looks like a dead runtime."""
+    connection's heartbeats, so a long step never looks like a dead runtime. `address` may be the
+    server's HTTP URL (its ZeroMQ endpoint is found from it)."""
     from sgl_lite.runtime.client import RuntimeClient
+    from sgl_lite.runtime.client.discovery import discover_zmq_address
 
+    if address.startswith(("http://", "https://")):
+        address = discover_zmq_address(address, api_key)
     return RuntimeClient(address, api_key=api_key, timeout=3600.0)
 
 
@@ -161,9 +165,7 @@ def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
         response.raise_for_status()
         model_path = str(response.json().get("model_path") or model_path)
     if config.address:
-        from sgl_lite.runtime.client import RuntimeClient
-
-        with RuntimeClient(config.address, api_key=config.api_key, timeout=60.0) as client:
+        with _patient_client(config.address, config.api_key) as client:
             model_path = str(client.server_info().get("model_path") or model_path)
     folder = loader.resolve_model_path(model_path)
     vocab = Vocabulary.from_tokenizer(loader.load_tokenizer(folder), loader.load_config(folder).vocab_size)

@@ -4,5 +4,5 @@ sglang-router calls (worker_api.py: /server_info, /model_info, /get_load, /healt
 
 It reaches the runtime only through `sgl_lite.runtime.client.RuntimeClient`. Build the app with
 `sgl_lite.http.app.create_app(client)`; start a server with `sgl_lite.http.launch` (run_http_server, HttpServerThread,
-spawn_http_server, the `http` click command).
+HttpFront, the `http` click command).
 """

@@ -132,7 +132,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         await generate(runner, body, lambda outcome: None)
 
     add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
-                      health_generate=health_generate, protected=protected)
+                      health_generate=health_generate, protected=protected, runtime_address=client.address)
 
     @app.get("/metrics", dependencies=protected)
     async def prometheus_metrics() -> Response:

@@ -1,6 +1,6 @@
 """Starting the HTTP front: blocking (`run_http_server`, the `sgl-lite http` command), in a thread
 of this process (`HttpServerThread`, for tests and notebooks), or as a child process beside a
-runtime server (`spawn_http_server`, for `sgl-lite serve --http-port`).
+runtime server (`HttpFront`, for `sgl-lite serve`, on the socket that serve bound on --host/--port).
 
 The API key travels to a child process in the environment (SGL_LITE_API_KEY), not on its command
 line, where any local user could read it with `ps`.
@@ -10,29 +10,36 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import click
 
+from sgl_lite.runtime.client.discovery import check_zmq_address
+from sgl_lite.runtime.server.parent_watch import exit_with_parent
 from sgl_lite.runtime.server_args import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HTTP_PORT = 8000
-_PARENT_POLL_S = 1.0
+# What the HTTP front prints on stdout once it serves on the socket `sgl-lite serve` gave it.
+HTTP_READY_PREFIX = "SGL_LITE_HTTP_READY"
+HTTP_STARTUP_TIMEOUT_S = 120.0
 
 
 def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = DEFAULT_HTTP_PORT,
                     api_key: str | None = None, served_model_name: str | None = None, *,
-                    runtime_api_key: str | None = None, log_level: str = "info") -> None:
+                    runtime_api_key: str | None = None, log_level: str = "info", fd: int | None = None) -> None:
     """Serve the HTTP API for the runtime at `runtime_address` until interrupted.
 
     `api_key` guards the HTTP routes; the runtime is called with `runtime_api_key` (default: the
-    same key, as when `sgl-lite serve --api-key K --http-port P` starts both).
+    same key, as when `sgl-lite serve --api-key K` starts both). With `fd`, serve on that listening
+    socket (inherited from `sgl-lite serve`, which bound --host/--port) and print HTTP_READY_PREFIX
+    on stdout once serving.
     """
     import uvicorn
 
@@ -44,10 +51,22 @@ def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = D
         app = create_app(client, api_key=api_key, served_model_name=served_model_name)
         logger.info("HTTP API for runtime %s on http://%s:%d%s", runtime_address, host, port,
                     " (API key required)" if api_key else "")
-        # uvicorn's access log: one line per HTTP request (client, method, path, status), as SGLang prints.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=True)
+        # access_log: uvicorn's line per HTTP request (client, method, path, status), as SGLang prints.
+        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=True)
+        server = uvicorn.Server(config)
+        if fd is not None:
+            threading.Thread(target=_announce_when_started, args=(server,), daemon=True).start()
+        server.run()
     finally:
         client.close()
+
+
+def _announce_when_started(server: Any) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.02)
+    print(HTTP_READY_PREFIX, flush=True)
 
 
 class HttpServerThread:
@@ -77,40 +96,69 @@ class HttpServerThread:
         self._thread.join(timeout)
 
 
-def spawn_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = DEFAULT_HTTP_PORT,
-                      api_key: str | None = None, served_model_name: str | None = None,
-                      log_level: str = "info") -> subprocess.Popen[bytes]:
-    """Start `sgl-lite http` as a child process that exits when this process does."""
-    cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", host,
-           "--port", str(port), "--log-level", log_level, "--parent-pid", str(os.getpid())]
-    if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
-    env = dict(os.environ)
-    env.pop(API_KEY_ENV, None)
-    if api_key:
-        env[API_KEY_ENV] = api_key
-    # The parent's stdout carries the runtime's ready line for the launcher; the child logs to stderr.
-    return subprocess.Popen(cmd, env=env, stdout=sys.stderr)
+class HttpFront:
+    """The HTTP front of `sgl-lite serve`: a child process serving on a socket this process bound
+    (sgl_lite.runtime.server.ports), so a taken port fails the start before anything loads."""
+
+    def __init__(self, runtime_address: str, listening: socket.socket, api_key: str | None = None,
+                 served_model_name: str | None = None, log_level: str = "info") -> None:
+        host, port = listening.getsockname()[:2]
+        self.url = f"http://{connect_host(host)}:{port}"
+        fd = listening.fileno()
+        cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", host,
+               "--port", str(port), "--fd", str(fd), "--log-level", log_level, "--parent-pid", str(os.getpid())]
+        if served_model_name:
+            cmd += ["--served-model-name", served_model_name]
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if api_key:
+            env[API_KEY_ENV] = api_key
+        # The child's stdout carries only its ready line; its logs go to stderr (ours).
+        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, pass_fds=(fd,))
+        self._ready = threading.Event()
+        self._stopping = False
+        threading.Thread(target=self._read_stdout, name="sgl-lite-http-front-stdout", daemon=True).start()
+
+    def wait_ready(self, on_exit: Callable[[], None], timeout: float = HTTP_STARTUP_TIMEOUT_S) -> str:
+        """Block until the front serves; afterwards `on_exit` runs if it ever exits on its own.
+        RuntimeError (one line) when it exits or stays silent first."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the HTTP front exited with code {self.process.returncode} before serving "
+                                   "(its log is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP front did not start within {timeout:g} s")
+
+        def watch() -> None:
+            code = self.process.wait()
+            if not self._stopping:
+                logger.error("the HTTP front exited with code %s; stopping the server", code)
+                on_exit()
+
+        threading.Thread(target=watch, name="sgl-lite-http-front-watch", daemon=True).start()
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.strip() == HTTP_READY_PREFIX:
+                self._ready.set()
 
 
-def runtime_address_of(host: str, port: int) -> str:
-    """The address to reach a runtime started with --host/--port (for `serve --http-port`)."""
-    if host.startswith("ipc://"):
-        return host
-    if port == 0:
-        raise ValueError("--http-port needs a fixed runtime --port (0 picks a port the HTTP server cannot know)")
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # a wildcard bind is reached via loopback
-    return f"tcp://{connect_host}:{port}"
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
-        logger.info("parent process %d is gone; HTTP server exiting", parent_pid)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="sgl-lite-http-parent-watch", daemon=True).start()
+def connect_host(host: str) -> str:
+    """A wildcard bind is reached through loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 @click.command("http")
@@ -125,15 +173,20 @@ def _exit_with_parent(parent_pid: int) -> None:
 @click.option("--served-model-name", default=None, help="Model name reported by /v1/models (default: the runtime's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.option("--parent-pid", type=int, default=None, hidden=True)
+@click.option("--fd", type=int, default=None, hidden=True)
 def http_command(runtime_address: str, host: str, port: int, api_key: str | None, runtime_api_key: str | None,
-                 served_model_name: str | None, log_level: str, parent_pid: int | None) -> None:
+                 served_model_name: str | None, log_level: str, parent_pid: int | None, fd: int | None) -> None:
     """Serve the OpenAI-compatible and SGLang-native HTTP API in front of a running runtime."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if parent_pid is not None:
-        _exit_with_parent(parent_pid)
+        exit_with_parent(parent_pid, lambda: os._exit(0))
+    try:
+        check_zmq_address(runtime_address)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runtime") from None
     run_http_server(runtime_address, host, port, api_key, served_model_name,
-                    runtime_api_key=runtime_api_key, log_level=log_level)
+                    runtime_api_key=runtime_api_key, log_level=log_level, fd=fd)
 
 
 if __name__ == "__main__":

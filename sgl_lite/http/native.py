@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.errors import bad_request
 from sgl_lite.http.generation import GenerationInput, RequestRunner
-from sgl_lite.http.openai_protocol import GenerateRequest
+from sgl_lite.http.openai_protocol import MAX_CHOICES, GenerateRequest
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.runtime.protocol import sampling_params_from_dict
@@ -53,15 +53,38 @@ def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], boo
         rids = [body.rid]
     inputs = []
     for (text, input_ids), params, rid in zip(prompts, params_list, rids):
-        try:
-            sampling = sampling_params_from_dict(params)
-        except ValueError as e:
-            raise bad_request(str(e), "sampling_params") from None
-        extra = {"rid": rid} if rid else {}
-        inputs.append(GenerationInput(text, input_ids, sampling, return_logprob=body.return_logprob,
-                                      top_logprobs_num=body.top_logprobs_num,
-                                      logprob_start_len=body.logprob_start_len, priority=body.priority, **extra))
+        params, n = _split_n(params)
+        if n > 1 and rid:
+            raise bad_request("rid names one request; leave it out with sampling_params.n > 1", "rid")
+        for sample in range(n):
+            try:
+                sampling = sampling_params_from_dict(_sample_params(params, sample))
+            except ValueError as e:
+                raise bad_request(str(e), "sampling_params") from None
+            extra = {"rid": rid} if rid else {}
+            inputs.append(GenerationInput(text, input_ids, sampling, return_logprob=body.return_logprob,
+                                          top_logprobs_num=body.top_logprobs_num,
+                                          logprob_start_len=body.logprob_start_len, priority=body.priority, **extra))
+        is_batch = is_batch or n > 1  # SGLang answers a list of n results, each prompt's samples together
     return inputs, is_batch
+
+
+def _split_n(params: dict[str, Any] | None) -> tuple[dict[str, Any] | None, int]:
+    """SGLang's sampling_params.n: that many samples of the prompt."""
+    if not isinstance(params, dict) or "n" not in params:
+        return params, 1
+    params = dict(params)
+    n = params.pop("n")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"sampling_params.n must be an integer in 1..{MAX_CHOICES}; got {n!r}", "sampling_params")
+    return params, n
+
+
+def _sample_params(params: dict[str, Any] | None, sample: int) -> dict[str, Any] | None:
+    # With a seed, sample i uses seed + i: the samples differ but stay reproducible (as OpenAI's n).
+    if sample and isinstance(params, dict) and isinstance(params.get("seed"), int):
+        return {**params, "seed": params["seed"] + sample}
+    return params
 
 
 async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None],

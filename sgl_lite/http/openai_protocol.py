@@ -219,6 +219,12 @@ class GenerateRequest(BaseModel):
     background: bool = False
     data_parallel_rank: int | None = None
 
+    @field_validator("logprob_start_len", "top_logprobs_num", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: Any) -> Any:
+        # SGLang's clients (its Runtime.generate among them) send null for "not given".
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator("return_hidden_states", "return_entropy", "return_bytes", "background")
     @classmethod
     def _unsupported_feature(cls, value: bool) -> bool:

@@ -24,6 +24,7 @@ from fastapi.params import Depends
 
 import sgl_lite
 from sgl_lite.http.model_context import ModelContextCache
+from sgl_lite.runtime.client.discovery import ZMQ_ADDRESS_KEY
 
 # server_info keys that describe the runtime's state rather than its configuration.
 _INTERNAL_STATE_KEYS = ("num_waiting", "num_running", "num_chunked", "slots_total", "slots_free",
@@ -31,9 +32,10 @@ _INTERNAL_STATE_KEYS = ("num_waiting", "num_running", "num_chunked", "slots_tota
                         "cache_hit_rate", "num_forward_steps", "new_token_ratio")
 
 
-def sglang_server_info(info: dict[str, Any], served_model_name: str) -> dict[str, Any]:
+def sglang_server_info(info: dict[str, Any], served_model_name: str, runtime_address: str) -> dict[str, Any]:
     """The runtime's server_info in SGLang's shape: server args flattened to the top level (as SGLang's
-    ServerArgs are), the scheduler's state under internal_states, and the fields the router reads."""
+    ServerArgs are), the scheduler's state under internal_states, and the fields the router reads;
+    plus the ZeroMQ address of the runtime, from which DSL clients given this server's URL connect."""
     server_args = info.get("server_args") or {}
     out: dict[str, Any] = {**server_args, **info}
     out.update({
@@ -44,6 +46,7 @@ def sglang_server_info(info: dict[str, Any], served_model_name: str) -> dict[str
         "max_running_requests": info.get("max_running_requests"),
         "max_prefill_tokens": server_args.get("max_prefill_tokens"),
         "version": sgl_lite.__version__,
+        ZMQ_ADDRESS_KEY: runtime_address,
         "internal_states": [{key: info[key] for key in _INTERNAL_STATE_KEYS if key in info}],
     })
     return out
@@ -88,7 +91,7 @@ def _read_model_config(model_path: str | None) -> dict[str, Any]:
 
 def add_worker_routes(app: FastAPI, *, server_info: Callable[[], Awaitable[dict[str, Any]]],
                       contexts: ModelContextCache, health_generate: Callable[[], Awaitable[None]],
-                      protected: list[Depends]) -> None:
+                      protected: list[Depends], runtime_address: str) -> None:
     """Register SGLang's worker routes on `app`.
 
     `server_info` is the runtime's server_info (runtime errors already mapped to HttpError);
@@ -104,7 +107,7 @@ def add_worker_routes(app: FastAPI, *, server_info: Callable[[], Awaitable[dict[
     @app.get("/get_server_info", dependencies=protected)
     async def server_info_route() -> dict[str, Any]:
         context = await contexts.get()
-        return sglang_server_info(await server_info(), context.served_model_name)
+        return sglang_server_info(await server_info(), context.served_model_name, runtime_address)
 
     @app.get("/model_info", dependencies=protected)
     @app.get("/get_model_info", dependencies=protected)

@@ -1,5 +1,7 @@
 """RuntimeEndpoint: the frontend backend that talks to a runtime server over ZeroMQ.
 
+It takes the server's HTTP URL, as SGLang's does (`http://host:30000`, the server's --port), and finds
+the ZeroMQ endpoint from it (/server_info names it); or the ZeroMQ address itself (tcp://, ipc://).
 One RuntimeClient (thread-safe; one I/O thread) serves every program thread. Prefill-only
 batches (select scoring) are sent concurrently so the runtime can put them in one batch.
 """
@@ -13,30 +15,28 @@ from sgl_lite.lang.backend import BaseBackend, PrefillRequest
 from sgl_lite.lang.chat_template import CHATML, LLAMA3, ChatTemplate, chat_template_from_model_info
 from sgl_lite.lang.ir import SglSamplingParams
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
+from sgl_lite.runtime.client.discovery import discover_zmq_address
 
 
 _NAMED_TEMPLATES = {"chatml": CHATML, "llama-3-instruct": LLAMA3}
 _CONNECT_TIMEOUT_S = 10.0
 
 
-def _zmq_address(base_url: str) -> str:
-    # SGLang programs pass http://host:port; the same host and port speak ZeroMQ here.
-    for scheme in ("http://", "https://"):
-        if base_url.startswith(scheme):
-            return "tcp://" + base_url[len(scheme):].rstrip("/")
-    return base_url
-
-
 class RuntimeEndpoint(BaseBackend):
     def __init__(self, base_url: str, api_key: Optional[str] = None, chat_template_name: Optional[str] = None,
                  timeout: float = 600.0) -> None:
-        self.base_url = _zmq_address(base_url)
+        self.base_url = base_url
         self.api_key = api_key
-        self.client = RuntimeClient(self.base_url, api_key=api_key, timeout=timeout)
-        if not self.client.health(timeout=min(timeout, _CONNECT_TIMEOUT_S)):
+        connect_timeout = min(timeout, _CONNECT_TIMEOUT_S)
+        if base_url.startswith(("http://", "https://")):
+            self.address = discover_zmq_address(base_url, api_key, timeout=connect_timeout)
+        else:
+            self.address = base_url
+        self.client = RuntimeClient(self.address, api_key=api_key, timeout=timeout)
+        if not self.client.health(timeout=connect_timeout):
             self.client.close()
             raise RuntimeUnavailableError(
-                f"no sgl_lite runtime answers at {self.base_url} (start one with `sgl-lite serve` or sgl.Runtime())")
+                f"no sgl_lite runtime answers at {self.address} (start one with `sgl-lite serve` or sgl.Runtime())")
         self.model_info = self.client.server_info()
         if chat_template_name is not None:
             if chat_template_name not in _NAMED_TEMPLATES:

@@ -43,14 +43,19 @@ def resolve_backend(backend: Optional[Any]) -> BaseBackend:
     return backend
 
 
-def _run_body(program: SglFunction, state: ProgramState, args: tuple, kwargs: dict[str, Any]) -> None:
+def _run_body(program: SglFunction, state: ProgramState, args: tuple, kwargs: dict[str, Any], *,
+              reraise: bool) -> None:
+    """Run the body; its exception is recorded on the state (s.error(), reads of missing variables) and,
+    with `reraise`, raised to the caller of run(), as SGLang does."""
     executor = state.stream_executor
     token = running_state.set(state)
     try:
         state.ret_value = program.func(state, *args, **kwargs)
-    except Exception as e:  # the error belongs to this state: s.error(), and reads of missing variables
-        logger.warning("program %s raised %r", program.func.__name__, e)
+    except Exception as e:
         executor.fail(e)
+        if reraise:
+            raise
+        logger.warning("program %s raised %r", program.func.__name__, e)
     finally:
         running_state.reset(token)
         executor.end()
@@ -64,15 +69,19 @@ def run_program(
     defaults: SglSamplingParams,
     stream: bool = False,
     use_thread: bool = True,
+    reraise: bool = True,
 ) -> ProgramState:
     backend = resolve_backend(backend)
     kwargs = {**program.bind_arguments, **kwargs}
     state = ProgramState(StreamExecutor(backend, defaults, stream, use_thread=use_thread))
     if stream:
         # The body runs in the background so the caller can iterate the stream right away.
-        threading.Thread(target=_run_body, args=(program, state, args, kwargs), daemon=True).start()
+        # The body runs in the background so the caller can iterate the stream right away; its error
+        # can only be recorded on the state (run() has returned).
+        threading.Thread(target=_run_body, args=(program, state, args, kwargs), kwargs={"reraise": False},
+                         daemon=True).start()
     else:
-        _run_body(program, state, args, kwargs)
+        _run_body(program, state, args, kwargs, reraise=reraise)
     return state
 
 
@@ -137,7 +146,8 @@ def cache_batch_prefix(program: SglFunction, backend: BaseBackend, batch: list[d
 
 def _run_to_completion(program: SglFunction, backend: BaseBackend, kwargs: dict[str, Any],
                        defaults: SglSamplingParams) -> ProgramState:
-    state = run_program(program, backend, (), kwargs, defaults)
+    # A failing program of a batch reports on its own state; the others' results are kept.
+    state = run_program(program, backend, (), kwargs, defaults, reraise=False)
     state.sync()  # a pool slot stays busy until its program is done: num_threads bounds concurrency
     return state
 

@@ -1,16 +1,19 @@
 """Start a runtime server in a child process and wait until it serves (`sgl.Runtime(...)`).
 
-The child is `python -m sgl_lite.cli serve ... --port 0`; it prints `SGL_LITE_READY <address>` on
-stdout once it accepts requests. Its stderr (the logs) is kept in a bounded buffer so a start-up
+The child is `python -m sgl_lite.cli serve ... --port 0` (HTTP and ZeroMQ on free loopback ports);
+it prints `SGL_LITE_READY <zmq address> <http url>` on stdout once it accepts requests, and exits
+within seconds when this process dies (it watches our pid), however this process ends. Its stderr (the logs) is kept in a bounded buffer so a start-up
 failure can be reported with its last lines, and is drained continuously so the child never blocks
 on a full pipe.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -18,10 +21,11 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
-from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.client.discovery import http_json
+from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -67,7 +71,8 @@ def api_key_env(env: dict[str, str], api_key: str | None) -> dict[str, str]:
 
 
 class Runtime:
-    """A runtime server process on a free loopback port (or `host="ipc://..."`).
+    """A runtime server process: its HTTP API at `.url` and its ZeroMQ endpoint at `.address`, both on
+    free loopback ports (or `host="ipc://..."` for the ZeroMQ side). DSL programs use `.endpoint`.
 
     `launch_timeout` is SGLang's name for `startup_timeout` (give one of them): seconds to wait for
     the server to be ready.
@@ -88,10 +93,12 @@ class Runtime:
         self._endpoint: Any = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._ready = threading.Event()
-        self.address = ""
+        self.address = ""  # the ZeroMQ endpoint
+        self.url = ""  # the HTTP API, SGLang's Runtime.url
+        command = serve_command(self.args) + ["--parent-pid", str(os.getpid())]
         self._started = time.monotonic()
         _say(f"sgl.Runtime: starting `sgl-lite serve` for model {model_path} (its start-up log follows)")
-        self.process = subprocess.Popen(serve_command(self.args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env=api_key_env(_child_env(), self.api_key),
                                         start_new_session=True)
         _live_runtimes.add(self)
@@ -116,6 +123,37 @@ class Runtime:
 
             self._endpoint = RuntimeEndpoint(self.address, api_key=self.api_key)
         return self._endpoint
+
+    # ------------------------------------------------------------------ SGLang's Runtime API
+
+    def generate(self, prompt: str | list[str], sampling_params: dict[str, Any] | None = None,
+                 return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
+                 top_logprobs_num: int | list[int] | None = None) -> str:
+        """POST /generate; returns the response as a JSON string, as SGLang's Runtime.generate does."""
+        body = {"text": prompt, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+        return json.dumps(http_json(self.url + "/generate", self.api_key, body=body, timeout=self._client_timeout))
+
+    async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """Stream the new text piece by piece (SGLang's Runtime.async_generate); over ZeroMQ here."""
+        async for chunk in self.client.async_generate_stream(prompt, sampling_params=sampling_params):
+            if chunk.text:
+                yield chunk.text
+
+    add_request = async_generate  # SGLang's alias
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """GET /get_server_info (a coroutine, as in SGLang)."""
+        return await asyncio.to_thread(http_json, self.url + "/get_server_info", self.api_key,
+                                       timeout=self._client_timeout)
+
+    def get_tokenizer(self) -> Any:
+        """The server's Hugging Face tokenizer (loaded from the folder the server resolved the model to)."""
+        from transformers import AutoTokenizer
+
+        info = self.client.server_info()
+        server_args = info.get("server_args") or {}
+        return AutoTokenizer.from_pretrained(server_args.get("tokenizer_path") or info["model_path"])
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """SIGTERM (the server aborts in-flight requests and closes), then SIGKILL if it lingers."""
@@ -160,8 +198,9 @@ class Runtime:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if not self._ready.is_set() and line.startswith(READY_PREFIX + " "):
-                self.address = line.split(maxsplit=1)[1].strip()
-                _say(f"sgl.Runtime: ready at {self.address} after {time.monotonic() - self._started:.1f} s")
+                self.address, self.url = line.split()[1:3]
+                _say(f"sgl.Runtime: ready at {self.url} (DSL over {self.address}) after "
+                     f"{time.monotonic() - self._started:.1f} s")
                 self._ready.set()
 
     def _read_stderr(self) -> None:

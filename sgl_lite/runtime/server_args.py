@@ -22,13 +22,13 @@ API_KEY_ENV = "SGL_LITE_API_KEY"
 @dataclass
 class ServerArgs:
     # Model and device.
-    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default)."})
+    model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default).", "aliases": ("--model",)})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
-    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA)."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
 
     # KV memory.
@@ -46,7 +46,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
 
     # Queue policy.
-    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order.", "choices": SCHEDULE_POLICIES})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "Waiting-queue order (priority order is --enable-priority-scheduling, over any policy).", "choices": SCHEDULE_POLICIES, "hints": {"priority": "priority is not a queue policy here: add --enable-priority-scheduling (it orders by priority first, over any --schedule-policy)"}})
     lpm_fallback_threshold: int | None = field(default=None, metadata={"help": "sgl_lite: LPM/DFS-weight fall back to FCFS above this many waiting requests (SGLang hard-codes 128 because it re-matches the whole queue each step; sgl_lite orders incrementally, so the default None never falls back)."})
     disable_incremental_ordering: bool = field(default=False, metadata={"help": "sgl_lite: order the queue by sorting it (and, for LPM/DFS-weight, re-matching every waiting request) each step, SGLang's way, O(queue), instead of reading the incremental waiting index, O(admitted). Priority scheduling always sorts."})
     lpm_max_wait: float | None = field(default=None, metadata={"help": "sgl_lite: under LPM/DFS-weight, requests waiting longer than this many seconds go first (oldest first), so cache-cold requests cannot starve (None: no bound, SGLang's behaviour)."})
@@ -62,25 +62,37 @@ class ServerArgs:
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
     # Server process.
-    host: str = field(default="127.0.0.1", metadata={"help": "Bind address (loopback by default), or an ipc:// path."})
-    port: int = field(default=30000, metadata={"help": "ZeroMQ port (0 picks a free one)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
+    port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
+    zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
+    # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
+    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (the model's dtype) is the only one on this build.", "choices": ("auto",), "hints": {d: "the KV cache is kept in the model's dtype on this build; use auto" for d in ("fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")}})
+    page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
+    grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
+    stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
+    watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
+
     # Logs, metrics and reproducibility (SGLang's flags).
     decode_log_interval: int = field(default=40, metadata={"help": "Log a 'Decode batch' line (running, tokens, usage, gen throughput, queue) every this many decode steps."})
     log_requests: bool = field(default=False, metadata={"help": "Log every finished request: its id, finish reason, token counts, and its input and output text (each cut to 512 tokens)."})
-    enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
-    enable_deterministic_inference: bool = field(default=False, metadata={"help": "Greedy results independent of the prefix cache and of batching (prefill computes whole prompts, attention reduces in a fixed order); see README for the cost."})
+    enable_deterministic_inference: bool = field(default=False, metadata={"help": "Greedy results independent of the prefix cache and of batching (attention computes every row in fixed-size tiles and chunks, in float32, in a fixed order); slower, see README."})
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
-        for name in ("schedule_policy", "dtype", "device", "attention_backend"):
+        for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
             choices = _FIELDS[name].metadata["choices"]
+            hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
+            if hint is not None:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
@@ -101,6 +113,21 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        for name in ("port", "zmq_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+        if self.port and self.resolved_zmq_port() == self.port:
+            raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
+        if self.port == 65535 and self.zmq_port is None:
+            raise ValueError("--port 65535 leaves no room for the default ZeroMQ port --port + 1: give --zmq-port")
+        if self.page_size != 1:
+            raise ValueError(f"--page-size {self.page_size}: only 1 is supported (the radix tree and the KV pool "
+                             "index single tokens)")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1; got {self.stream_interval}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be positive; got {self.watchdog_timeout}")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 
@@ -111,6 +138,12 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def resolved_zmq_port(self) -> int:
+        """The ZeroMQ port to bind: --zmq-port, else --port + 1; 0 (a free port) when --port is 0."""
+        if self.zmq_port is not None:
+            return self.zmq_port
+        return self.port + 1 if self.port else 0
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

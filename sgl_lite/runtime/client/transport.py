@@ -62,11 +62,21 @@ class RuntimeUnavailableError(ConnectionError):
 
 class ClientTransport:
     def __init__(self, address: str, api_key: str | None, health_interval: float, health_timeout: float) -> None:
+        from sgl_lite.runtime.client.discovery import check_zmq_address
+
+        check_zmq_address(address)
         self.address = address
         self._api_key = api_key
         self._health_interval = health_interval
         self._health_timeout = health_timeout
         self._context = zmq.Context()
+        # Made and connected here, so that an address ZeroMQ refuses raises in the caller at once; the I/O
+        # thread owns the sockets from its start on (Thread.start is the memory barrier ZeroMQ asks for).
+        try:
+            self._dealer, self._monitor = self._connect()
+        except zmq.ZMQError as e:
+            self._context.term()
+            raise ValueError(f"cannot connect to runtime address {address!r}: {e.strerror}") from None
         self._pending: dict[str, tuple[Sink, bool]] = {}  # rid -> (sink, is a generate request)
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None = stop
@@ -135,7 +145,7 @@ class ClientTransport:
 
     # ------------------------------------------------------------------ the I/O thread
 
-    def _io_loop(self) -> None:
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         dealer = self._context.socket(zmq.DEALER)
         # A fixed routing id: after a reconnect the runtime's ROUTER hands it over to the new connection,
         # so what this client sends then (the aborts of failed requests, new requests) is still its own.
@@ -146,7 +156,17 @@ class ClientTransport:
         dealer.setsockopt(zmq.HEARTBEAT_IVL, _milliseconds(self._health_interval))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _milliseconds(self._health_timeout))
         monitor = dealer.get_monitor_socket(_LINK_EVENTS)  # before connect(): no event may be missed
-        dealer.connect(self.address)
+        try:
+            dealer.connect(self.address)
+        except zmq.ZMQError:
+            dealer.disable_monitor()
+            monitor.close(linger=0)
+            dealer.close(linger=0)
+            raise
+        return dealer, monitor
+
+    def _io_loop(self) -> None:
+        dealer, monitor = self._dealer, self._monitor
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

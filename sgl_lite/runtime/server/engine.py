@@ -6,8 +6,8 @@
 
 `generate` queues the request(s) and steps the scheduler until they finish. A list of prompts (or
 of input_ids lists) gives a list of outputs, in input order, with a progress bar above
-PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts whose "text" is the new text
-since the previous chunk; the last one carries the full meta_info.
+PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts, as SGLang's Engine does, whose
+"text" and "output_ids" are everything so far; the last one is the whole output with its meta_info.
 """
 
 from __future__ import annotations
@@ -125,9 +125,10 @@ class Engine:
                 bar.close()
 
     def _stream(self, req: Req) -> Iterator[dict]:
+        """SGLang's Engine stream: each chunk holds the text and output ids *so far* and a meta_info
+        (prompt/completion tokens, finish_reason None until the last chunk, which is the full output)."""
         self._queue([req])
         scheduler = self.core.scheduler
-        sent_text, sent_ids = "", 0
         try:
             while not req.finished:
                 changed = scheduler.step()
@@ -136,16 +137,15 @@ class Engine:
                 text = self.core.decode(req.output_ids, req.sampling_params)
                 if text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 character: wait for the rest
-                yield {"text": text[len(sent_text):], "output_ids": req.output_ids[sent_ids:], "meta_info": {}}
-                sent_text, sent_ids = text, len(req.output_ids)
+                meta_info = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.input_ids),
+                             "completion_tokens": len(req.output_ids)}
+                yield {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info}
         finally:
             if not req.finished:
                 scheduler.abort_request(req.rid)
                 self._drain()
-        final = self._output(req)
-        # A stop string streamed before it was complete is cut from the final text: then nothing new is left.
-        yield {"text": final["text"][len(sent_text):] if final["text"].startswith(sent_text) else "",
-               "output_ids": req.output_ids[sent_ids:], "meta_info": final["meta_info"]}
+        # The final text is authoritative: a stop string streamed before it was complete is cut from it.
+        yield self._output(req)
 
     def _drain(self) -> None:
         """Drop the reports of requests this engine aborted (nobody waits for them)."""

@@ -33,16 +33,18 @@ import hmac
 import logging
 import os
 import signal
+import threading
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.server_args import ServerArgs
@@ -89,6 +91,7 @@ class RuntimeServer:
         self._inflight: dict[str, _InFlight] = {}
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
+        self.step_started_at: float | None = None
         self.address = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,11 +118,11 @@ class RuntimeServer:
                 os.umask(previous_umask)
             os.chmod(host[len("ipc://") :], 0o600)
             self.address = host
-        elif self._args.port == 0:
+        elif self._args.resolved_zmq_port() == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
         else:
-            self.address = f"tcp://{host}:{self._args.port}"
+            self.address = f"tcp://{host}:{self._args.resolved_zmq_port()}"
             sock.bind(self.address)
         self._socket = sock
         return self.address
@@ -148,6 +151,7 @@ class RuntimeServer:
 
     def _step(self) -> list[Req]:
         scheduler = self._core.scheduler
+        self.step_started_at = time.monotonic()  # read by the watchdog (run_server)
         try:
             return scheduler.step()
         except Exception as e:
@@ -159,6 +163,8 @@ class RuntimeServer:
                 scheduler.abort_request(key)
             scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
+        finally:
+            self.step_started_at = None
 
     def _shutdown(self) -> None:
         scheduler = self._core.scheduler
@@ -323,7 +329,8 @@ class RuntimeServer:
             last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
                                        flight.stream_state.new_ids(req.output_ids), meta_info)
             return [last, final]
-        if flight.stream_state is not None:
+        # --stream-interval N: a chunk every N tokens (SGLang's rule), the rest comes with the last one.
+        if flight.stream_state is not None and len(req.output_ids) % self._args.stream_interval == 0:
             delta = flight.stream_state.update(req.output_ids)
             if delta:
                 ids = flight.stream_state.new_ids(req.output_ids)
@@ -361,22 +368,55 @@ class RuntimeServer:
             logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
 
 
-def run_server(args: ServerArgs) -> None:
+def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
     """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
 
-    The ready line `SGL_LITE_READY <address>` on stdout is what the launcher waits for; everything
-    else goes to the log (stderr).
+    `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
+    waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
+    The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
+    for; everything else goes to the log (stderr).
     """
     from sgl_lite.runtime.server.core import RuntimeCore
 
     core = RuntimeCore.from_args(args)
     server = RuntimeServer(core, args)
-    address = server.bind()
+    try:
+        address = server.bind()
+    except zmq.ZMQError as e:
+        core.close()
+        raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: server.request_shutdown())
+    announced = [address]
+    if after_bind is not None:
+        try:
+            announced += after_bind(server.request_shutdown)
+        except BaseException:
+            server.request_shutdown()
+            server.serve_forever()  # returns at once: closes the socket
+            core.close()
+            raise
+    _start_watchdog(server, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
-    logger.info("listening on %s%s", address, " (api key required)" if args.api_key else "")
-    print(f"{READY_PREFIX} {address}", flush=True)
+    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
+
+
+def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
+    """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
+    process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
+    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            started = server.step_started_at
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sgl-lite-watchdog", daemon=True).start()

@@ -1,0 +1,77 @@
+"""The ports of `sgl-lite serve`, claimed before the model loads, so that a clash costs one line at once
+instead of a traceback after a long load.
+
+The HTTP port is bound and listening here; its file descriptor is handed to the HTTP front, so nobody
+can take it in between. The ZeroMQ port is reserved: a socket bound with SO_REUSEADDR but not listening,
+which keeps other programs (and the kernel's choice of ports for outgoing connections) off it, while
+ZeroMQ's own listener, also SO_REUSEADDR, may bind beside it; the reservation is released once it has.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from sgl_lite.runtime.server_args import ServerArgs
+
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
+
+class PortUnavailableError(RuntimeError):
+    """A port the server needs is taken (the message names the flag)."""
+
+
+@dataclass
+class ClaimedPorts:
+    http_socket: socket.socket  # listening; its fd goes to the HTTP front
+    zmq_reservation: socket.socket | None  # None for an ipc:// endpoint
+    args: ServerArgs  # with the concrete --port and --zmq-port
+
+    def release_zmq(self) -> None:
+        if self.zmq_reservation is not None:
+            self.zmq_reservation.close()
+            self.zmq_reservation = None
+
+    def close(self) -> None:
+        self.release_zmq()
+        self.http_socket.close()
+
+
+def http_bind_host(args: ServerArgs) -> str:
+    """Where HTTP listens: --host, or loopback when --host is an ipc:// path (ZeroMQ's only)."""
+    return "127.0.0.1" if args.host.startswith("ipc://") else args.host
+
+
+def claim_ports(args: ServerArgs) -> ClaimedPorts:
+    """Bind the HTTP port and reserve the ZeroMQ port; PortUnavailableError names the one taken."""
+    host = http_bind_host(args)
+    http_socket = _bind(host, args.port, "HTTP", "--port")
+    http_socket.listen(LISTEN_BACKLOG)
+    http_port = http_socket.getsockname()[1]
+    if args.host.startswith("ipc://"):
+        return ClaimedPorts(http_socket, None, args.replace(port=http_port))
+    zmq_port = args.zmq_port if args.zmq_port is not None else (http_port + 1 if args.port else 0)
+    try:
+        reservation = _bind(host, zmq_port, "the ZeroMQ endpoint",
+                            "--zmq-port" if args.zmq_port is not None else "--port + 1; choose another with --zmq-port")
+    except PortUnavailableError:
+        http_socket.close()
+        raise
+    return ClaimedPorts(http_socket, reservation, args.replace(port=http_port, zmq_port=reservation.getsockname()[1]))
+
+
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    """Fail now if (host, port) cannot be bound (for a process that binds it itself later)."""
+    _bind(host, port, what, flag).close()
+
+
+def _bind(host: str, port: int, what: str, flag: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PortUnavailableError(f"cannot use {host}:{port} for {what} ({flag}): {e.strerror or e}") from None
+    return sock
