@@ -1,16 +1,24 @@
-"""Model-level throughput: sgl_lite's ModelRunner vs transformers vs the machine's matmul limit.
+"""Model-level throughput: sgl_lite's ModelRunner vs transformers vs the machine's matmul and memory limits.
 
 Measures, in one run on the same weights and dtype:
 - prefill tokens/s for one long prompt (default 1024 tokens);
-- decode tokens/s at several batch sizes (default 1, 8, 32);
+- decode tokens/s at several batch sizes (default 1, 8, 32), once per attention variant (default: the
+  torch_native reference, the cpu_kernel C++ decode kernel, and that kernel over an fp8_e4m3 KV pool),
+  the variants interleaved round by round so that load on a shared box hits them alike;
 next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
-the limit the machine's matmuls allow: GFLOP/s measured with F.linear at the model's own weight
-shapes and the batch's row count, divided by 2 x (matmul parameters per token). Attention FLOPs are
-not part of the limit, so the limit is an upper bound that ignores attention and elementwise ops.
+two limits:
+- matmul limit: GFLOP/s measured with F.linear at the model's own weight shapes and the batch's row
+  count, divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
+- memory limit: the bytes a decode step must read (every matmul weight and the LM head once, plus each
+  request's K and V over all layers at its mean context length during the timed steps, in the variant's
+  KV dtype) divided by the read bandwidth measured here (sum over a 512 MiB float32 tensor with the same
+  threads). Activations and caches are ignored, so both limits are upper bounds.
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
-Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N] [--out bench_model.json]
-The machine's load average is printed with the table: on a shared box, other processes skew every column.
+Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N]
+       [--variants torch_native,cpu_kernel,cpu_kernel/fp8_e4m3] [--out bench_model.json]
+The machine's load average is printed with the table: on a shared box, other processes skew every column
+(the variants' ratio within one run is the robust figure).
 """
 
 from __future__ import annotations
@@ -26,13 +34,18 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sgl_lite.runtime.openmp_env import prefer_passive_wait  # noqa: E402
+
+prefer_passive_wait()  # as `sgl-lite serve` does; must precede `import torch`
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
-from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator  # noqa: E402
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, SlotAllocator, kv_cache_dtype  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
@@ -72,6 +85,43 @@ def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: in
     params_per_token = params_layer * num_layers + head_params
     gflops = 2 * params_per_token * rows / total_time / 1e9
     return {"gflops": gflops, "params_per_token": params_per_token, "tokens_per_s": gflops * 1e9 / (2 * params_per_token)}
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s that a sum over a 512 MiB float32 tensor reads with torch's current threads (best of `repeats`)."""
+    x = torch.ones(128 << 20)
+    x.sum()  # page faults and thread start-up out of the timing
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start))
+    return best
+
+
+def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torch.dtype) -> float:
+    """Bytes one decode step reads at least: the matmul weights and LM head, and every request's K and V."""
+    per_layer, lm_head = matmul_shapes(runner)
+    weights = (sum(o * i for o, i in per_layer) * runner.config.num_hidden_layers + lm_head[0] * lm_head[1]) * runner.dtype.itemsize
+    kv = batch * context * KVPool.bytes_per_slot(runner.config.num_hidden_layers, runner.model.num_kv_heads, runner.model.head_dim, kv_dtype)
+    return weights + kv
+
+
+class Variant:
+    """One way to run decode attention: a backend (torch_native or cpu_kernel) and the KV pool's dtype."""
+
+    def __init__(self, runner: ModelRunner, spec: str) -> None:
+        backend, _, kv = spec.partition("/")
+        self.name = spec
+        self.kv_dtype = kv_cache_dtype(kv or "auto", runner.dtype)
+        self.attn = create_backend(backend, runner.device, runner.model.num_heads, runner.model.num_kv_heads, runner.model.head_dim)
+        if backend == "cpu_kernel" and type(self.attn) is TorchNativeBackend:
+            raise SystemExit("the cpu_kernel variant fell back to torch_native (see the log line above)")
+        self.pool = KVPool(runner.config.num_hidden_layers, runner.num_slots, runner.model.num_kv_heads, runner.model.head_dim,
+                           self.kv_dtype, runner.device)
+
+    def install(self, runner: ModelRunner) -> None:
+        runner.attn, runner.kv_pool = self.attn, self.pool
 
 
 class RunnerBench:
@@ -178,6 +228,8 @@ def main() -> None:
     parser.add_argument("--decode-prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--variants", default="torch_native,cpu_kernel,cpu_kernel/fp8_e4m3",
+                        help="decode attention variants, backend[/kv-cache-dtype], measured interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -189,11 +241,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model_dir = resolve_model_path(args.model)
-    pool = max(args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps * args.repeats + 2)) + 64
-    runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu",
+    pool = max(args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps + 2)) + 64
+    runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu", attention_backend="torch_native",
                                     max_total_tokens=pool, max_running_requests=max(batch_sizes) + 1), model_dir=model_dir)
+    variants = [Variant(runner, spec) for spec in args.variants.split(",")]
     ours = RunnerBench(runner)
     ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)
+    bandwidth = read_bandwidth()
     g = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
 
@@ -201,38 +255,49 @@ def main() -> None:
         return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
     rows: list[dict] = []
-    work = [("prefill", 1)] + [("decode", b) for b in batch_sizes]
+    variants[0].install(runner)
     ours.prefill(prompts(1, 32)[0], 1)  # warm-up
-    for phase, batch in tqdm(work, desc="bench_model"):
-        if phase == "prefill":
-            prompt = prompts(1, args.prefill_len)[0]
-            row = {"phase": f"prefill {args.prefill_len} tok", "batch": 1, "sgl_lite": ours.prefill(prompt, args.repeats),
-                   "transformers": ref.prefill(prompt, args.repeats) if ref else None}
-            limit = matmul_limit(runner, args.prefill_len, with_lm_head=False)
-        else:
-            ps = prompts(batch, args.decode_prompt_len)
-            row = {"phase": "decode", "batch": batch, "sgl_lite": ours.decode(ps, args.decode_steps, args.repeats),
-                   "transformers": ref.decode(ps, args.decode_steps, args.repeats) if ref else None}
-            limit = matmul_limit(runner, batch, with_lm_head=True)
-        row.update(matmul_gflops=limit["gflops"], limit=limit["tokens_per_s"])
-        rows.append(row)
+    prompt = prompts(1, args.prefill_len)[0]
+    limit = matmul_limit(runner, args.prefill_len, with_lm_head=False)
+    rows.append({"phase": f"prefill {args.prefill_len} tok", "batch": 1, "variant": variants[0].name,
+                 "sgl_lite": ours.prefill(prompt, args.repeats),
+                 "transformers": ref.prefill(prompt, args.repeats) if ref else None,
+                 "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"], "memory_limit": None})
+    # mean context over a timed window: the prompt, the warm-up step, then the window
+    context = args.decode_prompt_len + 1 + (args.decode_steps + 1) / 2
+    for batch in tqdm(batch_sizes, desc="bench_model"):
+        ps = prompts(batch, args.decode_prompt_len)
+        best = {v.name: 0.0 for v in variants}
+        for _ in range(args.repeats):  # interleaved: every variant once per round
+            for v in variants:
+                v.install(runner)
+                best[v.name] = max(best[v.name], ours.decode(ps, args.decode_steps, 1))
+        hf = ref.decode(ps, args.decode_steps, args.repeats) if ref else None
+        limit = matmul_limit(runner, batch, with_lm_head=True)
+        for v in variants:
+            rows.append({"phase": "decode", "batch": batch, "variant": v.name, "sgl_lite": best[v.name], "transformers": hf,
+                         "vs_first_variant": best[v.name] / best[variants[0].name],
+                         "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"],
+                         "memory_limit": batch * bandwidth / decode_bytes(runner, batch, context, v.kv_dtype)})
 
     dtype_name = str(runner.dtype).removeprefix("torch.")
     load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs")
+    print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"model {model_dir.name}, dtype {dtype_name}, threads {torch.get_num_threads()}, decode prompt "
           f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
-    print("| phase | batch | sgl_lite | transformers | matmul limit | sgl_lite / limit | vs transformers | matmul GFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| phase | batch | attention | sgl_lite | vs " + variants[0].name + " | transformers | matmul limit | memory limit "
+          "| / matmul limit | / memory limit | matmul GFLOP/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         hf = r["transformers"]
-        hf_cell = "-" if hf is None else f"{hf:.1f}"
-        ratio_cell = "-" if hf is None else f"{r['sgl_lite'] / hf:.2f}x"
-        print(f"| {r['phase']} | {r['batch']} | {r['sgl_lite']:.1f} | {hf_cell} | {r['limit']:.1f} | "
-              f"{r['sgl_lite'] / r['limit']:.0%} | {ratio_cell} | {r['matmul_gflops']:.1f} |")
+        mem = r["memory_limit"]
+        print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['sgl_lite']:.1f} | "
+              f"{'-' if 'vs_first_variant' not in r else format(r['vs_first_variant'], '.2f') + 'x'} | "
+              f"{'-' if hf is None else format(hf, '.1f')} | {r['limit']:.1f} | {'-' if mem is None else format(mem, '.1f')} | "
+              f"{r['sgl_lite'] / r['limit']:.0%} | {'-' if mem is None else format(r['sgl_lite'] / mem, '.0%')} | {r['matmul_gflops']:.1f} |")
     out = Path(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
-                               "load_average": load, "args": vars(args), "results": rows}, indent=2))
+                               "load_average": load, "read_bandwidth": bandwidth, "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")
     try:
         import matplotlib
@@ -242,12 +307,12 @@ def main() -> None:
     except ImportError:
         print("matplotlib is not installed: skipping the plot")
         return
-    labels = [f"{r['phase'].split()[0]} b{r['batch']}" for r in rows]
+    labels = [f"{r['phase'].split()[0]} b{r['batch']}\n{r['variant']}" for r in rows]
     xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for offset, key in ((-0.25, "sgl_lite"), (0.0, "transformers"), (0.25, "limit")):
-        ax.bar([x + offset for x in xs], [r[key] or 0 for r in rows], width=0.25, label=key)
-    ax.set_xticks(list(xs), labels)
+    fig, ax = plt.subplots(figsize=(max(8, len(rows)), 4))
+    for offset, key in ((-0.3, "sgl_lite"), (-0.1, "transformers"), (0.1, "limit"), (0.3, "memory_limit")):
+        ax.bar([x + offset for x in xs], [r[key] or 0 for r in rows], width=0.2, label=key)
+    ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s")
     ax.legend()

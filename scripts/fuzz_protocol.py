@@ -33,7 +33,7 @@ from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.lang.launcher import Runtime  # noqa: E402
 from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request  # noqa: E402
-from sgl_lite.testing.soak_checks import accounting_problems  # noqa: E402
+from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
 from sgl_lite.testing.tiny_model import make_tiny_model  # noqa: E402
 
 VALID_PROMPT = "The quick brown fox"

@@ -22,7 +22,15 @@ EOF
     ) >/dev/null 2>&1
 }
 
+prebuild_kernel() {
+    # The CPU decode-attention kernel: built once per machine into $cache/kernels (a cache hit takes a
+    # second). A failed build is not an error: the runtime then uses the torch path and says so.
+    (cd / && python -m sgl_lite.runtime.layers.attention.cpu_kernel_loader) \
+        || echo "install.sh: the CPU decode-attention kernel did not build; attention uses the torch path" >&2
+}
+
 if [[ -f "$stamp" ]] && installed_here; then
+    prebuild_kernel
     exit 0
 fi
 # torch first and pinned: it resolves to the local CPU wheel, while an unpinned torch from PyPI
@@ -31,3 +39,4 @@ python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e '.[test]'
 mkdir -p "$(dirname "$stamp")"
 touch "$stamp"
+prebuild_kernel

@@ -33,8 +33,8 @@ from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
 from sgl_lite.lang.launcher import Runtime, _child_env  # noqa: E402
 from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
+from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
-    accounting_problems,
     check_records,
     greedy_mismatches,
     reference_outputs,

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
+from sgl_lite.runtime.openmp_env import prefer_passive_wait
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -127,6 +128,7 @@ def serve(served_model_name: str | None, dp_size: int, router_policy: str, route
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefer_passive_wait()  # before anything imports torch; replicas inherit it
     from sgl_lite.runtime.server.ports import PortUnavailableError
 
     try:
@@ -143,6 +145,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     import signal
 
     from sgl_lite.http.launch import HttpFront, connect_host
+    from sgl_lite.http.limits import HttpLimits
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
     from sgl_lite.runtime.server.ports import claim_ports
@@ -159,8 +162,9 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
         claimed.close()
         raise click.ClickException(str(e)) from None
     zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{connect_host(args.host)}:{args.zmq_port}"
+    limits = HttpLimits(args.max_request_body_bytes, args.max_chat_messages, args.max_request_fanout)
     front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
-                      served_model_name=served_model_name, log_level=args.log_level)
+                      served_model_name=served_model_name, log_level=args.log_level, limits=limits)
     claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
 
     def after_bind(request_shutdown: Callable[[], None]) -> list[str]:

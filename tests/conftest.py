@@ -21,6 +21,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tiny_llama_dir: Path) -> str:
+    """The tiny random Llama folder as the model path a Runtime or Engine takes."""
+    return str(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
 

@@ -17,18 +17,11 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.sim.cost_model import VirtualClock
 
 VOCAB = 64
 DT = 0.1  # virtual seconds per step
 STEPS = 400
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -39,7 +32,7 @@ def prompt_of(seed: int, n: int) -> list[int]:
 def run_stream(args: ServerArgs, victim_prompt: list[int], victim_priority: int | None,
                stream_prompt, stream_priority: int | None) -> tuple[Req, list[Req], Scheduler, FakeRunner]:
     """Step the scheduler STEPS times; one stream request arrives per step, the victim at step 5."""
-    clock = Clock()
+    clock = VirtualClock()
     runner = FakeRunner(num_slots=4096, max_running_requests=1, context_length=256, vocab_size=VOCAB)
     sched = Scheduler(args, runner, eos_token_ids=(), context_length=256, clock=clock)
     victim: Req | None = None

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from sgl_lite.testing.tiny_model import make_tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
 
@@ -21,9 +20,9 @@ def load_script():
     return module
 
 
-def test_phases_split_each_step(tmp_path: Path) -> None:
+def test_phases_split_each_step(tiny_llama_dir: Path) -> None:
     bench = load_script()
-    model = make_tiny_model(tmp_path / "m")
+    model = tiny_llama_dir
     core = bench.build_core(str(model), "float32", pool_tokens=512, max_running=4)
     timer = bench.PhaseTimer()
     timer.wrap(core.runner, "forward", "forward")
@@ -44,9 +43,9 @@ def test_phases_split_each_step(tmp_path: Path) -> None:
     assert bench.measure_baseline(core.runner, batch=3, prompt_len=16, steps=2) > 0.0
 
 
-def test_main_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_writes_json(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_script()
-    model = make_tiny_model(tmp_path / "m")
+    model = tiny_llama_dir
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--model", str(model), "--dtype", "float32", "--batch-sizes", "2,1",
                                       "--steps", "3", "--prompt-len", "8", "--out", str(out)])

@@ -82,10 +82,8 @@ def test_generate_rejects_negative_max_new_tokens():
     assert result.exit_code == 2 and "--max-new-tokens" in result.output
 
 
-def test_fetch_model_prints_a_local_folder(tmp_path):
-    from sgl_lite.testing.tiny_model import make_tiny_model
-
-    folder = make_tiny_model(tmp_path / "tiny")
+def test_fetch_model_prints_a_local_folder(tiny_llama_dir):
+    folder = tiny_llama_dir
     result = CliRunner().invoke(main, ["fetch-model", str(folder)])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == str(folder)

@@ -25,7 +25,7 @@ from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, parse_slow_forward_spec
 from sgl_lite.lang.launcher import Runtime, _child_env
-from sgl_lite.testing.tiny_model import make_tiny_model
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -196,11 +196,6 @@ def test_a_stopped_process_counts_as_dead_and_gets_the_abort_when_it_resumes(mut
 # ---------------------------------------------------------------------------- a real runtime, slow steps
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
-
-
 def start_slow_runtime(tiny_model: str) -> Runtime:
     spec = f"slow_forward:{STEP_S}"
     assert parse_slow_forward_spec(spec) == STEP_S
@@ -223,15 +218,6 @@ def slow_runtime(tiny_model: str) -> Iterator[Runtime]:
     rt.shutdown()
 
 
-def assert_idle_without_leaks(client: RuntimeClient) -> None:
-    def idle() -> bool:
-        info = client.server_info()
-        return (info["num_running"] == info["num_waiting"] == info["slots_protected"] == 0
-                and info["slots_free"] + info["slots_evictable"] == info["slots_total"])
-
-    wait_for(idle, "the runtime to be idle with every KV slot free or evictable")
-
-
 def test_steps_longer_than_the_health_timeout_do_not_fail_waiting_clients(slow_runtime: Runtime) -> None:
     params = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     with RuntimeClient(slow_runtime.address, timeout=60, **HEALTH) as blocking, \
@@ -243,7 +229,7 @@ def test_steps_longer_than_the_health_timeout_do_not_fail_waiting_clients(slow_r
     # Two forward passes of STEP_S each: the client waited through silences longer than its health timeout.
     assert done.meta_info["e2e_latency"] >= 2 * STEP_S > HEALTH["health_timeout"]
     assert chunks and chunks[-1].meta_info["completion_tokens"] == 2
-    assert_idle_without_leaks(slow_runtime.client)
+    assert_idle_without_leaks(slow_runtime.client, timeout=30)
 
 
 def test_a_stopped_runtime_fails_its_waiters_and_frees_their_kv_when_resumed(slow_runtime: Runtime) -> None:
@@ -268,7 +254,7 @@ def test_a_stopped_runtime_fails_its_waiters_and_frees_their_kv_when_resumed(slo
         assert len(outcome) == 1 and isinstance(outcome[0], RuntimeUnavailableError), outcome
         assert "connection was lost" in str(outcome[0])
     # Resumed, the runtime gets the abort (or finds the client gone) instead of generating 200 tokens.
-    assert_idle_without_leaks(observer)
+    assert_idle_without_leaks(observer, timeout=30)
 
 
 def test_a_killed_runtime_fails_every_waiting_client_well_before_the_health_timeout(tiny_model: str) -> None:

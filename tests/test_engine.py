@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +29,11 @@ def _invariant(engine: Engine):
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
-def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_matches_transformers_and_cache_hit_keeps_it(engine: Engine, tiny_llama_dir: Path) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
     first = engine.generate(prompt, GREEDY)
     ids = engine.core.tokenizer(prompt)["input_ids"]
-    assert first["output_ids"] == hf_greedy(tiny_llama_dir, ids, 12)
+    assert first["output_ids"] == hf_greedy(hf_model(tiny_llama_dir), ids, 12)
     assert first["text"] == engine.core.tokenizer.decode(first["output_ids"], skip_special_tokens=True)
     second = engine.generate(prompt, GREEDY)
     assert second["meta_info"]["cached_tokens"] > 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +22,7 @@ from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.lang.launcher import Runtime
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 from test_client import FakeRouter
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,18 +53,6 @@ class Live:
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """The prompt text transformers itself renders from the model's chat template."""
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def assert_no_kv_leak(self) -> None:
-        """Idle runtime: every KV slot is free or held (evictably) by the prefix cache."""
-        deadline = time.monotonic() + 10
-        while True:
-            info = self.client.server_info()
-            if info["num_running"] == 0 and info["num_waiting"] == 0:
-                break
-            assert time.monotonic() < deadline, f"runtime still busy: {info['num_running']} running"
-            time.sleep(0.05)
-        assert info["slots_protected"] == 0
-        assert info["slots_free"] + info["slots_evictable"] == info["slots_total"]
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +258,7 @@ def test_bad_chat_requests_get_400_naming_the_field(live: Live, body: dict[str, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
-    live.assert_no_kv_leak()
+    assert_idle_without_leaks(live.client)
 
 
 def test_openai_client_raises_bad_request_with_message(live: Live) -> None:
@@ -312,12 +300,18 @@ def test_native_generate_plain_streamed_and_batched(live: Live) -> None:
 def test_client_disconnect_aborts_the_runtime_request(live: Live) -> None:
     body = {"model": "tiny", "prompt": "A journey of a thousand miles", "max_tokens": 1500, "ignore_eos": True,
             "stream": True}
+    steps_before = live.client.server_info()["num_forward_steps"]
+    got_output = False
     with httpx2.stream("POST", live.http.url + "/v1/completions", json=body,
                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                got_output = True
                 break  # got real output: hang up mid-generation
-    live.assert_no_kv_leak()
+    assert got_output, "the stream ended before any output: nothing was disconnected mid-generation"
+    info = assert_idle_without_leaks(live.client)
+    # Running to the end would take a prefill and 1499 decode steps; the abort stopped it well before.
+    assert info["num_forward_steps"] - steps_before < 1500
 
 
 def _scrape(live: Live) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -18,7 +18,7 @@ from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex
 from sgl_lite.runtime.managers.request import FinishKind
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
-from test_engine import hf_greedy
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 from test_scheduler import CharTokenizer, expected, make, prompt_of, req, run_to_end
 
 
@@ -134,8 +134,9 @@ def test_engine_batch_sharing_a_prefix_matches_transformers(tiny_llama_dir: Path
         prompts = [shared + torch.randint(3, 200, (3 + i,), generator=ids).tolist() for i in range(3)]
         outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 48, 48]
+        reference = hf_model(tiny_llama_dir)
         for prompt, out in zip(prompts, outs):
-            assert out["output_ids"] == hf_greedy(tiny_llama_dir, prompt, 8)
+            assert out["output_ids"] == hf_greedy(reference, prompt, 8)
         engine.core.scheduler.check_invariant()
     finally:
         engine.shutdown()

@@ -12,15 +12,14 @@ import pytest
 
 import sgl_lite as sgl
 from sgl_lite.lang.ir import REGEX_STR
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from sgl_lite.testing.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +34,16 @@ def runtime(model_dir):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    return hf_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
 
 
-def hf_greedy(hf, text: str, max_new_tokens: int) -> str:
-    import torch
-
+def hf_greedy_text(hf, text: str, max_new_tokens: int) -> str:
+    """transformers' greedy continuation of `text`, stopping at EOS, as text."""
     model, tok = hf
-    ids = tok(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    ids = hf_greedy(model, tok(text).input_ids, max_new_tokens, eos_token_id=tok.eos_token_id)
+    return tok.decode(ids, skip_special_tokens=True)
 
 
 def hf_token_logprobs(hf, ids: list[int]) -> list[float]:
@@ -71,7 +64,7 @@ def test_gen_matches_transformers_greedy(runtime, hf):
 
     state = prog.run(temperature=0)
     assert state.error() is None
-    assert state["out"] == hf_greedy(hf, PROMPT, 8)
+    assert state["out"] == hf_greedy_text(hf, PROMPT, 8)
     meta = state.get_meta_info("out")
     assert meta["prompt_tokens"] == len(hf[1](PROMPT).input_ids)
     assert meta["completion_tokens"] <= 8
@@ -89,7 +82,7 @@ def test_roles_use_the_models_template(runtime, hf):
                 {"role": "user", "content": "What is the capital of France?"}]
     prompt = hf[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert state.text().startswith(prompt)
-    assert state["answer"] == hf_greedy(hf, prompt, 6)
+    assert state["answer"] == hf_greedy_text(hf, prompt, 6)
     assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
 
 
@@ -113,7 +106,7 @@ def test_role_blocks_scopes_copy_and_nested_calls(runtime, hf):
     assert state.error() is None, state.error()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there?"}]
     prompt = hf[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert state["reply"] == hf_greedy(hf, prompt, 4)
+    assert state["reply"] == hf_greedy_text(hf, prompt, 4)
     assert state["second"].startswith("<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
     assert state.text().endswith(state["second"])  # the copy's text stays out of the parent
     assert len(state["side"]) == 1 and isinstance(state["side"][0], str)
@@ -174,6 +167,7 @@ def test_select_matches_transformers_logprobs(runtime, hf, method, prefix, choic
     else:
         width = max(len(v) for v in cond)
         matrix = [v + [sum(v) / len(v)] * (width - len(v)) for v in cond]
+        assert len(meta["greedy_logprob_matrix"]) == len(matrix)
         for got, want in zip(meta["greedy_logprob_matrix"], matrix):
             assert got == pytest.approx(want, abs=1e-3)
         # Greedy: the first column (all distinct here) decides.
@@ -201,9 +195,9 @@ def test_fork_join_and_nested_forks(runtime, hf):
     state = prog.run(temperature=0)
     assert state.error() is None, state.error()
     shared = "Here are some facts about foxes. " * 4
-    assert state["fact"] == [hf_greedy(hf, shared + f"Fact {i + 1}:", 5) for i in range(2)]
+    assert state["fact"] == [hf_greedy_text(hf, shared + f"Fact {i + 1}:", 5) for i in range(2)]
     assert len(state["detail"]) == 2 and all(len(d) == 2 for d in state["detail"])
-    assert state["detail"][1][0] == hf_greedy(hf, shared + "Fact 2:" + state["fact"][1] + " Detail 0:", 3)
+    assert state["detail"][1][0] == hf_greedy_text(hf, shared + "Fact 2:" + state["fact"][1] + " Detail 0:", 3)
     assert state.text() == shared + " Summary:" + state["summary"]
 
 
@@ -220,7 +214,9 @@ def test_fork_prefix_hint_gives_branches_a_cache_hit(runtime, hf):
     sgl.flush_cache()
     state = prog.run(temperature=0)
     shared_tokens = len(hf[1](shared).input_ids)
-    for meta in state.get_meta_info("x"):
+    metas = state.get_meta_info("x")
+    assert len(metas) == 3, metas  # one per branch: the check below ran for every fork
+    for meta in metas:
         assert meta["cached_tokens"] >= shared_tokens - 1
 
 
@@ -240,7 +236,7 @@ def test_run_batch_order_progress_bar_and_prefix_hint(runtime, hf, capfd):
     for animal, state in zip(animals, states):
         prompt = system + "Q: What does a " + animal + " eat? A:"
         assert state.text() == prompt + state["a"]
-        assert state["a"] == hf_greedy(hf, prompt, 4)
+        assert state["a"] == hf_greedy_text(hf, prompt, 4)
         # The batch's shared leading text was prefilled once before the programs started.
         assert state.get_meta_info("a")["cached_tokens"] >= system_tokens - 1
 
@@ -252,7 +248,7 @@ def test_streaming_chunks_join_to_final_text(runtime, hf):
 
     state = prog.run(stream=True, temperature=0)
     pieces = list(state.text_iter("out"))
-    assert "".join(pieces) == state["out"] == hf_greedy(hf, PROMPT, 12)
+    assert "".join(pieces) == state["out"] == hf_greedy_text(hf, PROMPT, 12)
     state = prog.run(stream=True, temperature=0)
     assert "".join(state.text_iter()) == state.text()
 

@@ -11,7 +11,7 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
-from test_engine import hf_greedy
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 from test_scheduler import expected, make, prompt_of, req, run_to_end
 
 
@@ -84,5 +84,6 @@ def test_real_model_mixed_batches_match_transformers(tiny_llama_dir: Path) -> No
         assert steps < 100
     # Each chunk of 24 holds r0's decode token: r1's first 23 + r0; r1's last 17 + r2's first 6 + r0; ...
     assert shapes[:3] == [[23, 1], [17, 6, 1], [7, 1, 1]]
+    reference = hf_model(tiny_llama_dir)
     for prompt, r in zip(prompts, reqs):
-        assert r.output_ids == hf_greedy(tiny_llama_dir, prompt, 8)
+        assert r.output_ids == hf_greedy(reference, prompt, 8)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
@@ -21,6 +20,7 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.tiny_model import make_tiny_model
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
 LOGIT_ATOL = 1e-4  # fp32, same weights, different op order
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -72,17 +72,6 @@ class Driver:
 def make_runner(path: Path, dtype: str = "float32", max_total_tokens: int = 4096) -> ModelRunner:
     args = ServerArgs(model_path=str(path), dtype=dtype, device="cpu", max_total_tokens=max_total_tokens, max_running_requests=16)
     return ModelRunner(args, model_dir=path)
-
-
-def hf_model(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, ids: list[int], num_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=num_new, do_sample=False, min_new_tokens=num_new,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama3_rope", "untied"])
@@ -175,8 +164,8 @@ def test_choose_dtype():
     assert choose_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
 
 
-def test_kv_pool_sized_from_memory(tmp_path):
-    path = make_tiny_model(tmp_path / "m")
+def test_kv_pool_sized_from_memory(tiny_llama_dir):
+    path = tiny_llama_dir
     runner = ModelRunner(ServerArgs(model_path=str(path), dtype="float32", device="cpu", context_length=256), model_dir=path)
     assert 0 < runner.num_slots <= 64 * 256
     assert runner.kv_pool.total_bytes == runner.kv_cache_summary()["bytes"]
@@ -236,12 +225,12 @@ def test_logprob_start_and_bad_batch(tiny):
         runner.forward(ForwardBatch(reqs=[bad], prefix_lens=[0], extend_lens=[5], out_cache_loc=torch.arange(1, 6), sample=[True]))
 
 
-def test_bf16_packed_weights_match_plain_linear(tmp_path):
+def test_bf16_packed_weights_match_plain_linear(tiny_llama_dir):
     from sgl_lite.runtime.models.llama import cpu_packed_linear_supported
 
     if not cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN bf16 linear in this torch build")
-    path = make_tiny_model(tmp_path / "m")
+    path = tiny_llama_dir
     runner = make_runner(path, dtype="bfloat16")
     assert runner.packed_weights
     ids = prompts(runner.vocab_size, [9], seed=6)[0]

@@ -9,10 +9,7 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
-
-
-def make_req(rid: str, prompt: list[int], arrival: float, max_new: int = 8, priority: int | None = None) -> Req:
-    return Req(rid, list(prompt), SamplingParams(max_new_tokens=max_new), priority=priority, arrival_time=arrival)
+from sgl_lite.testing.req_factory import make_req
 
 
 def tree_with(*keys: list[int]) -> RadixCache:
@@ -29,14 +26,14 @@ def ordered(policy: SchedulePolicy, waiting: list[Req]) -> list[str]:
 
 
 def test_fcfs_orders_by_arrival() -> None:
-    reqs = [make_req(f"r{i}", [i + 2, 3], arrival=t) for i, t in enumerate([5.0, 1.0, 3.0, 2.0, 4.0])]
+    reqs = [make_req(f"r{i}", [i + 2, 3], arrival_time=t) for i, t in enumerate([5.0, 1.0, 3.0, 2.0, 4.0])]
     policy = SchedulePolicy(ServerArgs(schedule_policy="fcfs"), tree_with())
     assert ordered(policy, reqs) == ["r1", "r3", "r2", "r4", "r0"]
 
 
 def test_lof_orders_by_max_new_tokens_then_arrival() -> None:
-    reqs = [make_req("a", [2, 3], 1.0, max_new=5), make_req("b", [2, 3], 2.0, max_new=50),
-            make_req("c", [2, 3], 3.0, max_new=5), make_req("d", [2, 3], 0.5, max_new=20)]
+    reqs = [make_req("a", [2, 3], 1.0, max_new_tokens=5), make_req("b", [2, 3], 2.0, max_new_tokens=50),
+            make_req("c", [2, 3], 3.0, max_new_tokens=5), make_req("d", [2, 3], 0.5, max_new_tokens=20)]
     policy = SchedulePolicy(ServerArgs(schedule_policy="lof"), tree_with())
     assert ordered(policy, reqs) == ["b", "d", "a", "c"]
 
@@ -119,8 +116,8 @@ def test_in_batch_prefix_dedup_deprioritizes_a_sharing_request() -> None:
 
 
 def test_priority_first_then_arrival_both_directions() -> None:
-    reqs = [make_req("a", [2], 1.0, priority=1), make_req("b", [2], 2.0, priority=5),
-            make_req("c", [2], 3.0, priority=1), make_req("d", [2], 0.5, priority=None)]
+    reqs = [make_req("a", [2], 1.0, priority=1, max_new_tokens=8), make_req("b", [2], 2.0, priority=5, max_new_tokens=8),
+            make_req("c", [2], 3.0, priority=1, max_new_tokens=8), make_req("d", [2], 0.5, priority=None, max_new_tokens=8)]
     high = SchedulePolicy(ServerArgs(enable_priority_scheduling=True), tree_with())
     assert ordered(high, reqs) == ["b", "a", "c", "d"]  # larger first; None counts as 0
     low = SchedulePolicy(ServerArgs(enable_priority_scheduling=True, schedule_low_priority_values_first=True), tree_with())

@@ -18,16 +18,9 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.sim.cost_model import VirtualClock
 
 ALPHABET = (2, 3, 4)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def random_key(rng: random.Random, known: list[list[int]], max_len: int = 12) -> list[int]:
@@ -37,7 +30,7 @@ def random_key(rng: random.Random, known: list[list[int]], max_len: int = 12) ->
 
 def run_trial(seed: int, policy: str, steps: int = 150) -> None:
     rng = random.Random(seed)
-    clock = Clock()
+    clock = VirtualClock()
     check, deprioritize = rng.choice((0, 2, 4, 32)), rng.choice((0, 1, 2, 3, 32))
     max_wait = rng.choice((None, 5.0, 20.0))
     common = dict(schedule_policy=policy, in_batch_prefix_caching_check_threshold=check,
@@ -98,7 +91,7 @@ def test_incremental_order_equals_reference(policy: str) -> None:
 
 def test_lazy_head_is_a_prefix_of_the_full_order() -> None:
     tree = RadixCache(None, None)
-    clock = Clock()
+    clock = VirtualClock()
     policy = SchedulePolicy(ServerArgs(schedule_policy="lpm"), tree, clock)
     rng = random.Random(5)
     known = [random_key(rng, []) for _ in range(10)]
@@ -115,7 +108,7 @@ def test_lazy_head_is_a_prefix_of_the_full_order() -> None:
 def test_fallback_threshold_still_applies_to_the_index() -> None:
     tree = RadixCache(None, None)
     tree.insert([9] * 20, torch.arange(1, 21))
-    policy = SchedulePolicy(ServerArgs(schedule_policy="lpm", lpm_fallback_threshold=2), tree, Clock())
+    policy = SchedulePolicy(ServerArgs(schedule_policy="lpm", lpm_fallback_threshold=2), tree, VirtualClock())
     cold = [Req(f"c{i}", [i + 30, 1, 2], SamplingParams(max_new_tokens=1), arrival_time=float(i)) for i in range(2)]
     hot = Req("hot", [9] * 20 + [1], SamplingParams(max_new_tokens=1), arrival_time=5.0)
     for r in cold + [hot]:

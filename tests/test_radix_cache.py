@@ -12,6 +12,7 @@ from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.testing.req_factory import make_req
 
 
 class CheckedAllocator(SlotAllocator):
@@ -264,12 +265,6 @@ def test_randomized_against_reference(seed: int) -> None:
     assert cache.total_size() == 0 and alloc.available_size == alloc.num_slots
 
 
-def make_req(rid: str, tokens: list[int], pool: ReqToTokenPool) -> Req:
-    req = Req(rid=rid, input_ids=list(tokens), sampling_params=SamplingParams(max_new_tokens=4))
-    req.req_pool_idx = pool.alloc()
-    return req
-
-
 def admit(cache: RadixCache, pool: ReqToTokenPool, req: Req) -> None:
     """What the scheduler does on admission: match, lock, copy the prefix slots into the row."""
     m = cache.match_prefix(req.fill_ids)
@@ -292,8 +287,8 @@ def test_cache_finished_req_frees_duplicates_and_unlocks() -> None:
     alloc, pool = CheckedAllocator(64), ReqToTokenPool(4, 32)
     cache = RadixCache(alloc, pool)
     shared = [5, 6, 7, 8]
-    a = make_req("a", shared + [1, 1], pool)
-    b = make_req("b", shared + [2, 2, 2], pool)
+    a = make_req("a", shared + [1, 1], req_pool=pool, max_new_tokens=4)
+    b = make_req("b", shared + [2, 2, 2], req_pool=pool, max_new_tokens=4)
     admit(cache, pool, a)
     admit(cache, pool, b)  # both miss: the tree is empty
     compute(alloc, pool, a, 6)
@@ -318,11 +313,11 @@ def test_cache_finished_req_frees_duplicates_and_unlocks() -> None:
 def test_cache_finished_req_keeps_locked_prefix_and_handles_disable() -> None:
     alloc, pool = CheckedAllocator(64), ReqToTokenPool(4, 32)
     cache = RadixCache(alloc, pool)
-    first = make_req("first", [1, 2, 3, 4], pool)
+    first = make_req("first", [1, 2, 3, 4], req_pool=pool, max_new_tokens=4)
     admit(cache, pool, first)
     compute(alloc, pool, first, 4)
     cache.cache_finished_req(first)
-    second = make_req("second", [1, 2, 3, 4, 5, 6], pool)
+    second = make_req("second", [1, 2, 3, 4, 5, 6], req_pool=pool, max_new_tokens=4)
     admit(cache, pool, second)
     assert second.prefix_len == 4 and cache.protected_size() == 4
     compute(alloc, pool, second, 2)
@@ -334,7 +329,7 @@ def test_cache_finished_req_keeps_locked_prefix_and_handles_disable() -> None:
 
     alloc2, pool2 = CheckedAllocator(16), ReqToTokenPool(2, 16)
     off = RadixCache(alloc2, pool2, disable=True)
-    req = make_req("off", [1, 2, 3], pool2)
+    req = make_req("off", [1, 2, 3], req_pool=pool2, max_new_tokens=4)
     admit(off, pool2, req)
     compute(alloc2, pool2, req, 3)
     off.cache_unfinished_req(req)
@@ -347,8 +342,8 @@ def test_cache_unfinished_req_chunks_share_and_dedup() -> None:
     alloc, pool = CheckedAllocator(64), ReqToTokenPool(4, 32)
     cache = RadixCache(alloc, pool)
     prompt = list(range(10, 20))
-    a = make_req("a", prompt, pool)
-    b = make_req("b", prompt + [99], pool)
+    a = make_req("a", prompt, req_pool=pool, max_new_tokens=4)
+    b = make_req("b", prompt + [99], req_pool=pool, max_new_tokens=4)
     admit(cache, pool, a)
     admit(cache, pool, b)
     # Chunk 1 of both, computed in the same batch before either is cached.

@@ -21,6 +21,7 @@ from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import StopChecker, trim_stop
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 from sgl_lite.testing.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -232,9 +233,7 @@ def test_failed_forward_aborts_only_its_batch_and_the_runtime_keeps_serving(toke
                 assert "forward pass failed: InjectedFault" in r.message and r.code == "aborted"
             else:
                 assert r.output_ids == reference_output(prompts[rid], 6, len(tokenizer))
-        info = client.server_info()
-        assert info["num_running"] == info["num_waiting"] == info["slots_protected"] == 0
-        assert info["slots_free"] + info["slots_evictable"] == info["slots_total"]
+        assert_idle_without_leaks(client)
         # Still serving (the hook keeps failing every 4th pass, so retry until one gets through).
         for _ in range(4):
             try:

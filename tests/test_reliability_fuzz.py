@@ -15,7 +15,6 @@ from sgl_lite.runtime import protocol
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request
-from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,8 +24,8 @@ VALID_PARAMS = {"max_new_tokens": 4, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def engine(tiny_llama_dir):
+    model = tiny_llama_dir
     # A short context bounds what an accepted fuzz request can cost.
     with Engine(model_path=str(model), dtype="float32", device="cpu", context_length=96, max_total_tokens=1024) as eng:
         yield eng

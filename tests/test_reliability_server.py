@@ -11,7 +11,7 @@ from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR
 from sgl_lite.lang.launcher import Runtime
-from sgl_lite.testing.tiny_model import make_tiny_model
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,11 +20,6 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, 
            "A journey of a thousand miles", "Thought: I should call a tool."]
 SHORT = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 480, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def run_concurrently(client: RuntimeClient, prompts: list[str], params: dict) -> dict[str, object]:
@@ -65,9 +60,7 @@ def test_injected_forward_faults_cost_only_their_batches(tiny_model, monkeypatch
                     assert result.output_ids == reference[prompt], prompt
                     served += 1
         assert failed > 0 and served > 0
-        info = client.server_info()
-        assert info["num_running"] == info["num_waiting"] == info["slots_protected"] == 0
-        assert info["slots_free"] + info["slots_evictable"] + info["slots_protected"] == info["slots_total"]
+        assert_idle_without_leaks(client)
         rt.shutdown()
         assert rt.process.returncode == 0, rt.stderr_tail()
     assert "InjectedFault" in rt.stderr_tail()  # the failure is logged with its traceback

@@ -16,8 +16,8 @@ from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.soak import SoakConfig, run_soak
-from sgl_lite.testing.soak_checks import accounting_problems, check_records, greedy_mismatches, reference_outputs
-from sgl_lite.testing.tiny_model import make_tiny_model
+from sgl_lite.testing.kv_accounting import accounting_problems
+from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,8 +50,8 @@ def retraction_burst(client: RuntimeClient) -> dict[str, list[int]]:
     return outputs
 
 
-def test_soak_many_clients_small_pool(tmp_path):
-    model = str(make_tiny_model(tmp_path / "model"))
+def test_soak_many_clients_small_pool(tiny_model):
+    model = tiny_model
     config = SoakConfig(num_requests=360, seed=1)
     with Runtime(model_path=model, startup_timeout=180, client_timeout=120, **SOAK_SERVER_ARGS) as rt:
         result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())

@@ -163,6 +163,7 @@ def test_requests_through_the_router(cluster: Cluster) -> None:
 def test_later_turns_hit_the_cache_through_the_router(cluster: Cluster) -> None:
     flush_all(cluster)
     metas = run_multi_turn(cluster.url, "cached")
+    assert len(metas) == 6 and all(len(conv) == 4 for conv in metas)  # every conversation ran every turn
     for conv in metas:
         assert all(m["cached_tokens"] > 0 for m in conv[1:]), [m["cached_tokens"] for m in conv]
         # The cached part covers at least the previous turn's prompt minus a few boundary tokens.

@@ -7,18 +7,12 @@ import math
 import pytest
 import torch
 
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.sampling.sampler import Sampler
+from sgl_lite.testing.req_factory import make_req
 
 VOCAB = 16
 EOS = 2
-
-
-def make_req(rid: str = "r", input_ids: list[int] | None = None, output_ids: list[int] | None = None, **params) -> Req:
-    req = Req(rid=rid, input_ids=list(input_ids or [5, 6]), sampling_params=SamplingParams(**params))
-    req.output_ids = list(output_ids or [])
-    return req
 
 
 def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:

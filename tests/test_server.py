@@ -26,7 +26,7 @@ from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.testing.tiny_model import make_tiny_model
+from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,11 +35,6 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, 
            "Thought: I should call a tool.", "A journey of a thousand miles", "Berlin is the capital of", "{\"name\": "]
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
 LONG = {"max_new_tokens": 480, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +66,6 @@ def reference(engine) -> dict[str, dict]:
 
 def server_stats(client: RuntimeClient) -> dict:
     return client.server_info()
-
-
-def assert_idle_without_leaks(client: RuntimeClient, wait_s: float = 15.0) -> None:
-    """The runtime is idle and every KV slot is free or evictable (nothing locked, nothing private)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        info = server_stats(client)
-        idle = info["num_running"] == 0 and info["num_waiting"] == 0 and info["num_chunked"] == 0
-        balanced = info["slots_free"] + info["slots_evictable"] == info["slots_total"] and info["slots_protected"] == 0
-        if idle and balanced:
-            return
-        assert time.monotonic() < deadline, f"runtime not idle or slots leaked: {info}"
-        time.sleep(0.1)
 
 
 def wait_until_running(client: RuntimeClient, wait_s: float = 30.0) -> None:

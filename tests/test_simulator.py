@@ -120,3 +120,18 @@ def test_cli_writes_every_policy(tmp_path) -> None:
     assert "| lpm |" in result.output
     bad = CliRunner().invoke(simulate_command, ["-s", "max_running_requests=zero", "--out", str(out)])
     assert bad.exit_code != 0 and "max_running_requests" in bad.output
+
+
+def test_cli_output_is_reproducible_with_the_random_policy(tmp_path) -> None:
+    """--seed seeds the random policy's shuffle too: the same command prints the same table (the docs'
+    tables are regenerated from such commands)."""
+    args = ["--workload", "shared-prefix", "-w", "gsp_num_groups=6", "-w", "gsp_prompts_per_group=6",
+            "-w", "gsp_system_prompt_len=64", "-w", "gsp_output_len=4", "-s", "max_running_requests=2",
+            "-s", "max_total_tokens=600", "--request-rate", "20", "--policies", "random", "--no-plot"]
+    reports = []
+    for run in range(3):
+        out = tmp_path / f"sim{run}.json"
+        result = CliRunner().invoke(simulate_command, [*args, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads(out.read_text())["results"])
+    assert reports[0] == reports[1] == reports[2]

@@ -18,8 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_lite.http.disconnect import cancel_on_disconnect
 from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.generation import RequestRunner
+from sgl_lite.http.limits import HttpLimits, RequestGuard, parse_body
 from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
 from sgl_lite.http.model_context import ModelContextCache
 from sgl_lite.http.native import flush_cache_response, generate
@@ -39,13 +41,16 @@ HEALTH_TIMEOUT_S = 2.0
 STEP_GRACE_S = 60.0
 
 
-def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None,
+               limits: HttpLimits = HttpLimits()) -> FastAPI:
     """Build the app over `client`; the caller owns the client (and closes it after the server stops)."""
-    app = FastAPI(title="sgl_lite", version="0.1.0", docs_url=None, redoc_url=None)
+    # /openapi.json is served below, behind the API key like every route but /health.
+    app = FastAPI(title="sgl_lite", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_request_body_bytes)
     metrics = HttpMetrics()
     runner = RequestRunner(client, metrics)
     contexts = ModelContextCache(client.server_info, served_model_name)
-    serving = OpenAIServing(runner, contexts)
+    serving = OpenAIServing(runner, contexts, limits)
     app.state.metrics = metrics
 
     def count(endpoint: str) -> Callable[[str], None]:
@@ -63,6 +68,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
 
     @app.exception_handler(HttpError)
     async def _http_error(request: Request, exc: HttpError) -> Response:
+        if exc.status >= 500:  # every server-side failure leaves a trace in the log
+            logger.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
         _count_failure(request, metrics, exc)
         return exc.response()
 
@@ -104,24 +111,34 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
             "root": context.model_info.get("model_path"), "max_model_len": context.context_length,
         }]}
 
+    # Bodies are parsed by parse_body (off the event loop when large); generations are cancelled,
+    # and so aborted, when their client disconnects before the response starts.
     @app.post("/v1/chat/completions", dependencies=protected)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        response = await serving.chat(body, count("/v1/chat/completions"))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        response = await cancel_on_disconnect(request, serving.chat(body, count("/v1/chat/completions")))
         _count_unless_streaming(metrics, "/v1/chat/completions", body.stream)
         return response
 
     @app.post("/v1/completions", dependencies=protected)
-    async def completions(body: CompletionRequest) -> Response:
-        response = await serving.completions(body, count("/v1/completions"))
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        response = await cancel_on_disconnect(request, serving.completions(body, count("/v1/completions")))
         _count_unless_streaming(metrics, "/v1/completions", body.stream)
         return response
 
     @app.post("/generate", dependencies=protected)
-    async def native_generate(body: GenerateRequest) -> Response:
+    async def native_generate(request: Request) -> Response:
+        body = await parse_body(request, GenerateRequest)
         token_texts = (await contexts.get()).token_texts if body.return_text_in_logprobs else None
-        response = await generate(runner, body, count("/generate"), token_texts)
+        response = await cancel_on_disconnect(
+            request, generate(runner, body, count("/generate"), token_texts, max_fanout=limits.max_request_fanout))
         _count_unless_streaming(metrics, "/generate", body.stream)
         return response
+
+    @app.get("/openapi.json", dependencies=protected, include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=protected)
     async def flush_cache() -> Response:
@@ -129,7 +146,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
 
     async def health_generate() -> None:
         body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
-        await generate(runner, body, lambda outcome: None)
+        await generate(runner, body, lambda outcome: None, max_fanout=1)
 
     add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
                       health_generate=health_generate, protected=protected, runtime_address=client.address)

@@ -19,6 +19,9 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "invalid_request_error",
     503: "service_unavailable",
 }
 
@@ -45,7 +48,7 @@ class HttpError(Exception):
     @property
     def outcome(self) -> str:
         """The metrics label for this failure."""
-        if self.code in ("queue_full", "aborted", "runtime_unavailable"):
+        if self.code in ("queue_full", "aborted", "runtime_unavailable", "cancelled"):
             return self.code
         return {400: "bad_request", 401: "unauthorized", 404: "not_found"}.get(self.status, "error")
 

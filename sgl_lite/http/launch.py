@@ -8,6 +8,7 @@ line, where any local user could read it with `ps`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -21,7 +22,8 @@ import click
 
 from sgl_lite.runtime.client.discovery import check_zmq_address
 from sgl_lite.runtime.server.parent_watch import exit_with_parent
-from sgl_lite.runtime.server_args import API_KEY_ENV
+from sgl_lite.http.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
+from sgl_lite.runtime.server_args import API_KEY_ENV, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,8 @@ HTTP_STARTUP_TIMEOUT_S = 120.0
 
 def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = DEFAULT_HTTP_PORT,
                     api_key: str | None = None, served_model_name: str | None = None, *,
-                    runtime_api_key: str | None = None, log_level: str = "info", fd: int | None = None) -> None:
+                    runtime_api_key: str | None = None, log_level: str = "info", fd: int | None = None,
+                    limits: HttpLimits = HttpLimits()) -> None:
     """Serve the HTTP API for the runtime at `runtime_address` until interrupted.
 
     `api_key` guards the HTTP routes; the runtime is called with `runtime_api_key` (default: the
@@ -48,11 +51,13 @@ def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = D
 
     client = RuntimeClient(runtime_address, api_key=runtime_api_key or api_key)
     try:
-        app = create_app(client, api_key=api_key, served_model_name=served_model_name)
+        app = create_app(client, api_key=api_key, served_model_name=served_model_name, limits=limits)
         logger.info("HTTP API for runtime %s on http://%s:%d%s", runtime_address, host, port,
                     " (API key required)" if api_key else "")
+        warn_if_exposed(host, api_key, "the HTTP API")
         # access_log: uvicorn's line per HTTP request (client, method, path, status), as SGLang prints.
-        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=True)
+        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=True,
+                                http=guarded_h11_protocol())
         server = uvicorn.Server(config)
         if fd is not None:
             threading.Thread(target=_announce_when_started, args=(server,), daemon=True).start()
@@ -72,10 +77,12 @@ def _announce_when_started(server: Any) -> None:
 class HttpServerThread:
     """A uvicorn server for `app` in a daemon thread; port 0 picks a free port (see `.port`)."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 30.0,
+                 header_timeout_s: float = HEADER_READ_TIMEOUT_S) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                http=guarded_h11_protocol(header_timeout_s))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="sgl-lite-http", daemon=True)
         self._thread.start()
@@ -101,7 +108,8 @@ class HttpFront:
     (sgl_lite.runtime.server.ports), so a taken port fails the start before anything loads."""
 
     def __init__(self, runtime_address: str, listening: socket.socket, api_key: str | None = None,
-                 served_model_name: str | None = None, log_level: str = "info") -> None:
+                 served_model_name: str | None = None, log_level: str = "info",
+                 limits: HttpLimits = HttpLimits()) -> None:
         host, port = listening.getsockname()[:2]
         self.url = f"http://{connect_host(host)}:{port}"
         fd = listening.fileno()
@@ -109,6 +117,8 @@ class HttpFront:
                "--port", str(port), "--fd", str(fd), "--log-level", log_level, "--parent-pid", str(os.getpid())]
         if served_model_name:
             cmd += ["--served-model-name", served_model_name]
+        for name, value in dataclasses.asdict(limits).items():
+            cmd += ["--" + name.replace("_", "-"), str(value)]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         if api_key:
@@ -172,10 +182,17 @@ def connect_host(host: str) -> str:
 @click.option("--runtime-api-key", default=None, help="Key of the runtime server, when it differs from --api-key.")
 @click.option("--served-model-name", default=None, help="Model name reported by /v1/models (default: the runtime's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=HttpLimits.max_request_body_bytes,
+              show_default=True, help="HTTP request bodies larger than this get 413.")
+@click.option("--max-chat-messages", type=click.IntRange(min=1), default=HttpLimits.max_chat_messages,
+              show_default=True, help="A chat request with more messages than this gets 400.")
+@click.option("--max-request-fanout", type=click.IntRange(min=1), default=HttpLimits.max_request_fanout,
+              show_default=True, help="At most this many generations (prompts x n) per request; more get 400.")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @click.option("--fd", type=int, default=None, hidden=True)
 def http_command(runtime_address: str, host: str, port: int, api_key: str | None, runtime_api_key: str | None,
-                 served_model_name: str | None, log_level: str, parent_pid: int | None, fd: int | None) -> None:
+                 served_model_name: str | None, log_level: str, max_request_body_bytes: int, max_chat_messages: int,
+                 max_request_fanout: int, parent_pid: int | None, fd: int | None) -> None:
     """Serve the OpenAI-compatible and SGLang-native HTTP API in front of a running runtime."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,8 +202,9 @@ def http_command(runtime_address: str, host: str, port: int, api_key: str | None
         check_zmq_address(runtime_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--runtime") from None
+    limits = HttpLimits(max_request_body_bytes, max_chat_messages, max_request_fanout)
     run_http_server(runtime_address, host, port, api_key, served_model_name,
-                    runtime_api_key=runtime_api_key, log_level=log_level, fd=fd)
+                    runtime_api_key=runtime_api_key, log_level=log_level, fd=fd, limits=limits)
 
 
 if __name__ == "__main__":

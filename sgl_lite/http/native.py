@@ -16,7 +16,7 @@ from sgl_lite.http.generation import GenerationInput, RequestRunner
 from sgl_lite.http.openai_protocol import MAX_CHOICES, GenerateRequest
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.token_text import TokenTexts
-from sgl_lite.runtime.protocol import sampling_params_from_dict
+from sgl_lite.runtime.protocol import MAX_RID_CHARS, sampling_params_from_dict
 
 
 def _as_batch(body: GenerateRequest) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
@@ -41,10 +41,13 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], bool]:
+def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[GenerationInput], bool]:
     prompts, is_batch = _as_batch(body)
+    field = "text" if body.text is not None else "input_ids"
     if not prompts:
-        raise bad_request("the batch is empty", "text" if body.text is not None else "input_ids")
+        raise bad_request("the batch is empty", field)
+    if len(prompts) > max_fanout:  # before anything is sent: one request must not flood the runtime
+        raise bad_request(f"the batch has {len(prompts)} prompts; at most --max-request-fanout {max_fanout}", field)
     params_list = _per_item(body.sampling_params, len(prompts), "sampling_params")
     rids = _per_item(body.rid, len(prompts), "rid") if isinstance(body.rid, list) else [None] * len(prompts)
     if isinstance(body.rid, str):
@@ -54,6 +57,8 @@ def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], boo
     inputs = []
     for (text, input_ids), params, rid in zip(prompts, params_list, rids):
         params, n = _split_n(params)
+        if rid and len(rid) > MAX_RID_CHARS:  # it comes back in every reply: bounded like on the wire
+            raise bad_request(f"rid of {len(rid)} characters is longer than {MAX_RID_CHARS}", "rid")
         if n > 1 and rid:
             raise bad_request("rid names one request; leave it out with sampling_params.n > 1", "rid")
         for sample in range(n):
@@ -66,6 +71,9 @@ def generation_inputs(body: GenerateRequest) -> tuple[list[GenerationInput], boo
                                           top_logprobs_num=body.top_logprobs_num,
                                           logprob_start_len=body.logprob_start_len, priority=body.priority, **extra))
         is_batch = is_batch or n > 1  # SGLang answers a list of n results, each prompt's samples together
+    if len(inputs) > max_fanout:  # prompts x n, still before anything is sent
+        raise bad_request(f"the batch asks for {len(inputs)} generations; at most --max-request-fanout {max_fanout}",
+                          "sampling_params")
     return inputs, is_batch
 
 
@@ -88,9 +96,9 @@ def _sample_params(params: dict[str, Any] | None, sample: int) -> dict[str, Any]
 
 
 async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None],
-                   token_texts: TokenTexts | None = None) -> Response:
+                   token_texts: TokenTexts | None = None, *, max_fanout: int) -> Response:
     """`token_texts` fills the text slot of each logprob entry (SGLang's return_text_in_logprobs)."""
-    inputs, is_batch = generation_inputs(body)
+    inputs, is_batch = generation_inputs(body, max_fanout)
     if body.stream:
         return await sse_response(_stream_events(runner, inputs, is_batch, token_texts), on_stream_end)
     generations = await runner.collect_many(inputs)

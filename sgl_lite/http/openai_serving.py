@@ -11,11 +11,13 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
+import anyio
 from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.chat_template import ChatTemplateError, message_text
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
+from sgl_lite.http.limits import HttpLimits
 from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -23,6 +25,8 @@ from sgl_lite.http.sse import sse_response
 from sgl_lite.runtime.protocol import sampling_params_from_dict
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
+# Chats with more text than this are rendered on a worker thread (a big one takes seconds in Jinja).
+RENDER_INLINE_CHARS = 64 * 1024
 
 
 def finish_reason_name(finish_reason: dict[str, Any] | None) -> str:
@@ -44,10 +48,15 @@ def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
 
 
 def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[int] | None]],
-                    return_logprob: bool, top_logprobs_num: int) -> list[GenerationInput]:
+                    return_logprob: bool, top_logprobs_num: int, max_fanout: int) -> list[GenerationInput]:
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise bad_request(unsupported[1], unsupported[0])
+    # Checked before anything is sent: each prompt x choice is one runtime request.
+    if len(prompts) * body.n > max_fanout:
+        param = "n" if len(prompts) == 1 else "prompt"
+        raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} is {len(prompts) * body.n} generations; "
+                          f"at most --max-request-fanout {max_fanout}", param)
     inputs = []
     for text, input_ids in prompts:
         for choice in range(body.n):
@@ -81,9 +90,10 @@ def _with_openai_param(error: HttpError) -> HttpError:
 
 
 class OpenAIServing:
-    def __init__(self, runner: RequestRunner, contexts: ModelContextCache) -> None:
+    def __init__(self, runner: RequestRunner, contexts: ModelContextCache, limits: HttpLimits) -> None:
         self._runner = runner
         self._contexts = contexts
+        self._limits = limits
 
     async def chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
         try:
@@ -100,16 +110,23 @@ class OpenAIServing:
     async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
         context = await self._contexts.get()
         template = context.require_chat_template()
+        limit = self._limits.max_chat_messages
+        if len(body.messages) > limit:
+            raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages {limit}", "messages")
         try:
             messages = [_message_dict(m.role, message_text(m.content, f"messages[{i}].content"), m.name)
                         for i, m in enumerate(body.messages)]
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         try:
-            prompt = template.render(messages)
+            if sum(len(m["content"]) for m in messages) > RENDER_INLINE_CHARS:
+                prompt = await anyio.to_thread.run_sync(template.render, messages)  # not on the event loop
+            else:
+                prompt = template.render(messages)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        inputs = _runtime_inputs(body, [(prompt, None)], body.logprobs, body.top_logprobs_num())
+        inputs = _runtime_inputs(body, [(prompt, None)], body.logprobs, body.top_logprobs_num(),
+                                 self._limits.max_request_fanout)
         response_id = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -136,7 +153,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
         top = body.logprobs or 0
-        inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top)
+        inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top, self._limits.max_request_fanout)
         response_id = "cmpl-" + uuid.uuid4().hex
         echoes = [(text or "") if body.echo else "" for text, _ in prompts for _ in range(body.n)]
         if body.stream:

@@ -34,8 +34,10 @@ def validation_error(exc: RequestValidationError) -> HttpError:
         return HttpError(400, "invalid request body")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return HttpError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                         code="invalid_json")
+        detail = str(first.get("ctx", {}).get("error", first.get("msg")))
+        if "hex escape" in detail and "surrogate" not in detail:  # pydantic's words for a lone high surrogate
+            detail += " (a lone surrogate: \\uD800-\\uDFFF must come in pairs)"
+        return HttpError(400, f"request body is not valid JSON: {detail}", code="invalid_json")
     field = _field_path(tuple(first.get("loc", ())))
     if not field:
         return HttpError(400, f"request body: {first.get('msg')}", code="invalid_request")

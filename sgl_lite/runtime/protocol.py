@@ -6,10 +6,13 @@ whose `type` field is the struct's class name exactly as written here ("Generate
 accept exactly the union of their direction and raise `msgspec.ValidationError`/`DecodeError`
 naming the field at fault for anything else. No pickle anywhere.
 
-Request ids are chosen by the client and must be non-empty: the empty rid is reserved for the
-server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent about once a second to
-every client that has requests in flight (so that a vanished client is noticed, server/transport.py).
-Clients ignore it; it is never an answer to a request.
+Request ids are chosen by the client, at most MAX_RID_CHARS long, and must be non-empty: the empty
+rid is reserved for the server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent
+about once a second to every client that has requests in flight (so that a vanished client is
+noticed, server/transport.py). Clients ignore it; it is never an answer to a request. An
+`ErrorReply` with rid "" and code "unauthorized" answers a message without the right api_key: the
+server never echoes anything of an unauthenticated message, so the client fails every request it
+has pending (they all carry the same key).
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
 sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
@@ -28,8 +31,13 @@ READY_PREFIX = "SGL_LITE_READY"
 FLOAT32_MAX = 3.4028234663852886e38  # logits are divided by the temperature in float32
 GREEDY_TEMPERATURE_EPS = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
-# A request id: any non-empty string (the empty one is the keepalive's, see the module docstring).
-RequestId = Annotated[str, msgspec.Meta(min_length=1)]
+# A request id: a non-empty string (the empty one is the keepalive's, see the module docstring) of
+# bounded length, since replies carry it back: a huge rid would make every reply huge.
+MAX_RID_CHARS = 256
+# Stop strings are matched after every token and withheld from streams up to the longest one's length.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 512
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -70,8 +78,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"top_k must be -1 (off) or in [1, 2**63 - 1]; got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must fit in a signed 64-bit integer; got {self.seed}")
-        if any(not s for s in self.stop_strings()):
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -204,8 +218,17 @@ def encode(msg: Request | Reply) -> bytes:
 
 
 def decode_request(data: bytes) -> Request:
-    return _request_decoder.decode(data)
+    return _decode(_request_decoder, data)
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _reply_decoder.decode(data)
+    return _decode(_reply_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    # msgspec decodes (and skips) nested values recursively: a ~1 KB message of arrays nested a
+    # thousand deep raises RecursionError. It is an undecodable message like any other.
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("message nested too deeply to decode") from None

@@ -8,13 +8,18 @@ lacks are marked as sgl_lite's own in their help text.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -26,7 +31,7 @@ class ServerArgs:
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
-    attention_backend: str = field(default="auto", metadata={"help": "torch_native (CPU) or flashinfer (CUDA); auto picks by device.", "choices": ATTENTION_BACKENDS})
+    attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
@@ -34,6 +39,7 @@ class ServerArgs:
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool storage: auto (the model's dtype) or an 8-bit float, fp8_e4m3 / fp8_e5m2 (scale 1.0): half the bytes per token, twice the slots.", "choices": KV_CACHE_DTYPES, "hints": {d: "the KV cache is kept in the model's dtype (auto) or in 8 bits (fp8_e4m3, fp8_e5m2)" for d in ("bf16", "bfloat16")}})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
 
     # Batching and admission (SGLang's PrefillAdder budgets).
@@ -61,17 +67,27 @@ class ServerArgs:
     priority_aging_rate: float = field(default=0.0, metadata={"help": "sgl_lite: priority units a request gains per second since arrival (in the urgent direction), for ordering and preemption. A request at most D units less urgent than a stream of new arrivals overtakes them after D / rate seconds, so its queue wait is bounded by D / rate plus the time to drain what was ahead (0: SGLang's static priority)."})
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
+    # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
+    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF or JSON schema longer than this many characters is refused (compile time and memory grow with it)."})
+    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
+    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
+    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
+
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
     port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
     zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
+    max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
+    # HTTP front (`serve`, `sgl-lite http`).
+    max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"help": "sgl_lite: HTTP request bodies larger than this get 413."})
+    max_chat_messages: int = field(default=4096, metadata={"help": "sgl_lite: a chat request with more messages than this gets 400."})
+    max_request_fanout: int = field(default=256, metadata={"help": "sgl_lite: one HTTP request may ask for at most this many generations (prompts x n); more get 400 before anything runs."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (the model's dtype) is the only one on this build.", "choices": ("auto",), "hints": {d: "the KV cache is kept in the model's dtype on this build; use auto" for d in ("fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")}})
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
     grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
     stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
@@ -98,7 +114,9 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold")
+                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
+                    "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
+                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -113,6 +131,8 @@ class ServerArgs:
             raise ValueError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.priority_aging_rate < 0:
             raise ValueError(f"--priority-aging-rate must be >= 0; got {self.priority_aging_rate}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         for name in ("port", "zmq_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
@@ -154,3 +174,16 @@ def _flag(name: str) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
+
+
+def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
+    """Log a warning when `what` listens beyond this machine without an API key."""
+    if api_key or host.startswith("ipc://") or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to any interface
+    if not loopback:
+        logger.warning("%s listens on %s without an API key: anyone who can reach it can use it "
+                       "(give --api-key, or bind 127.0.0.1)", what, host)

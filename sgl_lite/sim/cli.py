@@ -106,7 +106,7 @@ def write_plot(summaries: list[dict[str, Any]], path: Path) -> bool:
 @click.option("--policies", default=",".join(POLICIES), show_default=True, help="Comma-separated policies to compare.")
 @click.option("--request-rate", type=float, default=math.inf, show_default=True, help="Session arrivals per second (Poisson); inf: all at 0.")
 @click.option("--priorities", default="0,10", show_default=True, help="Each generated session draws its priority from these.")
-@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True, help="Seeds the workload, the arrivals and the random policy.")
 @click.option("--think-time", type=float, default=0.0, show_default=True, help="Virtual seconds between a turn's finish and the next turn.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="scripts/bench_model.py JSON to calibrate the step cost (default: built-in numbers for a 2-core CPU).")
@@ -128,7 +128,8 @@ def simulate_command(workload: str, trace: str | None, workload_option: tuple[st
         raise click.BadParameter(f"must be positive (inf: all at once); got {request_rate}", param_hint="--request-rate")
     server_values = parse_assignments(server_arg, ServerArgs, {f.name for f in dataclasses.fields(ServerArgs)}, "--server-arg")
     try:
-        base = ServerArgs(**server_values)
+        # --seed also seeds the random policy's shuffle (unless -s random_seed=... says otherwise): same flags, same table.
+        base = ServerArgs(**{"random_seed": seed, **server_values})
         cost = CostModel.from_bench_model_json(calibration) if calibration else CostModel.default()
         if trace:
             sessions = load_trace(trace, DEFAULT_VOCAB, seed)

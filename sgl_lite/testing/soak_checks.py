@@ -1,4 +1,4 @@
-"""Checks of a soak's outcome (soak.py): one final per request, greedy outputs as unloaded, idle accounting."""
+"""Checks of a soak's outcome (soak.py): one final per request, greedy outputs as unloaded (idle accounting: kv_accounting.py)."""
 
 from __future__ import annotations
 
@@ -59,15 +59,4 @@ def greedy_mismatches(records: list[RequestRecord], refs: dict[tuple[str, bool],
         expected = ref[: rec.params["max_new_tokens"]]
         if rec.final.output_ids != expected:
             problems.append(f"{rec.rid}: greedy output {rec.final.output_ids} != unloaded {expected}")
-    return problems
-
-
-def accounting_problems(info: dict[str, Any]) -> list[str]:
-    """The idle runtime's KV accounting, from server_info."""
-    problems = []
-    if info["slots_free"] + info["slots_evictable"] + info["slots_protected"] != info["slots_total"]:
-        problems.append(f"free + evictable + protected != total: {info}")
-    for key in ("num_running", "num_waiting", "num_chunked", "slots_protected"):
-        if info[key] != 0:
-            problems.append(f"{key} = {info[key]} after the soak")
     return problems

@@ -97,14 +97,20 @@ class ClientTransport:
         """Register `sink` for the replies to `rid`, then send `msg`."""
         if self.closed:
             raise RuntimeRequestError("client is closed", "closed")
+        if len(rid) > protocol.MAX_RID_CHARS:
+            raise RuntimeRequestError(f"request id of {len(rid)} characters is longer than {protocol.MAX_RID_CHARS}")
+        data = _encode(msg)
         with self._lock:
             if rid in self._pending:
                 raise RuntimeRequestError(f"request id {rid!r} is already in flight on this client")
             self._pending[rid] = (sink, is_generate)
-        self.send(msg)
+        self._send_encoded(data)
 
     def send(self, msg: protocol.Request) -> None:
-        self._outbox.put(protocol.encode(msg))
+        self._send_encoded(_encode(msg))
+
+    def _send_encoded(self, data: bytes) -> None:
+        self._outbox.put(data)
         self._wake()
 
     def is_pending(self, rid: str) -> bool:
@@ -241,6 +247,9 @@ class ClientTransport:
             return
         if isinstance(reply, protocol.InfoReply) and reply.rid == "":
             return  # the server's keepalive (it finds vanished clients by sending to them)
+        if isinstance(reply, protocol.ErrorReply) and reply.rid == "" and reply.code == "unauthorized":
+            self._refuse_all(reply)
+            return
         with self._lock:
             entry = self._pending.get(reply.rid)
             if entry is not None and not isinstance(reply, protocol.TokenChunk):
@@ -249,6 +258,14 @@ class ClientTransport:
             logger.debug("dropping a reply for unknown request %r: %s", reply.rid, reply)
             return
         entry[0](reply)
+
+    def _refuse_all(self, reply: protocol.ErrorReply) -> None:
+        """The server refused our api_key (it echoes no rid then): every pending request carries the
+        same key, so every one of them is refused."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for sink, _ in pending.values():
+            sink(reply)
 
     def _fail_all(self, dealer: zmq.Socket, reason: str) -> None:
         """Every pending request gets RuntimeUnavailableError; generate requests are also aborted, so
@@ -265,6 +282,18 @@ class ClientTransport:
             if is_generate:
                 dealer.send(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
             sink(error)
+
+
+def _encode(msg: protocol.Request) -> bytes:
+    """The wire bytes of `msg`; what msgpack cannot carry is the caller's error, named here."""
+    try:
+        return protocol.encode(msg)
+    except OverflowError:
+        raise RuntimeRequestError("the request holds an integer outside the 64-bit range") from None
+    except UnicodeEncodeError as e:
+        raise RuntimeRequestError(f"the request holds text that is not valid Unicode ({e.reason}: a lone surrogate)") from None
+    except RecursionError:  # the server could not decode it either (and could not even tell whose it is)
+        raise RuntimeRequestError("the request is nested too deeply to encode") from None
 
 
 def _milliseconds(seconds: float) -> int:

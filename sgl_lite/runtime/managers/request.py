@@ -29,6 +29,9 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # for ABORT: why
+    # For ABORT: the ErrorReply code; "bad_request" when the request itself was at fault (a grammar
+    # that does not compile, or not in time), so the caller gets a 400 rather than a server error.
+    error_code: str = "aborted"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind.value}
@@ -78,6 +81,8 @@ class Req:
     grammar: Any = None
     # Per-request sampling generator (seeded requests), created by the sampler on first use.
     generator: Any = None
+    # Its stop strings indexed for one-pass matching (stop_checker.StopStrings), built on first use.
+    stop_strings: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

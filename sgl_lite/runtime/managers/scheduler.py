@@ -148,6 +148,7 @@ class Scheduler:
             self._dequeue(req)
         else:
             self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
+            self.checks.release_grammar(req)  # a compile nobody else waits for is cancelled
         self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
         self._reports.append(req)
         return True
@@ -163,6 +164,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self._waiting or self.running or self.chunked_req or self.grammar_pending or self._reports)
+
+    def has_ready_work(self) -> bool:
+        """Whether step() would do anything now: not when it would only find grammars still compiling
+        (a server loop then waits instead of spinning)."""
+        if self._waiting or self.running or self.chunked_req or self._reports:
+            return True
+        deadline = self.clock() - self.args.grammar_compile_timeout
+        return any(f.done() or r.queue_enter_time < deadline for r, f in self.grammar_pending)
 
     # ------------------------------------------------------------------ one step
 
@@ -207,14 +216,20 @@ class Scheduler:
 
     def _collect_grammars(self, changed: list[Req]) -> None:
         still_pending = []
+        budget = self.args.grammar_compile_timeout
+        deadline = self.clock() - budget
         for req, future in self.grammar_pending:
-            if not future.done():
+            if not future.done() and req.queue_enter_time >= deadline:
                 still_pending.append((req, future))
                 continue
+            self.checks.release_grammar(req)
             try:
+                if not future.done():
+                    raise ValueError(f"the grammar did not compile within --grammar-compile-timeout {budget:g} s; "
+                                     "simplify it (fewer alternatives, less nesting)")
                 req.grammar = future.result()
-            except ValueError as e:
-                self._finish(req, FinishReason(FinishKind.ABORT, message=str(e)))
+            except ValueError as e:  # the request's own grammar is at fault: a 400, not a server error
+                self._finish(req, FinishReason(FinishKind.ABORT, message=str(e), error_code="bad_request"))
                 changed.append(req)
                 continue
             self._enqueue(req)

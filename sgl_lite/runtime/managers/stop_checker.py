@@ -4,7 +4,8 @@ Order of checks after each new token (the first that applies wins):
 1. max_new_tokens reached, or the sequence fills the context: LENGTH;
 2. the grammar matcher terminated (it accepted EOS after a complete match): STOP(matched=token);
 3. unless ignore_eos: the token is in stop_token_ids or is an EOS id: STOP(matched=token);
-4. a stop string occurrence ENDS in the text of the newest token: STOP(matched=string).
+4. a stop string occurrence ENDS in the text of the newest token: STOP(matched=string); when several
+   do, the one that starts first (StopStrings: one pass over the newest characters, however many).
 Checks 3-4 wait until min_new_tokens outputs exist (the sampler masks EOS until then as well).
 
 Check 4 looks only at occurrences that the newest token completes, so a stop string that appeared
@@ -45,18 +46,45 @@ class StopChecker:
             return None
         if not params.ignore_eos and (token in self.eos_token_ids or token in (params.stop_token_ids or ())):
             return FinishReason(FinishKind.STOP, matched=token)
-        stops = params.stop_strings()
-        if stops:
+        if params.stop is not None:
+            if req.stop_strings is None:
+                req.stop_strings = StopStrings(params.stop_strings())
+            stops: StopStrings = req.stop_strings
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer")
-            window_ids = req.output_ids[-(_TOKENS_PER_CHAR * max(len(s) for s in stops) + 1):]
+            window_ids = req.output_ids[-(_TOKENS_PER_CHAR * stops.max_length + 1):]
             skip = params.skip_special_tokens
             tail = self.tokenizer.decode(window_ids, skip_special_tokens=skip)
             before = self.tokenizer.decode(window_ids[:-1], skip_special_tokens=skip)
-            for stop in stops:
-                if stop_match_start(tail, before, stop) >= 0:
-                    return FinishReason(FinishKind.STOP, matched=stop)
+            matched = stops.first_ending_in(tail, _new_text_start(tail, before))
+            if matched is not None:
+                return FinishReason(FinishKind.STOP, matched=matched)
         return None
+
+
+class StopStrings:
+    """A request's stop strings grouped by length, so that one pass over the newest token's few
+    characters finds any of them: the cost per token grows with the number of distinct lengths
+    (at most MAX_STOP_STRING_CHARS), not with the number of strings times the text."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._by_length: dict[int, set[str]] = {}
+        for stop in stops:
+            self._by_length.setdefault(len(stop), set()).add(stop)
+        self._lengths = sorted(self._by_length)
+        self.max_length = self._lengths[-1] if self._lengths else 0
+
+    def first_ending_in(self, text: str, new_from: int) -> str | None:
+        """The stop string of the earliest-starting occurrence that ends in text[new_from:], if any."""
+        best_start, best = len(text), None
+        for end in range(max(new_from, 0) + 1, len(text) + 1):
+            for length in self._lengths:
+                if length > end:
+                    break
+                start = end - length
+                if start < best_start and text[start:end] in self._by_length[length]:
+                    best_start, best = start, text[start:end]
+        return best
 
 
 def stop_match_start(text: str, text_before_last: str, stop: str) -> int:
@@ -67,10 +95,15 @@ def stop_match_start(text: str, text_before_last: str, stop: str) -> int:
     """
     if not stop:
         return -1
-    common = min(len(text), len(text_before_last))
-    new_from = next((i for i in range(common) if text[i] != text_before_last[i]), common)
+    new_from = _new_text_start(text, text_before_last)
     # An occurrence starting at i ends at i + len(stop); it ends in the new text when that is > new_from.
     return text.find(stop, max(0, new_from - len(stop) + 1))
+
+
+def _new_text_start(text: str, text_before_last: str) -> int:
+    """Where the newest token's text starts: where the two decodings first differ."""
+    common = min(len(text), len(text_before_last))
+    return next((i for i in range(common) if text[i] != text_before_last[i]), common)
 
 
 def trim_stop(text: str, text_before_last: str, reason: FinishReason | None, params: SamplingParams) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.sampling.grammar_limits import check_grammar_limits
 from sgl_lite.runtime.server_args import ServerArgs
 
 
@@ -59,9 +60,18 @@ class AdmissionChecks:
                              "(--enable-priority-scheduling); send the request without a priority")
         if params.regex is None and params.json_schema is None and params.ebnf is None:
             return None
+        check_grammar_limits(params, self.args.max_grammar_chars, self.args.max_json_schema_depth)
         backend = self._grammar()
         backend.validate(params)
         return backend.request_matcher(params)
+
+    def release_grammar(self, req: Req) -> None:
+        """`req` no longer waits for its grammar compile (compiled, aborted or out of time)."""
+        if self._grammar_backend is not None:
+            self._grammar_backend.release(req.sampling_params)
+
+    def is_compiling(self) -> bool:
+        return self._grammar_backend is not None and self._grammar_backend.is_compiling()
 
     def _grammar(self) -> Any:
         if self._grammar_backend is None:
@@ -69,5 +79,6 @@ class AdmissionChecks:
                 raise ValueError("regex / json_schema / ebnf need a tokenizer, and this scheduler has none")
             from sgl_lite.runtime.sampling.grammar import GrammarBackend
 
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, eos_token_ids=self.eos_token_ids)
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.args.grammar_compile_workers,
+                                                   eos_token_ids=self.eos_token_ids)
         return self._grammar_backend

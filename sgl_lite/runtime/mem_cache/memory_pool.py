@@ -2,7 +2,9 @@
 
 - `KVPool`: per layer one K and one V tensor of shape [num_slots + 1, kv_heads, head_dim]. Slot 0 is
   reserved as a padding target and never handed out, so `num_slots` usable slots are 1..num_slots.
-  Only slot 0 is initialized (to zeros); the others hold garbage until written.
+  Only slot 0 is initialized (to zeros); the others hold garbage until written. The pool's dtype is the
+  model's, or an 8-bit float (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`, scale 1.0 as SGLang's default):
+  values are rounded to it on write, saturated at its largest finite value, and readers convert back.
 - `SlotAllocator`: the free list. `alloc(n)` returns n slot indices or None (never a partial
   allocation); `free(slots)` returns them.
 - `ReqToTokenPool`: a table [max_requests, max_context] of slot indices; row i holds request i's
@@ -12,6 +14,17 @@
 from __future__ import annotations
 
 import torch
+
+# --kv-cache-dtype values (SGLang's names) that store the pool in 8 bits; "auto" keeps the model's dtype.
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}; got {name!r}")
+    return FP8_KV_DTYPES[name]
 
 
 class SlotAllocator:
@@ -37,6 +50,9 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._free = torch.cat((self._free, slots.to(self._free.device, torch.int64)))
+
+
+_FP8 = tuple(FP8_KV_DTYPES.values())
 
 
 class KVPool:
@@ -72,8 +88,15 @@ class KVPool:
         return self.bytes_per_slot(self.num_layers, self.kv_heads, self.head_dim, self.dtype) * (self.num_slots + 1)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        """Store rows k, v [n, kv_heads, head_dim] at `slots` (int64 [n]) of layer `layer`."""
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            if self.dtype in _FP8:
+                # Saturate: e5m2 would turn an out-of-range value into inf, and inf * 0 poisons attention.
+                finite = torch.finfo(self.dtype).max
+                x = x.clamp(-finite, finite).to(self.dtype).view(torch.uint8)
+                cache = cache.view(torch.uint8)  # index_copy_ has no float8 kernel; the bytes are the same
+            # index_copy_ is the plain row scatter (index_put_ with a tensor index takes a slower general path)
+            cache.index_copy_(0, slots, x.to(cache.dtype))
 
 
 class ReqToTokenPool:

@@ -16,7 +16,7 @@ import torch
 
 from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
@@ -126,11 +126,12 @@ class ModelRunner(ModelRunnerBase):
         self.packed_weights = self.model.pack_weights()
         self.vocab_size = self.config.vocab_size
 
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.num_slots = self._pool_size()
         if self.tp is not None:
             self.num_slots = self.tp.agree_min(self.num_slots)  # every rank's pool holds the same slots
         self.kv_pool = KVPool(
-            self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
+            self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, self.device
         )
         self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
@@ -138,15 +139,15 @@ class ModelRunner(ModelRunnerBase):
                                    self.model.head_dim, deterministic=args.enable_deterministic_inference)
         self.sampler = self._make_sampler()
         logger.info(
-            "model %s: %s on %s, context %d, KV pool %d slots (%.1f MiB), max running requests %d",
-            model_dir, self.dtype, self.device, self.context_length, self.num_slots,
-            self.kv_pool.total_bytes / 2**20, self.max_running_requests,
+            "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",
+            model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
+            self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__,
         )
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
-        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype)
         fraction = self.args.mem_fraction_static or (_CUDA_MEM_FRACTION if self.device.type == "cuda" else _CPU_MEM_FRACTION)
         budget = int(available_memory_bytes(self.device) * fraction)
         if self.device.type == "cpu" and self.args.mem_fraction_static is None:
@@ -169,7 +170,7 @@ class ModelRunner(ModelRunnerBase):
         return {
             "slots": self.num_slots,
             "bytes": self.kv_pool.total_bytes,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.kv_dtype).removeprefix("torch."),
             "layers": self.config.num_hidden_layers,
             "kv_heads": self.model.num_kv_heads,
             "head_dim": self.model.head_dim,

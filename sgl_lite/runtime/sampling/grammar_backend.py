@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 import xgrammar
 
 from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.sampling.compile_pool import CompilePool
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,12 @@ class GrammarMatcher:
         """Back to the start of the grammar (for a request whose output is recomputed from scratch)."""
         self._matcher.reset()
 
+    def admits_nothing(self) -> bool:
+        """True for a grammar whose language is empty: not even a first token (or EOS) is allowed."""
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed-next-token bits into `bitmask[row]`; False when every token is allowed.
 
@@ -125,7 +132,8 @@ class GrammarMatcher:
 
 
 class GrammarBackend:
-    """Compiles constraints for one tokenizer/model, once per distinct spec, on worker threads.
+    """Compiles constraints for one tokenizer/model, once per distinct spec, on worker threads
+    (compile_pool.py: daemon threads, smallest spec first, abandoned compiles cancelled).
 
     `vocab_size` is the MODEL's vocabulary (the logits width), which may exceed len(tokenizer):
     the extra ids are never allowed by a grammar.
@@ -135,7 +143,7 @@ class GrammarBackend:
         self,
         tokenizer: Any,
         vocab_size: int,
-        max_workers: int = 1,
+        max_workers: int = 2,
         *,
         eos_token_ids: Iterable[int] | None = None,
     ) -> None:
@@ -146,8 +154,9 @@ class GrammarBackend:
         )
         # One compile thread per worker: the box is shared with the model's forward pass.
         self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=max_workers, cache_enabled=True)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._pool = CompilePool(max_workers)
         self._compiled: OrderedDict[GrammarKey, concurrent.futures.Future[xgrammar.CompiledGrammar]] = OrderedDict()
+        self._waiters: Counter[GrammarKey] = Counter()  # requests waiting for each key's compile
         self._lock = threading.Lock()
 
     @staticmethod
@@ -155,10 +164,11 @@ class GrammarBackend:
         return grammar_key(params) is not None
 
     def validate(self, params: SamplingParams) -> None:
-        """Raise ValueError naming the field ("invalid regex: ...") when the constraint does not parse.
+        """Raise ValueError naming the field ("invalid regex: ...") when a regex or EBNF does not parse.
 
-        Parsing is tokenizer-independent and fast; the vocabulary-level compile happens in
-        request_matcher, off the caller's thread.
+        Parsing those is linear and tokenizer-independent, so it runs on the caller's thread (the
+        size is capped before, grammar_limits.py). A JSON schema's conversion to a grammar grows
+        super-linearly with its depth: it runs with the compile, in request_matcher, off this thread.
         """
         key = grammar_key(params)
         if key is None:
@@ -167,9 +177,7 @@ class GrammarBackend:
         try:
             if kind == "regex":
                 xgrammar.Grammar.from_regex(text)
-            elif kind == "json_schema":
-                json_schema_ebnf(text)
-            else:
+            elif kind == "ebnf":
                 xgrammar.Grammar.from_ebnf(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
@@ -184,11 +192,17 @@ class GrammarBackend:
         if key is None:
             raise ValueError("request_matcher called for a request without regex, json_schema or ebnf")
         compiled_future = self.compiled_future(key)
+        with self._lock:
+            self._waiters[key] += 1
         matcher_future: concurrent.futures.Future[GrammarMatcher] = concurrent.futures.Future()
 
         def build_matcher(done: concurrent.futures.Future[xgrammar.CompiledGrammar]) -> None:
             try:
-                matcher_future.set_result(GrammarMatcher(done.result(), key, self.vocab_size))
+                matcher = GrammarMatcher(done.result(), key, self.vocab_size)
+                if matcher.admits_nothing():
+                    raise ValueError(f"invalid {key[0]}: it admits no output at all "
+                                     "(e.g. a $ref that refers to itself without a base case)")
+                matcher_future.set_result(matcher)
             except Exception as e:  # the compile error, already a ValueError naming the field
                 matcher_future.set_exception(e)
 
@@ -203,11 +217,29 @@ class GrammarBackend:
             if future is not None:
                 self._compiled.move_to_end(key)
                 return future
-            future = self._executor.submit(self._compile, key)
+            future = self._pool.submit(len(key[1]), lambda: self._compile(key))
             self._compiled[key] = future
             if len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
             return future
+
+    def release(self, params: SamplingParams) -> None:
+        """One request stopped waiting for its compile (it finished, was aborted, or ran out of time).
+        When nobody waits any more for a compile still queued or running, it is cancelled or written
+        off and forgotten, so an abandoned spec costs no more work than it already did."""
+        key = grammar_key(params)
+        if key is None:
+            return
+        with self._lock:
+            self._waiters[key] -= 1
+            if self._waiters[key] > 0:
+                return
+            del self._waiters[key]
+            future = self._compiled.get(key)
+            if future is None or future.done():
+                return
+            del self._compiled[key]
+        self._pool.write_off(future)
 
     def _compile(self, key: GrammarKey) -> xgrammar.CompiledGrammar:
         kind, text = key
@@ -220,8 +252,11 @@ class GrammarBackend:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
 
+    def is_compiling(self) -> bool:
+        return self._pool.busy()
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
 
 # xgrammar messages look like "[18:28:53] /project/cpp/regex_converter.cc:83: Check failed: (x) is false: <message>".

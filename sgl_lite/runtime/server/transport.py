@@ -9,7 +9,9 @@ Request ids are chosen by clients, so the scheduler sees them prefixed with the 
 identity: two clients may use the same rid, and a client can only abort its own requests.
 
 Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
-vanished identity raises EHOSTUNREACH; the server then aborts all of that identity's requests. To
+vanished identity raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client
+replies pile up without reading raises EAGAIN; the server then aborts all of that identity's requests
+and sends it nothing more until it reads again. To
 notice a dead client before its request would have produced output, identities with requests in
 flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
@@ -17,6 +19,9 @@ Liveness, the other way round, does not involve this thread: clients send ZMTP h
 which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
 long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
 between steps: it tells that the runtime is ready to serve, not merely alive.
+
+Hostile input: one message is handled under a guard (_handle_guarded), so nothing it raises (a
+RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
 
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
 names the cause); an error building one reply costs only that request; anything else raising from a
@@ -33,6 +38,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import typing
@@ -47,11 +53,12 @@ from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.managers.request import FinishKind, Req
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
@@ -101,9 +108,14 @@ class RuntimeServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Unbounded send queue: a chunk may never be dropped (stream deltas must add up), and a
-        # slow reader only costs memory until it reads or disconnects.
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
+        # wait for it (sending raises EAGAIN, see _send), so it cannot grow the server without bound.
+        sock.setsockopt(zmq.SNDHWM, self._args.max_queued_replies_per_client)
+        # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
+        # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
+        # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
+        # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+        sock.setsockopt(zmq.RCVHWM, 0)
         # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
         # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
         # hostile peer can never make the server buffer more than that.
@@ -138,16 +150,23 @@ class RuntimeServer:
         scheduler = self._core.scheduler
         try:
             while not self._stop_requested:
-                busy = scheduler.has_work()
-                if poller.poll(0 if busy else IDLE_POLL_MS):
+                if poller.poll(self._poll_timeout_ms()):
                     self._read_messages()
-                # has_work() stays true while an abort awaits its report by step().
-                if scheduler.has_work():
+                # has_ready_work() stays true while an abort awaits its report by step().
+                if scheduler.has_ready_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
         finally:
             self._shutdown()
+
+    def _poll_timeout_ms(self) -> int:
+        """0 when a step has work to do; a short wait while only grammar compiles are pending (no
+        busy loop: a compile's end is noticed within GRAMMAR_POLL_MS); else the idle wait."""
+        scheduler = self._core.scheduler
+        if scheduler.has_ready_work():
+            return 0
+        return GRAMMAR_POLL_MS if scheduler.has_work() else IDLE_POLL_MS
 
     def _step(self) -> list[Req]:
         scheduler = self._core.scheduler
@@ -191,7 +210,18 @@ class RuntimeServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._handle_guarded(frames)
+
+    def _handle_guarded(self, frames: list[bytes]) -> None:
+        """No single message may end the loop: whatever handling it raises is logged and answered."""
+        try:
             self._handle(frames)
+        except Exception as e:
+            logger.exception("internal error handling a message of %d bytes", sum(map(len, frames[1:])))
+            try:
+                self._send(frames[0], protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
+            except Exception:
+                logger.exception("could not answer that message either")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[-1]
@@ -199,10 +229,12 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
             return
         envelope = self._envelope(payload)
-        rid = envelope.rid if envelope is not None and isinstance(envelope.rid, str) else ""
         if not self._authorized(envelope):
-            self._send(identity, protocol.ErrorReply(rid, "missing or wrong api_key", "unauthorized"))
+            # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
+            # the client that every request it sent with this key is refused.
+            self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
+        rid = envelope.rid if envelope is not None and _is_echoable_rid(envelope.rid) else ""
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
             self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
@@ -222,7 +254,7 @@ class RuntimeServer:
     def _envelope(payload: bytes) -> _Envelope | None:
         try:
             return msgspec.msgpack.decode(payload, type=_Envelope)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # nested too deeply
             return None
 
     @staticmethod
@@ -319,7 +351,7 @@ class RuntimeServer:
         reason = req.finished_reason
         if reason is not None and reason.kind == FinishKind.ABORT:
             message = flight.abort_message or reason.message or "request aborted"
-            return [protocol.ErrorReply(flight.rid, message, "aborted")]
+            return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
         if reason is not None:
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
@@ -365,7 +397,12 @@ class RuntimeServer:
             flight.abort_message = "client disconnected"
             self._core.scheduler.abort_request(key)
         if gone:
-            logger.info("client %s went away; aborted %d request(s)", identity.hex(), len(gone))
+            logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
+
+
+def _is_echoable_rid(rid: Any) -> bool:
+    """A rid the reply to an invalid message may carry back: the wire's own rid rule."""
+    return isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_RID_CHARS
 
 
 def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
@@ -399,10 +436,19 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
     _start_watchdog(server, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
     logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    warn_if_exposed(args.host, args.api_key, "the runtime")
     print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
     server.serve_forever()
     logger.info("server stopped")
+    if core.scheduler.checks.is_compiling():
+        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
+        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
+        # notices its parent's exit (parent watch) and exits too.
+        logger.info("exiting without waiting for a grammar compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _start_watchdog(server: RuntimeServer, timeout: float) -> None:

@@ -55,24 +55,10 @@ class TorchNativeBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        device = meta.padded_kv_indices.device
         single = [i for i, e in enumerate(meta.extend_lens) if e == 1]
-        self._decode = None
-        if single:
-            if len(single) == meta.batch_size:
-                rows, slots, seq = None, meta.padded_kv_indices, meta.seq_lens
-            else:
-                idx = torch.tensor(single, dtype=torch.int64, device=device)
-                rows = meta.qo_indptr[:-1].to(torch.int64)[idx]
-                seq = meta.seq_lens[idx]
-                slots = meta.padded_kv_indices[idx, : int(seq.max())]
-            length = int(slots.shape[1])
-            heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=device)
-            pool_rows = (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).reshape(-1)
-            valid = torch.arange(length, device=device)[None, :] < seq[:, None]
-            bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
-            self._decode = _DecodeGroup(rows=rows, pool_rows=pool_rows, max_len=length, mask_bias=bias[:, None, None, :])
+        self._decode = self._prepare_decode(meta, single) if single else None
         self._extends = []
+        device = meta.padded_kv_indices.device
         qo = meta.qo_indptr.tolist()
         seq_lens = meta.seq_lens.tolist()
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
@@ -87,14 +73,29 @@ class TorchNativeBackend(AttentionBackend):
             slots = meta.padded_kv_indices[i, : seq_lens[i]]
             self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, mask=mask))
 
+    def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _DecodeGroup:
+        """Index rows and padding mask of the single-token requests `single` (indices into the batch)."""
+        device = meta.padded_kv_indices.device
+        if len(single) == meta.batch_size:
+            rows, slots, seq = None, meta.padded_kv_indices, meta.seq_lens
+        else:
+            idx = torch.tensor(single, dtype=torch.int64, device=device)
+            rows = meta.qo_indptr[:-1].to(torch.int64)[idx]
+            seq = meta.seq_lens[idx]
+            slots = meta.padded_kv_indices[idx, : int(seq.max())]
+        length = int(slots.shape[1])
+        heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=device)
+        pool_rows = (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).reshape(-1)
+        valid = torch.arange(length, device=device)[None, :] < seq[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+        return _DecodeGroup(rows=rows, pool_rows=pool_rows, max_len=length, mask_bias=bias[:, None, None, :])
+
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> torch.Tensor:
         meta = self._meta
         if meta is None:
             raise RuntimeError("TorchNativeBackend.forward called before prepare()")
+        kv_pool.write(layer_id, meta.out_cache_loc, k, v)
         k_cache, v_cache = kv_pool.k[layer_id], kv_pool.v[layer_id]
-        # index_copy_ is the plain row scatter (index_put_ with a tensor index takes a slower general path)
-        k_cache.index_copy_(0, meta.out_cache_loc, k)
-        v_cache.index_copy_(0, meta.out_cache_loc, v)
         if self._decode is not None and self._decode.rows is None:
             return self._decode_attention(q, k_cache, v_cache, self._decode)
         out = torch.empty_like(q)
@@ -108,8 +109,9 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
     ) -> torch.Tensor:
         num, length, hkv, dim = q.shape[0], group.max_len, self.num_kv_heads, self.head_dim
-        keys = k_cache.view(-1, dim).index_select(0, group.pool_rows).view(num, hkv, length, dim)
-        values = v_cache.view(-1, dim).index_select(0, group.pool_rows).view(num, hkv, length, dim)
+        # .to() is a no-op unless the pool stores 8-bit floats, which are converted after the gather
+        keys = k_cache.view(-1, dim).index_select(0, group.pool_rows).to(q.dtype).view(num, hkv, length, dim)
+        values = v_cache.view(-1, dim).index_select(0, group.pool_rows).to(q.dtype).view(num, hkv, length, dim)
         qg = q.reshape(num, hkv, self.group, dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(self.scale).add_(group.mask_bias)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [G, Hkv, group, L]
@@ -128,7 +130,8 @@ class TorchNativeBackend(AttentionBackend):
         if req.mask is None:
             keys, values = k[req.start : req.end], v[req.start : req.end]
         else:
-            keys, values = k_cache.index_select(0, req.kv_slots), v_cache.index_select(0, req.kv_slots)
+            keys = k_cache.index_select(0, req.kv_slots).to(q.dtype)
+            values = v_cache.index_select(0, req.kv_slots).to(q.dtype)
         out = F.scaled_dot_product_attention(
             qr,
             keys.transpose(0, 1).unsqueeze(0),

@@ -1,0 +1,67 @@
+"""The `cpu_kernel` attention backend: decode rows through a C++ paged kernel, everything else as torch_native.
+
+Decode (one new token per request) is where CPU serving spends its attention time, and there the torch
+path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The kernel
+(csrc/paged_decode_attention.cpp, built by cpu_kernel_loader.py) reads each KV row once, straight from the
+pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts 8-bit pools
+in registers. Prefill and extend chunks keep the torch path (SDPA), which is already matmul-bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sgl_lite.runtime.layers.attention.base import AttentionMetadata
+from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
+
+# The kernel's compile-time limits (kMaxHeadDim, kLanes, kMaxGroup in the C++ source).
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 16
+MAX_GROUP = 16
+
+
+@dataclass
+class _KernelDecodeGroup:
+    rows: torch.Tensor | None  # q rows of the decode requests; None when they are the whole batch in order
+    kv_indptr: torch.Tensor  # int32 [G+1]
+    kv_indices: torch.Tensor  # int64 [total_kv]
+
+
+def kernel_supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0 and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP
+
+
+class CpuKernelBackend(TorchNativeBackend):
+    def __init__(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, op: Callable[..., torch.Tensor], scale: float | None = None
+    ) -> None:
+        super().__init__(num_q_heads, num_kv_heads, head_dim, scale)
+        if not kernel_supports(num_q_heads, num_kv_heads, head_dim):
+            raise ValueError(
+                f"the CPU decode kernel takes head_dim <= {MAX_HEAD_DIM}, a multiple of {HEAD_DIM_MULTIPLE}, and <= {MAX_GROUP} query heads per KV head; "
+                f"got head_dim {head_dim}, {num_q_heads} query and {num_kv_heads} KV heads"
+            )
+        self._op = op
+
+    def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
+        if len(single) == meta.batch_size:
+            return _KernelDecodeGroup(rows=None, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices)
+        device = meta.padded_kv_indices.device
+        idx = torch.tensor(single, dtype=torch.int64, device=device)
+        seq = meta.seq_lens[idx]
+        slots = meta.padded_kv_indices[idx, : int(seq.max())]
+        valid = torch.arange(slots.shape[1], device=device)[None, :] < seq[:, None]
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        return _KernelDecodeGroup(
+            rows=meta.qo_indptr[:-1].to(torch.int64)[idx],
+            kv_indptr=torch.cat((zero, torch.cumsum(seq, 0).to(torch.int32))),
+            kv_indices=slots[valid],
+        )
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _KernelDecodeGroup
+    ) -> torch.Tensor:
+        return self._op(q.contiguous(), k_cache, v_cache, group.kv_indptr, group.kv_indices, self.scale)

@@ -1,0 +1,368 @@
+// Paged decode attention on CPU: one query token per request against its KV slots in the pool.
+//
+// Inputs are FlashInfer's page-size-1 metadata: request b attends over the slots
+// kv_indices[kv_indptr[b] : kv_indptr[b+1]] of k_cache/v_cache [num_slots, Hkv, D]. K/V rows are read
+// straight from the pool (no gather copy) and converted to fp32 in registers (bf16, fp16, fp32, fp8
+// e4m3fn / e5m2 storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows.
+// Scores, the online softmax and the P.V accumulation are fp32.
+//
+// Work items are (request, kv head, chunk of the context); long contexts are cut into chunks so that
+// there are several items per thread. Threads take items from a shared counter (a thread that loses its
+// core to another process does not hold up the others), and the last chunk of a (request, kv head) to
+// finish merges the chunks' partial softmax states.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // floats per vector (one AVX-512 register; two AVX2 or four SSE ones)
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxChunksPerRow = kMaxHeadDim / kLanes;
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kBlock = 32;  // tokens scored between two online-softmax updates
+constexpr int64_t kMinChunk = 256;  // contexts are never cut into chunks shorter than this
+constexpr int64_t kItemsPerThread = 8;  // enough items per thread to balance uneven lengths
+constexpr int64_t kPrefetchAhead = 16;  // tokens: slots are scattered, so the hardware prefetcher cannot follow
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// GCC/Clang vector extensions: portable source, compiled to the widest vectors the target has.
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
+typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
+
+template <class V, class T>
+inline V load_vec(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Storage formats: `decode` turns kLanes stored elements into fp32 in registers.
+struct Fp32Kv {
+  using T = float;
+  static inline vfloat decode(const T* p) { return load_vec<vfloat>(p); }
+};
+struct Bf16Kv {
+  using T = uint16_t;  // bf16 is the upper half of an fp32
+  static inline vfloat decode(const T* p) {
+    return reinterpret_cast<vfloat>(__builtin_convertvector(load_vec<vu16>(p), vu32) << 16);
+  }
+};
+// fp16 and both fp8 formats go through the CPU's fp16 -> fp32 conversion (F16C / AVX-512: exact for
+// fp16 subnormals whatever the DAZ/FTZ mode). GCC 12 lowers a _Float16 vector conversion lane by lane,
+// hence the intrinsics; other targets take the portable scalar conversion.
+inline vfloat half_to_float(vu16 bits) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(reinterpret_cast<__m256i>(bits)));
+#elif defined(__F16C__)
+  const __m256i both = reinterpret_cast<__m256i>(bits);
+  const __m256 halves[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(both)), _mm256_cvtph_ps(_mm256_extractf128_si256(both, 1))};
+  return load_vec<vfloat>(reinterpret_cast<const float*>(halves));
+#else
+  vfloat f;
+  for (int64_t i = 0; i < kLanes; ++i) f[i] = c10::detail::fp16_ieee_to_fp32_value(bits[i]);
+  return f;
+#endif
+}
+struct Fp16Kv {
+  using T = uint16_t;
+  static inline vfloat decode(const T* p) { return half_to_float(load_vec<vu16>(p)); }
+};
+// e5m2 is the upper byte of an fp16.
+struct E5m2Kv {
+  using T = uint8_t;
+  static inline vfloat decode(const T* p) { return half_to_float(__builtin_convertvector(load_vec<vu8>(p), vu16) << 8); }
+};
+// e4m3fn (bias 7) has one mantissa bit more than e5m2: placed in an fp16's fields it reads as the value
+// times 2^-8 (fp16's bias is 15), subnormals included (they land on fp16 subnormals); rescale in fp32.
+// e4m3fn has no infinities; its all-ones magnitude is NaN.
+struct E4m3Kv {
+  using T = uint8_t;
+  static inline vfloat decode(const T* p) {
+    const vu16 u = __builtin_convertvector(load_vec<vu8>(p), vu16);
+    const vu16 magnitude = u & 0x7f;
+    const vfloat value = half_to_float((magnitude << 7) | ((u & 0x80) << 8)) * 256.0f;
+    const vu32 is_nan = __builtin_convertvector(magnitude == 0x7f, vu32);
+    return is_nan ? std::numeric_limits<float>::quiet_NaN() + vfloat{} : value;
+  }
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+inline float hsum(vfloat v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the max), kLanes at a time: Cody-Waite range
+// reduction and Cephes' degree-6 polynomial, ~1 ulp. Arguments below -87 give exp(-87) ~ 1.6e-38, not 0.
+inline vfloat exp_nonpositive(vfloat x) {
+  typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
+  x = x < -87.0f ? vfloat{} - 87.0f : x;  // keeps 2^n a normal float
+  // n = round(x / ln 2); x <= 0, so round(y) = -trunc(0.5 - y) and the conversion's truncation does it
+  const vi32 n_int = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, vi32);
+  const vfloat n = __builtin_convertvector(n_int, vfloat);
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = 1.9875691500e-4f + vfloat{};
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<vfloat>((n_int + 127) << 23);
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+}
+
+// Softmax state of one (request, kv head, chunk): G running maxima and sums and G unnormalized outputs.
+struct Partial {
+  float* acc;  // [G, D]
+  float* max;  // [G]
+  float* sum;  // [G]
+};
+
+struct Shape {
+  int64_t group, dim, row_stride;  // row_stride: elements between consecutive slots (Hkv * D)
+};
+
+// One chunk: q_scaled [G, D/kLanes] (already times the softmax scale) against `n` slots of one kv head.
+template <class Kv>
+void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const typename Kv::T* v_head,
+                  const int64_t* slots, int64_t n, const Shape& shape, Partial out) {
+  const int64_t G = shape.group, C = shape.dim / kLanes, stride = shape.row_stride;
+  const int64_t row_bytes = shape.dim * int64_t(sizeof(typename Kv::T));
+  vfloat acc[kMaxGroup * kMaxChunksPerRow];
+  vfloat row[kMaxChunksPerRow];
+  static_assert(kBlock % kLanes == 0, "a block is whole vectors");
+  union {
+    vfloat vec[kBlock / kLanes];
+    float at[kBlock];
+  } scores[kMaxGroup];
+  float run_max[kMaxGroup], run_sum[kMaxGroup];
+  for (int64_t j = 0; j < G * C; ++j) acc[j] = vfloat{};
+  std::fill(run_max, run_max + G, kNegInf);
+  std::fill(run_sum, run_sum + G, 0.f);
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t nb = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t t = start + i;
+      if (t + kPrefetchAhead < n) prefetch_row(k_head + slots[t + kPrefetchAhead] * stride, row_bytes);
+      prefetch_row(v_head + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
+      const typename Kv::T* k_row = k_head + slots[t] * stride;
+      for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        const vfloat* qg = q_scaled + g * C;
+        vfloat dot = qg[0] * row[0];
+        for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
+        scores[g].at[i] = hsum(dot);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float block_max = kNegInf;
+      for (int64_t i = 0; i < nb; ++i) block_max = std::max(block_max, scores[g].at[i]);
+      if (block_max > run_max[g]) {
+        // exp(-inf) = 0 on the first block: acc and the sum are still zero then
+        const float alpha = run_max[g] == kNegInf ? 0.f : std::exp(run_max[g] - block_max);
+        for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= alpha;
+        run_sum[g] *= alpha;
+        run_max[g] = block_max;
+      }
+      const float m = run_max[g];
+      // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
+      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
+      vfloat sum{};
+      for (int64_t v = 0; v < kBlock / kLanes; ++v) {
+        scores[g].vec[v] = exp_nonpositive(scores[g].vec[v] - m);
+      }
+      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = 0.f;
+      for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
+      run_sum[g] += hsum(sum);
+    }
+    for (int64_t i = 0; i < nb; ++i) {
+      const typename Kv::T* v_row = v_head + slots[start + i] * stride;
+      for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(v_row + c * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g].at[i];
+        for (int64_t c = 0; c < C; ++c) acc[g * C + c] += p * row[c];
+      }
+    }
+  }
+  std::memcpy(out.acc, acc, G * C * sizeof(vfloat));
+  std::memcpy(out.max, run_max, G * sizeof(float));
+  std::memcpy(out.sum, run_sum, G * sizeof(float));
+}
+
+// Combine the chunks of one (request, kv head) and write its G output rows.
+template <class OutT>
+void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, OutT* out) {
+  const int64_t G = shape.group, D = shape.dim;
+  alignas(64) float acc[kMaxHeadDim];
+  for (int64_t g = 0; g < G; ++g) {
+    float m = kNegInf;
+    for (int64_t c = 0; c < num_parts; ++c) m = std::max(m, parts[c].max[g]);
+    std::fill(acc, acc + D, 0.f);
+    float sum = 0.f;
+    for (int64_t c = 0; c < num_parts; ++c) {
+      const float w = std::exp(parts[c].max[g] - m);
+      sum += w * parts[c].sum[g];
+      const float* a = parts[c].acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * a[d];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<OutT>(acc[d] * inv);
+  }
+}
+
+struct Item {
+  int64_t request, head, chunk_begin, chunk_end, part;  // part: index of its Partial
+};
+
+template <class QT, class Kv>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* indptr,
+         const int64_t* indices, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  const Shape shape{Hq / Hkv, D, Hkv * D};
+  const int64_t G = shape.group;
+  const int64_t threads = at::get_num_threads();
+  const int64_t total = indptr[B] - indptr[0];
+  const int64_t chunk = std::max(kMinChunk, (total * Hkv + threads * kItemsPerThread - 1) / (threads * kItemsPerThread));
+
+  std::vector<Item> items;
+  std::vector<int64_t> first_part(B * Hkv + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = indptr[b + 1] - indptr[b];
+    const int64_t chunks = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t bh = b * Hkv + h;
+      first_part[bh + 1] = first_part[bh] + chunks;
+      for (int64_t c = 0; c < chunks; ++c) {
+        items.push_back({b, h, indptr[b] + c * len / chunks, indptr[b] + (c + 1) * len / chunks, first_part[bh] + c});
+      }
+    }
+  }
+  const int64_t num_parts = first_part[B * Hkv];
+  std::vector<float> part_acc(num_parts * G * D), part_max(num_parts * G), part_sum(num_parts * G);
+  std::vector<Partial> parts(num_parts);
+  for (int64_t p = 0; p < num_parts; ++p) parts[p] = {&part_acc[p * G * D], &part_max[p * G], &part_sum[p * G]};
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[B * Hkv]);
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) remaining[bh].store(first_part[bh + 1] - first_part[bh], std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+
+  const auto* q_ptr = q.data_ptr<QT>();
+  const auto* k_ptr = reinterpret_cast<const typename Kv::T*>(k_cache.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const typename Kv::T*>(v_cache.data_ptr());
+  auto* out_ptr = out.data_ptr<QT>();
+  const int64_t num_items = int64_t(items.size());
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= num_items) break;
+      const Item& it = items[i];
+      const QT* qh = q_ptr + (it.request * Hq + it.head * G) * D;
+      for (int64_t j = 0; j < G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
+      attend_chunk<Kv>(q_scaled, k_ptr + it.head * D, v_ptr + it.head * D, indices + it.chunk_begin,
+                       it.chunk_end - it.chunk_begin, shape, parts[it.part]);
+      const int64_t bh = it.request * Hkv + it.head;
+      // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
+      if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        merge_chunks(&parts[first_part[bh]], first_part[bh + 1] - first_part[bh], shape,
+                     out_ptr + (it.request * Hq + it.head * G) * D);
+      }
+    }
+  });
+}
+
+template <class QT>
+void dispatch_kv(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* indptr,
+                 const int64_t* indices, float scale, at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return run<QT, Fp32Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    case at::kBFloat16: return run<QT, Bf16Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    case at::kHalf: return run<QT, Fp16Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    case at::kFloat8_e4m3fn: return run<QT, E4m3Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    case at::kFloat8_e5m2: return run<QT, E5m2Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "q must be [B, Hq, D], k_cache/v_cache [slots, Hkv, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "q, k_cache and v_cache must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D <= kMaxHeadDim && D % kLanes == 0,
+              "head_dim must match the cache, be a multiple of ", kLanes, " and at most ", kMaxHeadDim);
+  TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "Hq must be a multiple of Hkv, at most ", kMaxGroup, " query heads per kv head");
+  TORCH_CHECK(kv_indptr.scalar_type() == at::kInt && kv_indptr.is_contiguous() && kv_indptr.numel() == B + 1, "kv_indptr must be int32 [B+1]");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.is_contiguous(), "kv_indices must be contiguous int64");
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(indptr[b + 1] > indptr[b], "request ", b, " has no KV slots (a decode row attends at least to itself)");
+  }
+  TORCH_CHECK(indptr[0] >= 0 && indptr[B] <= kv_indices.numel(), "kv_indptr runs past kv_indices");
+  const int64_t* indices = kv_indices.data_ptr<int64_t>();
+  int64_t lo = 0, hi = 0;  // a slot outside the cache would read foreign memory: check them all (cheap next to the reads)
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+  for (int64_t i = indptr[0]; i < indptr[B]; ++i) {
+    lo = std::min(lo, indices[i]);
+    hi = std::max(hi, indices[i]);
+  }
+  TORCH_CHECK(lo >= 0 && hi < k_cache.size(0), "kv_indices holds a slot outside [0, ", k_cache.size(0), ")");
+  at::Tensor out = at::empty_like(q);
+  if (B == 0) return out;
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_kv<float>(q, k_cache, v_cache, indptr, indices, s, out); break;
+    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k_cache, v_cache, indptr, indices, s, out); break;
+    case at::kHalf: dispatch_kv<c10::Half>(q, k_cache, v_cache, indptr, indices, s, out); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported query dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sgl_lite, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_lite, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,218 @@
+"""The C++ paged decode kernel (cpu_kernel backend) against float64 references and the torch path.
+
+The op is built once per machine (cached); these tests fail rather than skip when it cannot be built,
+since CI runs on the machine class it targets.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_attention import naive_attention, random_batch
+
+from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
+from sgl_lite.runtime.layers.attention import cpu_kernel_loader
+from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, kv_cache_dtype
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner
+from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.testing.tiny_model import make_tiny_model
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.fixture(scope="module")
+def op():
+    built = cpu_kernel_loader.load_paged_decode_op()
+    assert built is not None, "the CPU decode kernel did not build on this machine"
+    return built
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """float64 softmax(q K^T * scale) V per request and query head over the cache as stored (8-bit values exactly)."""
+    num, hq, _ = q.shape
+    group = hq // k_cache.shape[1]
+    kc, vc = k_cache.double(), v_cache.double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(num):
+        slots = indices[indptr[b] : indptr[b + 1]]
+        keys, values = kc[slots], vc[slots]  # [L, Hkv, D]
+        for h in range(hq):
+            w = torch.softmax(keys[:, h // group] @ q[b, h].double() * scale, dim=0)
+            out[b, h] = w @ values[:, h // group]
+    return out
+
+
+def random_paged_inputs(seed: int, lens: list[int], hq: int, hkv: int, dim: int, dtype: torch.dtype, kv_dtype: torch.dtype):
+    """A pool with twice the needed slots plus padding slot 0, each request's slots a random subset (as after eviction)."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = 2 * sum(lens) + 1
+    k_cache = (torch.randn(num_slots, hkv, dim, generator=g) * 2).to(kv_dtype)
+    v_cache = torch.randn(num_slots, hkv, dim, generator=g).to(kv_dtype)
+    indices = (torch.randperm(num_slots - 1, generator=g)[: sum(lens)] + 1).to(torch.int64)
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(len(lens), hq, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, indptr, indices
+
+
+# (lengths, hq, hkv, dim): GQA groups 1..8, MQA, the model's 9/3 at dim 64, lengths 1..4096 (long ones are
+# split into chunks whose partial softmax states are merged).
+SHAPES = {
+    "smollm_gqa3": ([1, 2, 37, 300, 1000], 9, 3, 64),
+    "long_4k_split": ([4096], 8, 2, 128),
+    "many_short_mha": ([1, 3, 17, 31, 33, 64, 65, 5], 4, 4, 32),
+    "mqa_group8_uneven": ([2048, 1, 700, 260], 8, 1, 16),
+}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of the output (|out| < 2)
+
+
+@pytest.mark.parametrize("kv", ["same", "e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_kernel_matches_float64_reference(op, shape, dtype, kv):
+    lens, hq, hkv, dim = SHAPES[shape]
+    kv_dtype = dtype if kv == "same" else FP8[kv]
+    q, k_cache, v_cache, indptr, indices = random_paged_inputs(len(shape), lens, hq, hkv, dim, dtype, kv_dtype)
+    out = op(q, k_cache, v_cache, indptr, indices, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = reference(q, k_cache, v_cache, indptr, indices, dim**-0.5)
+    assert (out.double() - expected).abs().max() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_decode_is_exact_for_every_code(op, fmt):
+    """One slot per request: the output is that slot's V row, so it must equal torch's own fp8 -> fp32 conversion
+    for all 256 codes (subnormals, zeros of both signs, inf and NaN included)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8[fmt]).reshape(16, 1, 16)  # 16 requests x 16 dims
+    k_cache = torch.zeros(16, 1, 16, dtype=FP8[fmt])
+    q = torch.ones(16, 1, 16)
+    out = op(q, k_cache, codes, torch.arange(17, dtype=torch.int32), torch.arange(16), 1.0)
+    torch.testing.assert_close(out, codes.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_kernel_rejects_bad_metadata(op):
+    q, k_cache, v_cache, indptr, indices = random_paged_inputs(0, [3, 4], 4, 2, 16, torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, k_cache, v_cache, indptr, torch.tensor([1, 2, 3, 4, 5, 6, k_cache.shape[0]]), 0.25)
+    with pytest.raises(RuntimeError, match="has no KV slots"):
+        op(q, k_cache, v_cache, torch.tensor([0, 0, 7], dtype=torch.int32), indices, 0.25)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(q[..., :8].contiguous(), k_cache[..., :8].contiguous(), v_cache[..., :8].contiguous(), indptr, indices, 0.25)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("case", ["decode_only", "mixed"])
+def test_backend_matches_naive_on_mixed_batches(op, case, kv):
+    """Through the backend: KV writes (fp8 pools round and saturate), decode rows through the kernel in any
+    batch position, extend rows through SDPA; against a float64 naive reference over the stored pool."""
+    # Extend rows have a prefix: without one, SDPA reads the new rows before rounding, as SGLang's ragged prefill.
+    prefix_lens, extend_lens = {"decode_only": ([5, 120, 1, 40], [1, 1, 1, 1]),
+                                "mixed": ([33, 4, 5, 12, 2, 70], [1, 7, 1, 4, 1, 1])}[case]
+    pool, meta, q, k, v = random_batch(3, prefix_lens, extend_lens, 9, 3, d=32)
+    if kv != "auto":
+        fp8 = KVPool(2, pool.num_slots, 3, 32, kv_cache_dtype(kv, torch.float32))
+        for layer in range(2):
+            fp8.write(layer, torch.arange(1, pool.num_slots + 1), pool.k[layer][1:].nan_to_num(), pool.v[layer][1:].nan_to_num())
+        pool = fp8
+    backend = CpuKernelBackend(9, 3, 32, op)
+    backend.prepare(meta)
+    for layer in range(2):
+        out = backend.forward(layer, q, k * 300, v, pool)  # k * 300: beyond e4m3's range, the pool saturates
+        stored = KVPool(2, pool.num_slots, 3, 32, torch.float32)
+        stored.k = [c.float() for c in pool.k]
+        stored.v = [c.float() for c in pool.v]
+        assert torch.isfinite(stored.k[layer][meta.out_cache_loc]).all()
+        # scores reach ~1e4 here: fp32 rounding of the logits, not of the outputs, sets the tolerance
+        assert (out - naive_attention(meta, layer, q, stored)).abs().max() < 1e-4
+
+
+def test_torch_path_reads_fp8_pool():
+    """The torch reference backend converts 8-bit pools after its gather: same result as on the dequantized pool."""
+    pool, meta, q, k, v = random_batch(5, [20, 3, 2], [1, 1, 4], 4, 2, d=16)
+    fp8 = KVPool(2, pool.num_slots, 2, 16, torch.float8_e4m3fn)
+    for layer in range(2):
+        fp8.write(layer, torch.arange(1, pool.num_slots + 1), pool.k[layer][1:].nan_to_num(), pool.v[layer][1:].nan_to_num())
+    backend = TorchNativeBackend(4, 2, 16)
+    backend.prepare(meta)
+    out = backend.forward(0, q, k, v, fp8)
+    stored = KVPool(2, pool.num_slots, 2, 16, torch.float32)
+    stored.k, stored.v = [c.float() for c in fp8.k], [c.float() for c in fp8.v]
+    assert (out - naive_attention(meta, 0, q, stored)).abs().max() < 1e-5
+
+
+def test_auto_picks_the_kernel_on_cpu_and_falls_back(op, monkeypatch, caplog):
+    assert isinstance(create_backend("auto", torch.device("cpu"), 9, 3, 64), CpuKernelBackend)
+    # a head layout the kernel does not take: torch path, one log line
+    with caplog.at_level(logging.WARNING):
+        assert type(create_backend("cpu_kernel", torch.device("cpu"), 4, 2, 24)) is TorchNativeBackend
+    assert "does not support" in caplog.text
+
+
+def test_build_failure_falls_back_with_one_line(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernel_loader, "SOURCE", broken)
+    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernel_loader.load_paged_decode_op.__wrapped__() is None
+    warnings = [r for r in caplog.records if r.name == cpu_kernel_loader.logger.name and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "using the torch path" in warnings[0].getMessage()
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+
+
+def test_kv_cache_dtype_flag():
+    assert kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
+    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        ServerArgs(kv_cache_dtype="int4")
+    assert KVPool.bytes_per_slot(2, 3, 64, torch.float8_e4m3fn) * 2 == KVPool.bytes_per_slot(2, 3, 64, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa3(tmp_path_factory):
+    """A tiny Llama with SmolLM2's head layout (3 query heads per KV head), long enough positions for split contexts."""
+    from test_model import hf_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("gqa3"), hidden_size=96, num_heads=6, num_kv_heads=2)
+    return path, hf_model(path)
+
+
+def _runner(path, backend: str, kv: str = "auto") -> ModelRunner:
+    args = ServerArgs(model_path=str(path), dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=8,
+                      attention_backend=backend, kv_cache_dtype=kv)
+    return ModelRunner(args, model_dir=path)
+
+
+# 600 tokens: the kernel cuts that context into chunks (at least 256 tokens each) and merges them.
+LENGTHS = [600, 5, 37]
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch_native"])
+def test_tiny_model_greedy_matches_transformers_fp32(op, tiny_gqa3, backend):
+    from test_model import Driver, hf_greedy, prompts
+
+    path, ref = tiny_gqa3
+    runner = _runner(path, backend)
+    assert type(runner.attn) is {"cpu_kernel": CpuKernelBackend, "torch_native": TorchNativeBackend}[backend]
+    driver = Driver(runner)
+    batch = prompts(runner.vocab_size, LENGTHS, seed=11)
+    ours = driver.generate([driver.new_req(str(i), p) for i, p in enumerate(batch)], 24, chunk=256)
+    assert ours == [hf_greedy(ref, p, 24) for p in batch]
+
+
+def test_tiny_model_fp8_kv_kernel_matches_torch_path(op, tiny_gqa3):
+    """With an fp8 pool both backends read the same stored values: greedy outputs agree token for token."""
+    from test_model import Driver, prompts
+
+    path, _ = tiny_gqa3
+    outputs = []
+    for backend in ("cpu_kernel", "torch_native"):
+        runner = _runner(path, backend, kv="fp8_e4m3")
+        assert runner.kv_pool.dtype is torch.float8_e4m3fn and runner.kv_cache_summary()["dtype"] == "float8_e4m3fn"
+        driver = Driver(runner)
+        batch = prompts(runner.vocab_size, LENGTHS, seed=12)
+        outputs.append(driver.generate([driver.new_req(str(i), p) for i, p in enumerate(batch)], 16))
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,183 @@
+"""Hostile grammars (issue 16 item 2): caps checked at admission, conversion and compile off the
+scheduler thread, more than one compile worker, cancellation on abort, no busy loop while a grammar
+is pending, and a prompt exit on SIGTERM with a compile running.
+
+A "slow schema" is an object nested SLOW_LEVELS levels deep: xgrammar's conversion of it takes many
+seconds (super-linear in depth), so it stands for any expensive spec; the servers that take it run
+with the caps raised.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.testing.tiny_model import make_tiny_model
+from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
+
+pytestmark = pytest.mark.timeout(240)
+
+SLOW_LEVELS = 260
+RAISED_CAPS = dict(max_json_schema_depth=100_000, max_grammar_chars=10_000_000)
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> Iterator[Engine]:
+    with Engine(model_path=tiny_model, **SERVER_ARGS) as eng:
+        yield eng
+
+
+def raise_caps(engine: Engine, monkeypatch, **more: object) -> None:
+    """The limits are the core's flags (the scheduler reads them), not the transport's."""
+    for name, value in {**RAISED_CAPS, **more}.items():
+        monkeypatch.setattr(engine.core.scheduler.args, name, value)
+
+
+def compile_threads() -> int:
+    return sum(t.name == "grammar-compile" for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------- caps at admission
+
+
+@pytest.mark.parametrize("schema, named", [
+    (nested_schema(100), "--max-json-schema-depth 64"),  # 300 JSON levels
+    ({"enum": [f"value-number-{i}" for i in range(20_000)]}, "--max-grammar-chars 65536"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "only local references"),
+])
+def test_oversized_or_remote_schemas_are_refused_at_admission(engine, schema, named):
+    for given in (schema, json.dumps(schema)):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="json_schema") as info:
+            engine.generate("hi", {"max_new_tokens": 4, "json_schema": given})
+        assert named in str(info.value)
+        assert time.monotonic() - start < 2.0
+    assert not engine.core.scheduler.has_work()
+
+
+def test_a_schema_too_deep_for_the_json_parser_is_refused_by_depth(engine):
+    text = '{"a":' * 10_000 + "1" + "}" * 10_000  # under the size cap, past Python's recursion limit
+    with pytest.raises(ValueError, match="--max-json-schema-depth"):
+        engine.generate("hi", {"max_new_tokens": 4, "json_schema": text})
+
+
+def test_regex_and_ebnf_over_the_size_cap_are_refused(engine):
+    with pytest.raises(ValueError, match="regex of 70000 characters exceeds --max-grammar-chars"):
+        engine.generate("hi", {"max_new_tokens": 4, "regex": "a" * 70_000})
+    with pytest.raises(ValueError, match="ebnf of .* exceeds --max-grammar-chars"):
+        engine.generate("hi", {"max_new_tokens": 4, "ebnf": 'root ::= "' + "a" * 70_000 + '"'})
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+    {"$ref": "#"},
+])
+def test_a_self_referencing_schema_is_a_bad_request(engine, tmp_path, schema):
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=60) as client:
+            with pytest.raises(RuntimeRequestError, match="admits no output") as info:
+                client.generate("hi", sampling_params={"max_new_tokens": 4, "json_schema": json.dumps(schema)})
+            assert info.value.code == "bad_request"
+        still_serving(server.address)
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- compile off the scheduler thread
+
+
+def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_written_off(engine, tmp_path, monkeypatch):
+    steps = 0
+    real_step = engine.core.scheduler.step
+
+    def counting_step():
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    monkeypatch.setattr(engine.core.scheduler, "step", counting_step)
+    raise_caps(engine, monkeypatch)
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=120) as client:
+            slow = client.generate_stream("hi", rid="slow", sampling_params={
+                "max_new_tokens": 4, "json_schema": json.dumps(nested_schema(SLOW_LEVELS))})
+            time.sleep(0.5)  # its compile has started
+            assert engine.core.scheduler.stats()["num_grammar_pending"] == 1
+            # While it compiles the loop waits instead of spinning (old: thousands of steps a second).
+            steps_before = steps
+            time.sleep(1.0)
+            assert steps - steps_before < 400
+            start = time.monotonic()
+            plain = client.generate("The quick brown fox", sampling_params={"max_new_tokens": 4, "temperature": 0})
+            regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
+            assert time.monotonic() - start < 5.0, "a trivial request waited behind the slow compile"
+            assert len(plain.output_ids) == 4 and regex.text in ("yes", "no")
+            threads_before = compile_threads()
+            client.abort("slow")  # nobody waits for its compile any more
+            with pytest.raises(RuntimeRequestError, match="aborted"):
+                list(slow)
+            deadline = time.monotonic() + 10
+            while engine.core.scheduler.stats()["num_grammar_pending"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert compile_threads() == threads_before + 1  # a replacement worker; the old one ends with its compile
+            regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
+            assert regex.text in ("yes", "no")
+    finally:
+        server.stop()
+
+
+def test_a_compile_past_its_time_budget_is_refused(engine, tmp_path, monkeypatch):
+    raise_caps(engine, monkeypatch, grammar_compile_timeout=1.0)
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=60) as client:
+            start = time.monotonic()
+            with pytest.raises(RuntimeRequestError, match="--grammar-compile-timeout 1 s") as info:
+                client.generate("hi", sampling_params={"max_new_tokens": 4,
+                                                       "json_schema": json.dumps(nested_schema(SLOW_LEVELS + 1))})
+            assert info.value.code == "bad_request"
+            assert time.monotonic() - start < 5.0
+        still_serving(server.address)
+    finally:
+        server.stop()
+
+
+def test_sigterm_exits_promptly_while_a_grammar_compiles(tiny_model):
+    args = {**SERVER_ARGS, **RAISED_CAPS}
+    with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=60, **args) as rt:
+        stream = rt.client.generate_stream("hi", sampling_params={"max_new_tokens": 4,
+                                                                  "json_schema": json.dumps(nested_schema(SLOW_LEVELS + 2))})
+        deadline = time.monotonic() + 30
+        while rt.client.server_info()["num_grammar_pending"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        start = time.monotonic()
+        rt.process.send_signal(signal.SIGTERM)
+        rt.process.wait(30)
+        assert time.monotonic() - start < 5.0, "SIGTERM waited for the compile"
+        with pytest.raises(Exception):
+            list(stream)
