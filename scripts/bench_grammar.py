@@ -4,7 +4,7 @@
 Every request follows a JSON schema (with length-bounded strings, then with free ones) and advances by a random allowed token each
 step (restarting when it terminates), so the matchers visit varied states rather than the start state.
 
-    PYTHONPATH=. python scripts/bench_grammar.py [--batch 32] [--steps 200] [--out bench_grammar.json]
+    PYTHONPATH=. python scripts/bench_grammar.py [--batch 32] [--steps 200] [--out artifacts/bench_grammar.json]
 
 It also times an unconstrained decode step of the default model at the same batch size in the same
 run (scripts/bench_model.py's RunnerBench) and prints the mask cost as a fraction of that step.
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import xgrammar
 
+from sgl_lite.bench.artifacts import output_file
 from sgl_lite.runtime.sampling.grammar import GrammarBackend, apply_grammar_masks
 from sgl_lite.runtime.protocol import SamplingParams
 
@@ -154,7 +155,7 @@ def main() -> None:
         print(f"{name}: mask {results[name]['total_ms']:.2f} ms + model step {step_ms:.2f} ms at batch {args.batch} "
               f"-> the mask is {share:.0%} of a constrained decode step")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(output_file(args.out), "w") as f:
             json.dump(results, f, indent=2)
 
 

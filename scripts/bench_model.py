@@ -16,7 +16,7 @@ two limits:
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
 Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N]
-       [--variants torch_native,cpu_kernel,cpu_kernel/fp8_e4m3] [--out bench_model.json]
+       [--variants torch_native,cpu_kernel,cpu_kernel/fp8_e4m3] [--out artifacts/bench_model.json]
 The machine's load average is printed with the table: on a shared box, other processes skew every column
 (the variants' ratio within one run is the robust figure).
 """
@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
@@ -233,7 +234,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", default="bench_model.json")
+    parser.add_argument("--out", default=artifact_path("bench_model.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -295,7 +296,7 @@ def main() -> None:
               f"{'-' if 'vs_first_variant' not in r else format(r['vs_first_variant'], '.2f') + 'x'} | "
               f"{'-' if hf is None else format(hf, '.1f')} | {r['limit']:.1f} | {'-' if mem is None else format(mem, '.1f')} | "
               f"{r['sgl_lite'] / r['limit']:.0%} | {'-' if mem is None else format(r['sgl_lite'] / mem, '.0%')} | {r['matmul_gflops']:.1f} |")
-    out = Path(args.out)
+    out = output_file(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
                                "load_average": load, "read_bandwidth": bandwidth, "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")

@@ -9,7 +9,7 @@ follows the tree, a step reads only the head of the order), rescan (SGLang's way
 request re-matched each step, --disable-incremental-ordering) and rescan with SGLang's fallback to
 fcfs above 128 waiting requests.
 
-    python scripts/bench_scheduler.py [--sizes 128 1000 10000] [--rounds 10] [--cpu-time] [--out bench_scheduler.json]
+    python scripts/bench_scheduler.py [--sizes 128 1000 10000] [--rounds 10] [--cpu-time] [--out artifacts/bench_scheduler.json]
 
 --cpu-time measures this thread's CPU time instead of wall time: on a shared box, other processes
 then do not inflate the numbers (wall time is the default, as the runtime experiences it).
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fake_runner import FakeRunner  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.managers.scheduler import Scheduler  # noqa: E402
@@ -73,8 +74,8 @@ def bench_one(policy: str, extra: dict, num_waiting: int, rounds: int, max_runni
     sched = Scheduler(args, runner, eos_token_ids=(), context_length=512)
     work = Workload(seed=1)
     for prefix in work.prefixes:  # warm the cache with every shared prefix
-        slots = sched.allocator.alloc(len(prefix))
-        sched.tree_cache.insert(prefix, slots)
+        slots = sched.kv.allocator.alloc(len(prefix))
+        sched.kv.tree_cache.insert(prefix, slots)
     for _ in range(num_waiting):
         sched.add_request(work.request())
 
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--cpu-time", action="store_true", help="time with this thread's CPU clock instead of wall time")
-    parser.add_argument("--out", default="bench_scheduler.json")
+    parser.add_argument("--out", default=artifact_path("bench_scheduler.json"))
     opts = parser.parse_args()
     global timer
     timer = time.thread_time if opts.cpu_time else time.perf_counter
@@ -139,7 +140,7 @@ def main() -> None:
             results.append(r)
             print(f"{policy:<34}{n:>9}{r['active_policy']:>18}{r['order_us_median']:>11.0f}{r['schedule_us_median']:>11.0f}"
                   f"{r['step_us_median']:>11.0f}{r['admitted_per_round']:>10.1f}", flush=True)
-    Path(opts.out).write_text(json.dumps({"max_running": opts.max_running, "load_average": os.getloadavg()[0],
+    output_file(opts.out).write_text(json.dumps({"max_running": opts.max_running, "load_average": os.getloadavg()[0],
                                           "clock": "thread CPU time" if opts.cpu_time else "wall time",
                                           "results": results}, indent=2))
     print(f"wrote {opts.out}")

@@ -11,7 +11,7 @@ naive transformers server, on one reproducible workload.
 
 Any runtime flag (--max-total-tokens, --schedule-policy, --dtype, ...) is passed to the runtimes it
 starts (every replica of a router-dpN system too). Writes a JSON report and PNG plots to
---output-dir (default bench_results/).
+--output-dir (default artifacts/bench/).
 """
 
 from __future__ import annotations

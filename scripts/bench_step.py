@@ -18,7 +18,7 @@ time if scheduling and preparation were free.
 Prints a markdown table, writes JSON and a PNG (stacked bars) when matplotlib is installed.
 `--profile-batch B` also runs torch.profiler over a few steps at batch B and prints its top ops
 (a cross-check of the timers: the scheduler's Python shows up as time outside any torch op).
-Usage: python scripts/bench_step.py [--batch-sizes 32,8,1] [--steps 32] [--prompt-len 128] [--out bench_step.json]
+Usage: python scripts/bench_step.py [--batch-sizes 32,8,1] [--steps 32] [--prompt-len 128] [--out artifacts/bench_step.json]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.model_executor import loader  # noqa: E402
 from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size (medians are reported)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile-batch", type=int, default=None, help="also run torch.profiler at this batch size")
-    parser.add_argument("--out", default="bench_step.json")
+    parser.add_argument("--out", default=artifact_path("bench_step.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
@@ -199,7 +200,7 @@ def main() -> None:
         r["sched_prep_share"] = share
         print(f"| {r['batch']} | {r['wall'] * 1e3:.1f} | " + " | ".join(f"{r[p] * 1e3:.2f}" for p in PHASES)
               + f" | {share:.1%} | {r['baseline'] * 1e3:.1f} | {r['wall'] / r['baseline']:.2f}x | {r['batch'] / r['wall']:.0f} |")
-    out = Path(args.out)
+    out = output_file(args.out)
     out.write_text(json.dumps({"load_average": load, "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
                                "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")

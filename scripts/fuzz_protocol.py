@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgspec  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.lang.launcher import Runtime  # noqa: E402
@@ -116,7 +117,7 @@ def main() -> int:
     p.add_argument("--server-messages", type=int, default=10000)
     p.add_argument("--valid-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="fuzz_report.json")
+    p.add_argument("--output", default=artifact_path("fuzz_report.json"))
     args = p.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model = args.model_path or str(make_tiny_model(Path(tmp.name) / "model"))
@@ -149,7 +150,7 @@ def main() -> int:
     problems += stats.problems + server_problems
     report["num_problems"] = len(problems)
     report["problems"] = problems[:50]
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    output_file(args.output).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "problems"}), flush=True)
     for problem in problems[:20]:
         print("PROBLEM:", problem, flush=True)

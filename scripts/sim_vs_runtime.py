@@ -4,13 +4,13 @@ Runs the workload in process on the real ModelRunner (wall-clock time, the simul
 loop) and then in the simulator with the runtime's pool size, row limit and context length, and
 prints cache hit rate (equal when arrivals do not depend on timing, e.g. --request-rate inf),
 throughput and TTFT side by side. Targets: hit rate equal on the tiny model; throughput within 20%
-on the default model (calibrate first: python scripts/bench_model.py --out bench_model.json).
+on the default model (calibrate first: python scripts/bench_model.py, which writes artifacts/bench_model.json).
 Run it on a quiet machine: the calibration and the real run must see the same CPU; on a box whose
 load average exceeds its core count, torch's threads stall and real steps take 10-100x longer.
 The load average at the start and the end is printed and written to the JSON.
 
     python scripts/sim_vs_runtime.py --model tiny                       # hit-rate check, seconds
-    python scripts/sim_vs_runtime.py --calibration bench_model.json     # SmolLM2-135M, minutes
+    python scripts/sim_vs_runtime.py --calibration artifacts/bench_model.json     # SmolLM2-135M, minutes
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sgl_lite.bench.artifacts import artifact_path, output_file
 from sgl_lite.bench.workloads import Vocabulary, multiturn_agent
 from sgl_lite.runtime.server.core import RuntimeCore
 from sgl_lite.runtime.server_args import ServerArgs
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--max-running-requests", type=int, default=8)
     parser.add_argument("--max-total-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (use bench_model.py's --threads for the calibration)")
-    parser.add_argument("--out", default="sim_vs_runtime.json")
+    parser.add_argument("--out", default=artifact_path("sim_vs_runtime.json"))
     opts = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if opts.threads:
@@ -105,7 +106,7 @@ def main() -> None:
         a, b = real.summary[key], sim.summary[key]
         ratio = f"{b / a:.2f}" if a else "-"
         print(f"| {label} | {a:.4g} | {b:.4g} | {ratio} |")
-    Path(opts.out).write_text(json.dumps({"model": model, "policy": opts.policy, "cost_model": cost.to_json(),
+    output_file(opts.out).write_text(json.dumps({"model": model, "policy": opts.policy, "cost_model": cost.to_json(),
                                           "load_average": [load_before, load_after],
                                           "runtime": real.summary, "simulator": sim.summary}, indent=2))
     print(f"\nwrote {opts.out}")

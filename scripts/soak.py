@@ -28,6 +28,7 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
@@ -62,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rss-every", type=int, default=1000, help="Sample the server's RSS after every N requests.")
     p.add_argument("--rss-tolerance-mib", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="soak_report.json")
+    p.add_argument("--output", default=artifact_path("soak_report.json"))
     return p.parse_args()
 
 
@@ -103,7 +104,7 @@ def main() -> int:
               "num_retractions": info["num_retractions"], "num_preemptions": info["num_preemptions"],
               "cache_hit_rate": info["cache_hit_rate"], "num_problems": len(problems), "problems": problems[:50],
               "server_args": server_args, "fault_every": args.fault_every}
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    output_file(args.output).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "server_args")}), flush=True)
     for problem in problems[:20]:
         print("PROBLEM:", problem, flush=True)

@@ -12,7 +12,6 @@ import logging
 import re
 import shlex
 import sys
-import types
 import typing
 from typing import Any, Callable
 
@@ -20,8 +19,7 @@ import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
 from sgl_lite.runtime.openmp_env import prefer_passive_wait
-from sgl_lite.runtime.server_args import API_KEY_ENV
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, field_base_type, flag_of
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
 _PARENT_DEATH_GRACE_S = 5.0
@@ -29,21 +27,13 @@ _PARENT_DEATH_GRACE_S = 5.0
 _ENV_VARS = {"api_key": API_KEY_ENV}
 
 
-def _field_base_type(annotation: Any) -> type:
-    """`int | None` -> int; plain types unchanged."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return base
-    return annotation
-
-
 def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
-    flag = "--" + f.name.replace("_", "-")
+    flag = flag_of(f.name)
     aliases = list(f.metadata.get("aliases", ()))  # SGLang's short spellings (--model, --tp)
     help_text = f.metadata.get("help", "")
-    base = _field_base_type(annotation)
+    base = field_base_type(annotation)
     if base is bool:
-        decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
+        decls = [f"{flag}/{flag_of(f.name, negated=True)}"] if f.default else [flag]
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
     click_type: Any = _HintedChoice(choices, f.metadata.get("hints", {})) if choices else base

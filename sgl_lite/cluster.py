@@ -1,6 +1,6 @@
 """`sgl-lite serve --dp N`: N runtime replicas, each with its HTTP front, behind SGLang's own router.
 
-Data parallelism uses existing engines (ARCHITECTURE.md, "Scale-out"): every replica is an ordinary
+Data parallelism uses existing engines (docs/scale-out.md): every replica is an ordinary
 `sgl-lite serve` process, whose HTTP front speaks SGLang's worker API (sgl_lite.http), and
 `sglang-router` (pip install sglang-router==0.3.2) routes between them, by default with its cache-aware
 policy, which sends a request to the replica whose radix cache most likely holds its prefix.
@@ -87,10 +87,10 @@ def router_command(worker_urls: list[str], host: str, port: int, policy: str, lo
     """
     # cache_aware balances load only when replicas differ by more than --balance-abs-threshold requests
     # in flight (64 by default): agent sessions sharing a long system prompt would all match one replica
-    # and leave the others idle (measured in README, "Scale-out"). At 1 it sends a request to the
-    # least-loaded replica whenever loads differ by 2+ requests (and by 1.5x), else by cache match: in
-    # the measured agent runs first turns spread 50/50 and later turns kept their cache. Flags given
-    # later (router_args) override this.
+    # and leave the others idle (measured in README.md, "Scale-out: replicas behind sglang-router"). At 1
+    # it sends a request to the least-loaded replica whenever loads differ by 2+ requests (and by 1.5x),
+    # else by cache match: in the measured agent runs first turns spread 50/50 and later turns kept their
+    # cache. Flags given later (router_args) override this.
     balance = ["--balance-abs-threshold", "1"] if policy == "cache_aware" else []
     return [sys.executable, "-c", _ROUTER_BOOTSTRAP, "--host", host, "--port", str(port),
             "--policy", policy, *balance, "--worker-urls", *worker_urls,

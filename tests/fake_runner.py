@@ -96,11 +96,8 @@ class FakeRunner(ModelRunnerBase):
             if batch.sample[i]:
                 tok = next_token(seen, self.vocab_size)
                 next_ids.append(tok)
-                lp = input_logprob(seen, tok) if req.return_logprob else None
                 if req.return_logprob:
-                    req.output_token_logprobs.append(lp)
-                logprobs.append(lp)
+                    req.output_token_logprobs.append(input_logprob(seen, tok))
             else:
                 next_ids.append(None)
-                logprobs.append(None)
-        return ForwardOutput(next_ids, logprobs)
+        return ForwardOutput(next_ids)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
@@ -110,6 +113,35 @@ def test_stream_chunks_are_sglangs(engine: Engine) -> None:
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
 
 
+def test_stream_never_sends_a_stop_string_prefix_the_final_text_cuts(engine: Engine) -> None:
+    prompt = "Berlin is the capital of"
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+    decode = engine.core.decode
+    ids = free["output_ids"]
+    # A stop string made of the text of two output tokens, whose first part arrives a step before
+    # the token that completes it: a stream that re-decodes each step sends that part, then the
+    # final text cuts it.
+    def stop_at(k: int) -> str:  # the text of tokens k and k + 1
+        return decode(ids[: k + 2])[len(decode(ids[:k])):]
+
+    start = next(k for k in range(1, len(ids) - 2)
+                 if len(decode(ids[: k + 1])) > len(decode(ids[:k])) and not stop_at(k).endswith("\ufffd")
+                 and len(stop_at(k)) > len(decode(ids[: k + 1])) - len(decode(ids[:k]))
+                 and stop_at(k) not in decode(ids[: k + 1]))
+    stop = stop_at(start)
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop": [stop]}
+    chunks = list(engine.generate(prompt, params, stream=True))
+    final = engine.generate(prompt, params)
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # Chunks hold the text so far (SGLang's Engine shape): each must be a prefix of the final text,
+    # and the last one is the final text.
+    for chunk in chunks:
+        assert final["text"].startswith(chunk["text"]), \
+            f"streamed {chunk['text']!r}, which the final text {final['text']!r} does not start with"
+    assert chunks[-1]["text"] == final["text"] == decode(ids[:start])
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+
+
 def test_constrained_request_waits_for_its_grammar(engine: Engine) -> None:
     out = engine.generate("The number is", {"temperature": 0, "max_new_tokens": 10, "regex": "[0-9]{3}"})
     assert len(out["text"]) == 3 and out["text"].isdigit()
@@ -137,3 +169,17 @@ def test_default_model_second_prompt_hits_cache(default_model_dir: Path) -> None
         assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
         assert again["output_ids"] == first["output_ids"]
         eng.core.scheduler.check_invariant()
+
+
+def test_sampler_and_stop_check_share_one_eos_set(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """min_new_tokens keeps exactly the EOS ids from being sampled that the stop check ends on: the
+    model config's and the tokenizer's, resolved once at startup (here they differ)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer_eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    config["eos_token_id"] = tokenizer_eos + 1
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with Engine(model_path=str(model_dir), max_total_tokens=512, dtype="float32", device="cpu") as eng:
+        sampler_eos = set(eng.core.runner.sampler.eos_token_ids)
+        assert sampler_eos == set(eng.core.scheduler.stop_checker.eos_token_ids) == {tokenizer_eos, tokenizer_eos + 1}

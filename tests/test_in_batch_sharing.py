@@ -64,7 +64,7 @@ def test_requests_arriving_together_compute_the_shared_prefix_once(disable: bool
         assert [r.cached_tokens for r in reqs] == [0, 40, 40, 40]
     # Either way the tree ends holding the shared part once.
     # (a finished request's last output token has no KV)
-    assert sched.tree_cache.total_size() == 40 + sum(len(r.input_ids) - 40 + 6 - 1 for r in reqs)
+    assert sched.kv.tree_cache.total_size() == 40 + sum(len(r.input_ids) - 40 + 6 - 1 for r in reqs)
     again = req("b", shared + [9, 9], max_new=3)
     sched.add_request(again)
     run_to_end(sched)
@@ -173,7 +173,7 @@ def test_a_chunked_request_can_borrow() -> None:
 
 
 def _no_slot_twice_on_the_free_list(sched) -> None:
-    free = sched.allocator._free.tolist()
+    free = sched.kv.allocator._free.tolist()
     assert len(free) == len(set(free)), "a slot is on the free list twice (double free)"
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import sgl_lite as sgl
 from sgl_lite.lang.chat_template import CHATML, chat_template_from_jinja, chat_template_from_model_info
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, SglExprList, SglGen, SglSamplingParams
 
 SMOLLM2_TEMPLATE = (
@@ -61,7 +62,7 @@ def test_signatures_match_sglang():
         assert _params(getattr(sgl, f"{role}_begin")) == []
         assert _params(getattr(sgl, f"{role}_end")) == []
     assert _params(sgl.set_default_backend) == [("backend", inspect.Parameter.empty)]
-    assert _params(sgl.flush_cache) == [("backend", None), ("empty_cache", True)]
+    assert _params(sgl.flush_cache) == [("backend", None)]
     assert _params(sgl.get_server_info) == [("backend", None)]
 
     @sgl.function
@@ -95,10 +96,10 @@ def test_dtype_regexes_are_sglangs():
         "str": sgl.gen_string("x", stop="!").sampling_params.to_runtime_params(),
         "bool": sgl.gen("x", dtype=bool).sampling_params.to_runtime_params(),
     }
-    assert params["int"] == {"regex": REGEX_INT, "stop": [" ", "\n"]}
-    assert params["float"] == {"regex": REGEX_FLOAT, "stop": [" ", "\n"]}
-    assert params["str"] == {"regex": REGEX_STR, "stop": ["!"]}
-    assert params["bool"] == {"regex": REGEX_BOOL}
+    assert params["int"] == SamplingParams(regex=REGEX_INT, stop=[" ", "\n"])
+    assert params["float"] == SamplingParams(regex=REGEX_FLOAT, stop=[" ", "\n"])
+    assert params["str"] == SamplingParams(regex=REGEX_STR, stop=["!"])
+    assert params["bool"] == SamplingParams(regex=REGEX_BOOL)
     assert re.fullmatch(REGEX_INT, "-42 ") and not re.fullmatch(REGEX_INT, "4.2")
     with pytest.raises(ValueError, match="dtype"):
         sgl.gen("x", dtype=list).sampling_params.to_runtime_params()
@@ -111,9 +112,9 @@ def test_gen_params_forwarded_and_defaults_resolved():
                    top_k=5)
     defaults = SglSamplingParams(max_new_tokens=128, temperature=1.0, top_p=0.9, priority=3)
     merged = expr.sampling_params.resolve(defaults)
-    assert merged.to_runtime_params() == {
-        "max_new_tokens": 7, "min_new_tokens": 2, "stop": ["\n"], "temperature": 0, "top_p": 0.9, "top_k": 5,
-        "json_schema": '{"type":"integer"}'}
+    assert merged.to_runtime_params() == SamplingParams(
+        max_new_tokens=7, min_new_tokens=2, stop=["\n"], temperature=0, top_p=0.9, top_k=5,
+        json_schema='{"type":"integer"}')
     assert merged.priority == 3 and defaults.max_new_tokens == 128
 
 

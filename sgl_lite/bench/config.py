@@ -15,9 +15,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from sgl_lite.bench.artifacts import artifact_path
 from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts at import
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
 
 SYSTEM_NAMES = ("sgl_lite", "no-cache", "hf")
 # `router-dpN`: the benchmark starts N replicas behind sglang-router (sgl_lite.cluster) and drives
@@ -61,7 +62,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     # baselines and output
     naive_batch_size: int = 8
-    output_dir: str = "bench_results"
+    output_dir: str = artifact_path("bench")
     plots: bool = True
     progress: bool = True
     startup_timeout: float = 900.0
@@ -161,11 +162,6 @@ _HELP = {
 }
 
 
-def _base_type(annotation: Any) -> Any:
-    """`int | None` -> int; plain types unchanged."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if len(args) == 1 else annotation
-
 
 def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -176,8 +172,8 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
     for f in dataclasses.fields(BenchConfig):
         if f.name == "server_args":
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(hints[f.name])
+        flag = flag_of(f.name)
+        kind = field_base_type(hints[f.name])
         help_text = _HELP[f.name]
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -194,8 +190,8 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
     for f in dataclasses.fields(ServerArgs):
         if f.name in _OWN_SERVER_FIELDS:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(server_hints[f.name])
+        flag = flag_of(f.name)
+        kind = field_base_type(server_hints[f.name])
         common: dict[str, Any] = dict(dest="server_arg__" + f.name, default=argparse.SUPPRESS,
                                     metavar=f.name.upper(), help=f.metadata["help"])
         if kind is bool:

@@ -42,11 +42,11 @@ def _endpoint(backend: Any) -> Any:
     return getattr(backend, "endpoint", backend)
 
 
-def flush_cache(backend: Any = None, empty_cache: bool = True) -> bool:
+def flush_cache(backend: Any = None) -> bool:
     backend = _endpoint(backend)
     if backend is None:
         return False
-    return backend.flush_cache(empty_cache=empty_cache)
+    return backend.flush_cache()
 
 
 def get_server_info(backend: Any = None) -> Optional[dict[str, Any]]:

@@ -89,7 +89,7 @@ class RuntimeEndpoint(BaseBackend):
         with ThreadPoolExecutor(len(requests), thread_name_prefix="sgl-prefill") as pool:
             return list(pool.map(send, requests))
 
-    def flush_cache(self, empty_cache: bool = True) -> bool:
+    def flush_cache(self) -> bool:
         return self.client.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:

@@ -63,7 +63,6 @@ class StreamExecutor:
         self.is_finished = False
         self.cur_role: Optional[str] = None
         self.cur_role_begin_pos = 0
-        self.fork_start_text_pos: Optional[int] = None
         # Set whenever text or a streamed variable grows (streaming readers poll on it).
         self.stream_event = threading.Event()
 

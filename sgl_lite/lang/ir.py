@@ -11,6 +11,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from sgl_lite.runtime.protocol import SamplingParams
+
 if TYPE_CHECKING:
     from sgl_lite.lang.choices import ChoicesSamplingMethod
     from sgl_lite.lang.function import SglFunction
@@ -30,7 +32,8 @@ class SglSamplingParams:
     """Sampling parameters of one gen call, or the program-wide defaults given to run().
 
     In a gen call every field left None means "use the program default"; `resolve` merges.
-    Field names follow SGLang's frontend; `to_runtime_params` maps them to the wire's SamplingParams.
+    Field names follow SGLang's frontend; `to_runtime_params` maps them to the wire's SamplingParams (the
+    one mapping from the DSL to the runtime).
     """
 
     max_new_tokens: Optional[int] = None
@@ -77,8 +80,8 @@ class SglSamplingParams:
         if self.stop_regex:
             raise ValueError("gen(stop_regex=...) is not supported by sgl_lite; use stop= strings")
 
-    def to_runtime_params(self) -> dict[str, Any]:
-        """The sampling_params dict for the runtime: dtype turned into its regex, None fields dropped."""
+    def to_runtime_params(self) -> SamplingParams:
+        """The wire's SamplingParams: dtype turned into its regex, fields left None take the runtime's defaults."""
         self.check_supported()
         stop = self.stop_list()
         regex = self.regex
@@ -100,7 +103,7 @@ class SglSamplingParams:
             "regex": regex,
             "json_schema": self.json_schema,
         }
-        return {k: v for k, v in params.items() if v is not None}
+        return SamplingParams(**{k: v for k, v in params.items() if v is not None})
 
 
 def dtype_to_regex(dtype: Union[type, str]) -> tuple[str, list[str]]:

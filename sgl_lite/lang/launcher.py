@@ -27,7 +27,7 @@ from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.client.discovery import http_json
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.protocol import READY_PREFIX
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import ServerArgs, flag_of
 
 STDERR_TAIL_LINES = 40
 DEFAULT_STARTUP_TIMEOUT = 600.0
@@ -46,11 +46,10 @@ def server_flags(args: ServerArgs) -> list[str]:
         value = getattr(args, f.name)
         if value == getattr(defaults, f.name):
             continue
-        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
+            flags.append(flag_of(f.name, negated=not value))
         elif value is not None:
-            flags += [flag, str(value)]
+            flags += [flag_of(f.name), str(value)]
     return flags
 
 

@@ -95,7 +95,6 @@ class ProgramState:
             child.messages_ = list(executor.messages_)
             child.cur_role = executor.cur_role
             child.cur_role_begin_pos = executor.cur_role_begin_pos
-            child.fork_start_text_pos = len(executor.text_)
             child.error_ = executor.error_
             branches.append(ProgramState(child))
         return ProgramStateGroup(branches, self)

@@ -31,6 +31,10 @@ READY_PREFIX = "SGL_LITE_READY"
 FLOAT32_MAX = 3.4028234663852886e38  # logits are divided by the temperature in float32
 GREEDY_TEMPERATURE_EPS = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
+# No served model has a longer context: a longer input_ids list is refused while it is decoded, from its
+# length alone, before any element is read (the runtime's context-length check applies below this).
+MAX_PROMPT_TOKENS = 2**20
+PromptIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 # A request id: a non-empty string (the empty one is the keepalive's, see the module docstring) of
 # bounded length, since replies carry it back: a huge rid would make every reply huge.
 MAX_RID_CHARS = 256
@@ -114,15 +118,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-def sampling_params_from_dict(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
-    """Convert a user dict (Engine, HTTP) into SamplingParams; ValueError names an unknown or mistyped key."""
+def to_sampling_params(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    """Convert a user dict (Engine, HTTP) into SamplingParams, checking only keys and types (ValueError
+    names an unknown or mistyped key); the runtime checks the values once, when it queues the request."""
     if isinstance(params, SamplingParams):
-        out = params
-    else:
-        try:
-            out = msgspec.convert(params or {}, SamplingParams)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"invalid sampling_params: {e}") from None
+        return params
+    try:
+        return msgspec.convert(params or {}, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid sampling_params: {e}") from None
+
+
+def sampling_params_from_dict(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    """`to_sampling_params` plus the value checks, for clients that refuse bad values before sending (HTTP)."""
+    out = to_sampling_params(params)
     out.validate()
     return out
 
@@ -135,7 +144,7 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
     rid: RequestId
     text: Union[str, None] = None
-    input_ids: Union[list[int], None] = None
+    input_ids: Union[PromptIds, None] = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
     return_logprob: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,9 +109,9 @@ class ServerArgs:
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
             if hint is not None:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)}: {hint}")
+                raise ValueError(f"{flag_of(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
-                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+                raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
@@ -120,7 +121,7 @@ class ServerArgs:
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"{_flag(name)} must be positive; got {value}")
+                raise ValueError(f"{flag_of(name)} must be positive; got {value}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -136,7 +137,7 @@ class ServerArgs:
         for name in ("port", "zmq_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
-                raise ValueError(f"{_flag(name)} must be in 0..65535; got {value}")
+                raise ValueError(f"{flag_of(name)} must be in 0..65535; got {value}")
         if self.port and self.resolved_zmq_port() == self.port:
             raise ValueError(f"--zmq-port must differ from --port (the HTTP port); both are {self.port}")
         if self.port == 65535 and self.zmq_port is None:
@@ -169,8 +170,16 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_of(name: str, negated: bool = False) -> str:
+    """The command-line flag of a field, SGLang's rule: `max_running_requests` -> `--max-running-requests`
+    (`--no-...` for a negated boolean). The CLI, the Runtime launcher and the benchmark all use this."""
+    return ("--no-" if negated else "--") + name.replace("_", "-")
+
+
+def field_base_type(annotation: Any) -> Any:
+    """`int | None` -> int; plain types unchanged: the type a flag's value is parsed as."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}

@@ -1,7 +1,7 @@
 """`sgl-lite simulate`: replay a workload under each queue policy in virtual time; table, JSON, plot.
 
     sgl-lite simulate --workload shared-prefix -w gsp_num_groups=16 -s max_running_requests=8 \\
-        --request-rate 4 --calibration bench_model.json --out sim/shared.json
+        --request-rate 4 --calibration artifacts/bench_model.json --out artifacts/shared.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from sgl_lite.bench.artifacts import artifact_path, output_file
 from sgl_lite.bench.config import BenchConfig, make_workload
 from sgl_lite.bench.workloads import WORKLOAD_NAMES
 from sgl_lite.runtime.server_args import ServerArgs
@@ -110,7 +111,7 @@ def write_plot(summaries: list[dict[str, Any]], path: Path) -> bool:
 @click.option("--think-time", type=float, default=0.0, show_default=True, help="Virtual seconds between a turn's finish and the next turn.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
               help="scripts/bench_model.py JSON to calibrate the step cost (default: built-in numbers for a 2-core CPU).")
-@click.option("--out", type=click.Path(dir_okay=False), default="sim_results/simulate.json", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default=artifact_path("simulate.json"), show_default=True)
 @click.option("--plot/--no-plot", default=True, show_default=True)
 def simulate_command(workload: str, trace: str | None, workload_option: tuple[str, ...], server_arg: tuple[str, ...],
                      policies: str, request_rate: float, priorities: str, seed: int, think_time: float,
@@ -144,8 +145,7 @@ def simulate_command(workload: str, trace: str | None, workload_option: tuple[st
         result = simulate(sessions, policy_args(base, policy), cost, policy=policy, think_time_s=think_time)
         summaries.append(result.summary)
     print_table(summaries)
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = output_file(out)
     report = {"workload": trace or workload, "workload_options": list(workload_option), "server_args": server_values,
               "request_rate": request_rate, "seed": seed, "cost_model": cost.to_json(), "results": summaries}
     out_path.write_text(json.dumps(report, indent=2))

@@ -131,4 +131,4 @@ class CostModelRunner(ModelRunnerBase):
         self.busy_s += cost
         tokens = [sim_token(r.fill_ids[: p + n], self.vocab_size) if s else None
                   for r, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)]
-        return ForwardOutput(tokens, [None] * len(tokens))
+        return ForwardOutput(tokens)

@@ -180,7 +180,6 @@ def run_fuzzed_request(core: Any, fields: dict) -> str:
     """
     from sgl_lite.runtime.managers.request import FinishKind
 
-    scheduler = core.scheduler
     try:
         msg = protocol.decode_request(msgspec.msgpack.encode(fields))
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -191,13 +190,13 @@ def run_fuzzed_request(core: Any, fields: dict) -> str:
         req = core.make_req("fuzz", msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
                             logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
                             priority=msg.priority, stream=msg.stream)
-        scheduler.add_request(req)
+        core.submit(req)
     except ValueError as e:
         assert str(e), "a refusal must say why"
-        assert not scheduler.has_work(), "a refused request must not be queued"
+        assert not core.has_work(), "a refused request must not be queued"
         return "refused"
-    while scheduler.has_work():
-        scheduler.step()
+    while core.has_work():
+        core.step()
     reason = req.finished_reason
     assert reason is not None
     if reason.kind is FinishKind.ABORT and reason.error_code == "bad_request":
@@ -206,7 +205,7 @@ def run_fuzzed_request(core: Any, fields: dict) -> str:
     assert reason.kind is not FinishKind.ABORT, reason
     core.output_text(req)
     core.meta_info(req)
-    scheduler.check_invariant()
+    core.check_invariant()
     return "ran"
 
 

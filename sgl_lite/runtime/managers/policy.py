@@ -21,7 +21,7 @@ Semantics follow SGLang 0.5.7's `SchedulePolicy.calc_priority`:
 - With --enable-priority-scheduling, the policy's order is refined by a stable sort on priority,
   so priority comes first and the policy (fcfs: arrival) breaks ties.
 
-sgl_lite additions (README, "Scheduling beyond SGLang"):
+sgl_lite additions (docs/scheduling.md, "Scheduling beyond SGLang"):
 - `--priority-aging-rate r`: the priority sort uses priority + r * (seconds since arrival), in the
   urgent direction, so a request at most D priority units worse than a stream of fresh arrivals is
   ordered before them once it has waited D / r seconds (0: SGLang's static priority).

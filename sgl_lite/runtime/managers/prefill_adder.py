@@ -79,7 +79,6 @@ class PrefillAdder:
         self.cur_rem_offset = mixed_decode_tokens
         self.plans: list[PlannedExtend] = []
         self.new_chunked_req: Req | None = None
-        self.hit_tokens = 0
 
     # ------------------------------------------------------------------ budgets
 
@@ -160,7 +159,6 @@ class PrefillAdder:
             self.plans.append(PlannedExtend(req, match, borrowed + chunk, borrow))
             self.new_chunked_req = req
             self._update_budget(chunk, 0)
-        self.hit_tokens += match.length
         return True, self.budget_state()
 
     def tokens_short(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> float:

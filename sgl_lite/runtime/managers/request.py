@@ -70,7 +70,6 @@ class Req:
     first_token_time: float | None = None
     num_retractions: int = 0
     num_preemptions: int = 0
-    is_chunked: bool = False  # a chunk of its prompt is computed but not all of it
 
     # Logprobs, filled by the model runner when return_logprob is set.
     input_token_logprobs: list[float] = field(default_factory=list)

@@ -37,7 +37,7 @@ from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
-from sgl_lite.runtime.managers.validation import AdmissionChecks
+from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import StopChecker
 
@@ -46,10 +46,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-
-
-class QueueFullError(ValueError):
-    """The waiting queue holds --max-queued-requests requests."""
 
 
 class Scheduler:
@@ -70,15 +66,14 @@ class Scheduler:
         self.req_to_token = runner.req_to_token
         self.num_slots: int = runner.num_slots  # type: ignore[attr-defined]
         self.kv = ReqKV(self.num_slots, self.req_to_token, args.disable_radix_cache)
-        self.allocator, self.tree_cache = self.kv.allocator, self.kv.tree_cache
-        self.policy = SchedulePolicy(args, self.tree_cache, clock)
+        self.policy = SchedulePolicy(args, self.kv.tree_cache, clock)
         self.max_running_requests = min(args.max_running_requests or self.req_to_token.max_requests,
                                         self.req_to_token.max_requests)
         on_cuda = self.req_to_token.table.device.type == "cuda"
         chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else (8192 if on_cuda else 2048)
         self.chunk_size: int | None = None if chunk == -1 else chunk
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
-        self.checks = AdmissionChecks(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
+        self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
@@ -106,9 +101,9 @@ class Scheduler:
         """Validate and queue `req`; ValueError (QueueFullError when full) names what is wrong."""
         if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        matcher_future = self.checks.validate(req)
-        if self.checks.priority_default is not None and req.priority is None:
-            req.priority = self.checks.priority_default
+        matcher_future = self.validator.validate(req)
+        if self.validator.priority_default is not None and req.priority is None:
+            req.priority = self.validator.priority_default
         self._make_queue_room(req)
         req.queue_enter_time = self.clock()
         self._live[req.rid] = req
@@ -148,7 +143,7 @@ class Scheduler:
             self._dequeue(req)
         else:
             self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
-            self.checks.release_grammar(req)  # a compile nobody else waits for is cancelled
+            self.validator.release_grammar(req)  # a compile nobody else waits for is cancelled
         self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
         self._reports.append(req)
         return True
@@ -202,14 +197,13 @@ class Scheduler:
         """Abort exactly the batch's requests, naming the cause. Their KV computed before this step
         is valid and goes to the tree; the slots allocated for this step go back to the free list."""
         logger.error("forward pass of %d request(s) failed; aborting them", len(batch.reqs), exc_info=error)
-        self.allocator.free(batch.out_cache_loc)
+        self.kv.allocator.free(batch.out_cache_loc)
         failed = set(batch.reqs)
         self.running = [r for r in self.running if r not in failed]
         if self.chunked_req in failed:
             self.chunked_req = None
         message = f"forward pass failed: {type(error).__name__}: {error}"
         for req in batch.reqs:
-            req.is_chunked = False
             self._finish(req, FinishReason(FinishKind.ABORT, message=message))
             changed.append(req)
         self.batch_is_full = False
@@ -222,7 +216,7 @@ class Scheduler:
             if not future.done() and req.queue_enter_time >= deadline:
                 still_pending.append((req, future))
                 continue
-            self.checks.release_grammar(req)
+            self.validator.release_grammar(req)
             try:
                 if not future.done():
                     raise ValueError(f"the grammar did not compile within --grammar-compile-timeout {budget:g} s; "
@@ -243,12 +237,19 @@ class Scheduler:
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None, 0
         mixed = len(self.running) if self.args.enable_mixed_chunk else 0
-        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+        adder = PrefillAdder(self.kv.tree_cache, self.kv.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
+        admitted = self._admit(adder)
+        if not adder.plans:
+            return None, 0
+        return self._commit(adder, admitted, mixed), len(adder.plans)
+
+    def _admit(self, adder: PrefillAdder) -> list[Req]:
+        """Plan the waiting requests that join this prefill (in `adder`); return them, still queued."""
         sharing = None
-        if not self.tree_cache.disable and not self.args.disable_in_batch_prefix_sharing:
+        if not self.kv.tree_cache.disable and not self.args.disable_in_batch_prefix_sharing:
             sharing = BatchPrefixIndex()
             for i, plan in enumerate(adder.plans):  # the chunked request lends what it holds
                 sharing.add(plan.req.fill_ids, plan.req.kv_len + plan.extend_len, i)
@@ -262,21 +263,11 @@ class Scheduler:
         for req in candidates:
             if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
                 break
-            match = matches.get(req) or self.tree_cache.match_prefix(prefix_match_key(req))
-            borrow = sharing.borrow(req.fill_ids, match.length, len(prefix_match_key(req))) if sharing else None
-            if len(admitted) >= rows_left:
-                freed = self._preempt_for(req, match, borrow, adder, need_row=True)
-                if not freed:
-                    self.batch_is_full = True
-                    break
-                rows_left += freed
-            alone = not self.running and not adder.plans and self.chunked_req is None
-            ok, result = adder.add_one_req(req, match, alone, borrow)
-            if not ok and result is AddResult.NO_TOKEN:
-                freed = self._preempt_for(req, match, borrow, adder, need_row=False)
-                if freed:
-                    rows_left += freed
-                    ok, result = adder.add_one_req(req, match, alone, borrow)
+            key = prefix_match_key(req)
+            match = matches.get(req) or self.kv.tree_cache.match_prefix(key)
+            borrow = sharing.borrow(req.fill_ids, match.length, len(key)) if sharing else None
+            ok, result, freed = self._add_preempting(req, match, borrow, adder, need_row=len(admitted) >= rows_left)
+            rows_left += freed
             if ok:
                 admitted.append(req)
                 if sharing is not None:
@@ -285,8 +276,31 @@ class Scheduler:
                 if result is AddResult.NO_TOKEN:
                     self.batch_is_full = True
                 break
-        if not adder.plans:
-            return None, 0
+        return admitted
+
+    def _add_preempting(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
+                        need_row: bool) -> tuple[bool, AddResult, int]:
+        """`adder.add_one_req`, preempting less urgent running requests (priority scheduling) for a
+        row when none is left (`need_row`) or for KV budget when it says NO_TOKEN, then trying again.
+
+        Returns (admitted, budget state, running requests preempted).
+        """
+        freed = 0
+        if need_row:
+            freed = self._preempt_for(req, match, borrow, adder, need_row=True)
+            if not freed:
+                return False, AddResult.NO_TOKEN, 0
+        alone = not self.running and not adder.plans and self.chunked_req is None
+        ok, result = adder.add_one_req(req, match, alone, borrow)
+        if not ok and result is AddResult.NO_TOKEN:
+            more = self._preempt_for(req, match, borrow, adder, need_row=False)
+            if more:
+                freed += more
+                ok, result = adder.add_one_req(req, match, alone, borrow)
+        return ok, result, freed
+
+    def _commit(self, adder: PrefillAdder, admitted: list[Req], mixed: int) -> ForwardBatch:
+        """Take the planned requests out of the queue, give them rows and build the batch."""
         admission_time = self.clock()
         for req in admitted:
             self._dequeue(req)
@@ -304,9 +318,8 @@ class Scheduler:
                 self.prompt_tokens_total += len(plan.req.input_ids)
         # Preemption may have shrunk `running` since the adder reserved room for `mixed` decode tokens.
         decodes = [(r, 1) for r in self.running] if mixed else []
-        batch = self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
-                                    borrows=borrows + [None] * len(decodes))
-        return batch, len(adder.plans)
+        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
+                                   borrows=borrows + [None] * len(decodes))
 
     def _preempt_for(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
                      need_row: bool) -> int:
@@ -342,16 +355,14 @@ class Scheduler:
             borrowed = batch.prefix_lens[i] - req.kv_len
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.kv_len < req.seq_len:
-                req.is_chunked = True
-                self.tree_cache.cache_unfinished_req(req, borrowed)
+                self.kv.tree_cache.cache_unfinished_req(req, borrowed)
                 self.chunked_req = req
                 continue
             # The prompt goes into the tree now (as in SGLang), so requests arriving while this one
             # decodes can reuse it. Batch order puts in-batch lenders in before their borrowers, so
             # a borrower's lock moves onto the path holding what it read, and its row onto the tree's
             # slots there (a lender may have freed its own copy as a duplicate of a newer tree entry).
-            self.tree_cache.cache_unfinished_req(req, borrowed)
-            req.is_chunked = False
+            self.kv.tree_cache.cache_unfinished_req(req, borrowed)
             if self.chunked_req is req:
                 self.chunked_req = None
             if not req.wants_sampling:  # a prefill-only cache hint
@@ -435,7 +446,6 @@ class Scheduler:
     def _requeue(self, req: Req) -> None:
         """Retraction / preemption: back to the queue (bypassing its limit), resuming from the cache."""
         self.kv.release(req)
-        req.is_chunked = False
         if req.return_logprob:
             req.input_token_logprobs.clear()  # the re-prefill scores the prompt again
         req.queue_enter_time = self.clock()
@@ -473,7 +483,7 @@ class Scheduler:
 
     def check_invariant(self) -> None:
         """AssertionError unless every slot and row is accounted for (and, when idle, none is in use)."""
-        self.tree_cache.check_integrity()
+        self.kv.tree_cache.check_integrity()
         index = self.policy.index
         if index is not None:
             assert set(index.entries) == set(self._waiting), "the waiting index and the queue differ"
@@ -482,7 +492,7 @@ class Scheduler:
         assert error is None, error
         if not self.has_work():
             assert not self._live, f"idle but requests are live: {list(self._live)}"
-            assert self.tree_cache.protected_size() == 0, "idle but slots are locked in the radix tree"
+            assert self.kv.tree_cache.protected_size() == 0, "idle but slots are locked in the radix tree"
             assert self.req_to_token.available_size == self.req_to_token.max_requests, "idle but a row is in use"
         for req in self.running:
             assert req.kv_len == req.seq_len - 1, f"{req.rid}: running with kv_len {req.kv_len}, seq_len {req.seq_len}"
@@ -496,9 +506,9 @@ class Scheduler:
             "num_chunked": int(self.chunked_req is not None),
             "num_grammar_pending": len(self.grammar_pending),
             "slots_total": self.num_slots,
-            "slots_free": self.allocator.available_size,
-            "slots_evictable": self.tree_cache.evictable_size(),
-            "slots_protected": self.tree_cache.protected_size(),
+            "slots_free": self.kv.allocator.available_size,
+            "slots_evictable": self.kv.tree_cache.evictable_size(),
+            "slots_protected": self.kv.tree_cache.protected_size(),
             "cached_tokens_total": self.cached_tokens_total,
             "prompt_tokens_total": prompt,
             "cache_hit_rate": self.cached_tokens_total / prompt if prompt else 0.0,

@@ -67,8 +67,10 @@ class SchedulerMetrics:
     @staticmethod
     def _prefill_line(scheduler: Scheduler, batch: ForwardBatch, num_prefill: int) -> str:
         new_tokens = sum(batch.extend_lens[:num_prefill])
-        # A continuing chunk's prefix is its own earlier chunks, not a cache hit.
-        cached = sum(p for p, r in zip(batch.prefix_lens[:num_prefill], batch.reqs) if not r.is_chunked)
+        # A continuing chunk's prefix is its own earlier chunks, not a cache hit (before the forward,
+        # scheduler.chunked_req is the request whose next chunk this batch computes).
+        continuing = scheduler.chunked_req
+        cached = sum(p for p, r in zip(batch.prefix_lens[:num_prefill], batch.reqs) if r is not continuing)
         _, usage = token_usage(scheduler)
         return (f"Prefill batch, #new-seq: {num_prefill}, #new-token: {new_tokens}, #cached-token: {cached}, "
                 f"token usage: {usage:.2f}, #running-req: {len(scheduler.running)}, "
@@ -94,5 +96,5 @@ class SchedulerMetrics:
 def token_usage(scheduler: Scheduler) -> tuple[int, float]:
     """KV slots held by requests (SGLang's num_used_tokens: neither free nor merely cached) and their share."""
     total = scheduler.num_slots
-    used = total - scheduler.allocator.available_size - scheduler.tree_cache.evictable_size()
+    used = total - scheduler.kv.allocator.available_size - scheduler.kv.tree_cache.evictable_size()
     return used, used / total if total else 0.0

@@ -1,4 +1,11 @@
-"""Checks a request must pass before it is queued; each failure is a ValueError naming the field or limit.
+"""Every check a request must pass before it is queued; each failure is a ValueError naming the field or limit.
+
+The one place requests are validated, in two stages, cheapest checks first:
+- `check_raw_request`, before the prompt is tokenized or its ids copied: the shape of the input and its
+  size (O(1): a text longer than the context can hold, or more input_ids than the context, is refused
+  by its length before anything scans or tokenizes it);
+- `validate`, once per request, by `Scheduler.add_request`: sampling params, then lengths and limits,
+  then the scan of every token id, then the grammar (compiled off the scheduler thread).
 
 Also owns the grammar backend (created on the first constrained request, so unconstrained serving
 never imports xgrammar) and the default priority.
@@ -7,15 +14,21 @@ never imports xgrammar) and the default priority.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.protocol import INT64_MAX, SamplingParams
 from sgl_lite.runtime.sampling.grammar_limits import check_grammar_limits
 from sgl_lite.runtime.server_args import ServerArgs
 
 
-class AdmissionChecks:
+class QueueFullError(ValueError):
+    """The waiting queue holds --max-queued-requests requests."""
+
+
+class RequestValidator:
     def __init__(
         self,
         args: ServerArgs,
@@ -35,6 +48,31 @@ class AdmissionChecks:
         # The priority of a request that gives none (sgl_lite: 0 in both directions).
         self.priority_default: int | None = 0 if args.enable_priority_scheduling else None
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token decodes to more characters than its vocabulary entry has (byte-level: one per byte),
+        so a text longer than context * this cannot fit and is refused before tokenizing."""
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        return max((len(t) for t in vocab), default=1)
+
+    def check_raw_request(self, text: Any, input_ids: Any, params: SamplingParams, *, top_logprobs_num: int,
+                          logprob_start_len: int) -> None:
+        """Before tokenizing or copying: exactly one prompt form, of the right type and a size that can
+        fit, and logprob options in range (checked even when return_logprob is off, which drops them)."""
+        self._check_logprob_options(top_logprobs_num, logprob_start_len)
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of text (prompt) or input_ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError(f"text must be a string; got {type(text).__name__}")
+            if len(text) > self.context_length * self.max_token_chars:
+                raise ValueError(f"the prompt text ({len(text)} characters) is longer than the context length "
+                                 f"{self.context_length} tokens can hold")
+            return
+        if not isinstance(input_ids, list):
+            raise ValueError("input_ids must be a list of integers")
+        self._check_length(len(input_ids), params)
+
     def validate(self, req: Req) -> concurrent.futures.Future | None:
         """Raise ValueError unless `req` can run; return its grammar-matcher Future when constrained."""
         params = req.sampling_params
@@ -42,28 +80,50 @@ class AdmissionChecks:
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("the prompt is empty: input_ids (or text) must hold at least one token")
-        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
-        if n + params.max_new_tokens > self.context_length:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context length "
-                f"{self.context_length}")
+        self._check_length(n, params)
         if n > self.num_slots:
             raise ValueError(f"prompt ({n} tokens) exceeds the KV cache pool of {self.num_slots} slots (--max-total-tokens)")
-        if req.return_logprob and req.logprob_start_len >= n:
-            raise ValueError(f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})")
-        if req.top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0; got {req.top_logprobs_num}")
-        if req.priority is not None and not self.args.enable_priority_scheduling and self.args.abort_on_priority_when_disabled:
-            raise ValueError("priority was given but priority scheduling is disabled on this server "
-                             "(--enable-priority-scheduling); send the request without a priority")
+        self._check_logprobs(req, n)
+        self._check_priority(req.priority)
+        # The one scan of the ids, last of the cheap checks: by now there are at most context-length of them.
+        bad = next((t for t in req.input_ids
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            if not isinstance(bad, int) or isinstance(bad, bool):
+                raise ValueError("input_ids must be a list of integers")
+            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
         if params.regex is None and params.json_schema is None and params.ebnf is None:
             return None
         check_grammar_limits(params, self.args.max_grammar_chars, self.args.max_json_schema_depth)
         backend = self._grammar()
         backend.validate(params)
         return backend.request_matcher(params)
+
+    def _check_length(self, n: int, params: SamplingParams) -> None:
+        if n + params.max_new_tokens > self.context_length:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context length "
+                f"{self.context_length}")
+
+    def _check_logprob_options(self, top_logprobs_num: int, logprob_start_len: int) -> None:
+        if not 0 <= top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num must be in [0, vocab size {self.vocab_size}]; got {top_logprobs_num}")
+        if logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be >= -1 (-1: no input logprobs); got {logprob_start_len}")
+
+    def _check_logprobs(self, req: Req, n: int) -> None:
+        self._check_logprob_options(req.top_logprobs_num, req.logprob_start_len)
+        if req.return_logprob and req.logprob_start_len >= n:
+            raise ValueError(f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})")
+
+    def _check_priority(self, priority: Any) -> None:
+        if priority is None:
+            return
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -INT64_MAX <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an integer in [-2**63 + 1, 2**63 - 1]; got {priority!r}")
+        if not self.args.enable_priority_scheduling and self.args.abort_on_priority_when_disabled:
+            raise ValueError("priority was given but priority scheduling is disabled on this server "
+                             "(--enable-priority-scheduling); send the request without a priority")
 
     def release_grammar(self, req: Req) -> None:
         """`req` no longer waits for its grammar compile (compiled, aborted or out of time)."""

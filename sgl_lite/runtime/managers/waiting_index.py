@@ -116,9 +116,6 @@ class WaitingIndex:
         if self._is_grouped(entry):
             self._group_leave(entry)
 
-    def matched_length(self, req: Req) -> int:
-        return self.entries[req].matched
-
     # ------------------------------------------------------------------ order
 
     def fcfs(self) -> Iterator[Req]:
@@ -129,7 +126,7 @@ class WaitingIndex:
         if not self.tracks_tree:
             yield from self.fcfs()
             return
-        self.touch_tick = self.tree.new_tick()
+        self.touch_tick = self.tree.next_tick()
         if max_wait is not None:
             for arrival, _, entry in self.fifo:
                 if not now - arrival > max_wait:  # the reference's exact comparison

@@ -54,9 +54,6 @@ class TreeNode:
         # number, the upper half of a split takes over the lower half's (it takes its dict entry too).
         self.order = node_id
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
@@ -139,7 +136,7 @@ class RadixCache:
         if self.disable or len(key) == 0:
             return MatchResult(self._empty(), self.root_node)
         key = tuple(key)
-        tick = self._next_tick()
+        tick = self.next_tick()
         node, pos, values = self.root_node, 0, []
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -168,7 +165,7 @@ class RadixCache:
         if self.disable or len(key) == 0:
             return 0
         key = tuple(key)
-        tick = self._next_tick()
+        tick = self.next_tick()
         node, pos = self.root_node, 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -257,10 +254,11 @@ class RadixCache:
             self._free(row[: req.kv_len].clone())
             req.last_node = None
             return
-        key = req.fill_ids[: req.kv_len]
-        self.insert(key, row[: req.kv_len])
-        tree_slots = self.match_prefix(key).slots
-        self._free_own_duplicates(req, row, tree_slots)
+        cached = self.insert(req.fill_ids[: req.kv_len], row[: req.kv_len])
+        # The locked prefix is the tree's; tokens [prefix_len, cached) were cached meanwhile under other
+        # slots, so the request's own copies are duplicates; from `cached` on the tree took its slots.
+        assert cached >= req.prefix_len, f"request {req.rid!r}: its locked prefix is not in the tree"
+        self._free(row[req.prefix_len : cached])
         self.dec_lock_ref(req.last_node)
         req.last_node = None
 
@@ -361,13 +359,10 @@ class RadixCache:
         self._next_id += 1
         return node
 
-    def _next_tick(self) -> int:
+    def next_tick(self) -> int:
+        """A fresh access time, later than every access so far."""
         self._tick += 1
         return self._tick
-
-    def new_tick(self) -> int:
-        """A fresh access time, later than every access so far."""
-        return self._next_tick()
 
     def _lru_time(self, node: TreeNode) -> int:
         if self.observer is None:

@@ -14,7 +14,7 @@ implement this interface, so the scheduler never knows which one it drives.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,9 +52,6 @@ class ForwardBatch:
 class ForwardOutput:
     # One entry per request of the batch: the sampled token id, or None where sample[i] is False.
     next_token_ids: list[int | None]
-    # Logprob of each sampled token under the (temperature-free, penalty-free) model distribution,
-    # filled only for requests with return_logprob; None elsewhere.
-    next_token_logprobs: list[float | None] = field(default_factory=list)
 
 
 class ModelRunnerBase(abc.ABC):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -101,7 +102,9 @@ def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
 
 
 class ModelRunner(ModelRunnerBase):
-    def __init__(self, args: ServerArgs, model_dir: Path | None = None) -> None:
+    def __init__(self, args: ServerArgs, model_dir: Path | None = None, eos_token_ids: Iterable[int] | None = None) -> None:
+        """`eos_token_ids`: what the sampler keeps from being sampled before min_new_tokens; the runtime
+        passes the set its stop check uses (RuntimeCore.from_args), None takes the model config's."""
         from sgl_lite.runtime.model_executor import loader
 
         self.args = args
@@ -137,7 +140,7 @@ class ModelRunner(ModelRunnerBase):
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads,
                                    self.model.head_dim, deterministic=args.enable_deterministic_inference)
-        self.sampler = self._make_sampler()
+        self.sampler = self._make_sampler(eos_token_ids)
         logger.info(
             "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",
             model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
@@ -159,12 +162,13 @@ class ModelRunner(ModelRunnerBase):
             raise ValueError("no memory left for the KV pool; pass --max-total-tokens or raise --mem-fraction-static")
         return slots
 
-    def _make_sampler(self):
+    def _make_sampler(self, eos_token_ids: Iterable[int] | None):
         from sgl_lite.runtime.sampling.sampler import Sampler
 
-        eos = self.config.eos_token_id
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return Sampler(self.vocab_size, eos_ids, self.args.random_seed)
+        if eos_token_ids is None:
+            eos = self.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return Sampler(self.vocab_size, eos_token_ids, self.args.random_seed)
 
     def kv_cache_summary(self) -> dict:
         return {
@@ -181,7 +185,7 @@ class ModelRunner(ModelRunnerBase):
         reqs = batch.reqs
         num_reqs = len(reqs)
         if not num_reqs:
-            return ForwardOutput(next_token_ids=[], next_token_logprobs=[])
+            return ForwardOutput(next_token_ids=[])
         for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
             if extend <= 0 or prefix + extend > req.seq_len:
                 raise ValueError(f"request {req.rid}: prefix {prefix} + extend {extend} does not fit its {req.seq_len} tokens")
@@ -210,9 +214,8 @@ class ModelRunner(ModelRunnerBase):
         for i, first, last in score_ranges:
             rows.extend(range(qo[i] + first - batch.prefix_lens[i], qo[i] + last - batch.prefix_lens[i]))
         next_ids: list[int | None] = [None] * num_reqs
-        next_logprobs: list[float | None] = [None] * num_reqs
         if not rows:
-            return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+            return ForwardOutput(next_token_ids=next_ids)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         num_sample = len(sample_idx)
         self._score_inputs(batch, score_ranges, logits[num_sample:])
@@ -226,9 +229,8 @@ class ModelRunner(ModelRunnerBase):
             for j, i in enumerate(sample_idx):
                 next_ids[i] = tokens_list[j]
                 if reqs[i].return_logprob:
-                    next_logprobs[i] = logprob_list[j]
                     self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
-        return ForwardOutput(next_token_ids=next_ids, next_token_logprobs=next_logprobs)
+        return ForwardOutput(next_token_ids=next_ids)
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""

@@ -1,8 +1,13 @@
-"""RuntimeCore: what the in-process Engine and the ZeroMQ server share.
+"""RuntimeCore: the one way into the runtime, for the ZeroMQ transport and the in-process Engine.
 
-It owns the tokenizer, the model runner and the scheduler, turns user inputs into validated `Req`s
-(tokenizing text; ValueError naming the field at fault) and turns finished requests into SGLang's
-output shape: text with the stop marker trimmed, and meta_info
+It owns the tokenizer, the model runner and the scheduler; the transport and the Engine never reach the
+scheduler itself (tests and benchmarks read it, `core.scheduler`, to inspect it).
+Requests: `make_req` (or `prepare`, which tokenizes long texts on a worker thread) turns user inputs
+into a `Req` after the cheap size checks, `submit` validates and queues it (managers/validation.py:
+ValueError naming the field at fault), `step` runs one scheduler step, `abort`, `flush_cache`,
+`has_work` and `take_reports` do what they say, and `stream_state` gives a request's incremental
+detokenizer with the stop-string hold-back. Finished requests come out in SGLang's output shape:
+text with the stop marker trimmed (`output_text`), and `meta_info`
 {prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, logprob lists]}.
 
 Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (model_executor/fault_injection.py), which makes forward
@@ -11,20 +16,23 @@ passes fail on purpose; unset, it changes nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import Any
 
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
-from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
+from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_stop
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 
 logger = logging.getLogger(__name__)
 
-INT64_MAX = 2**63 - 1
+# Texts up to this long are tokenized inline by `prepare` (about a millisecond); longer ones on a thread.
+INLINE_TOKENIZE_MAX_CHARS = 4096
 
 
 class RuntimeCore:
@@ -35,12 +43,9 @@ class RuntimeCore:
         self.model_path = model_path
         self.eos_token_ids = eos_token_ids
         self.context_length: int = runner.context_length
-        # No token decodes to more characters than its vocabulary entry has (byte-level: one per
-        # byte), so a text longer than context * this cannot fit and is refused before tokenizing.
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        self.max_token_chars = max((len(t) for t in vocab), default=1)
         self.scheduler = Scheduler(args, runner, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                                    context_length=self.context_length)
+        self._tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # created for the first long text
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RuntimeCore:
@@ -49,9 +54,11 @@ class RuntimeCore:
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
-        runner = ModelRunner(args, folder)
+        # Resolved once: the sampler (min_new_tokens masking) and the stop check use this one set.
+        eos_token_ids = eos_ids_of(loader.load_config(folder), tokenizer)
+        runner = ModelRunner(args, folder, eos_token_ids=eos_token_ids)
         install_fault_injection(runner)
-        core = cls(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))
+        core = cls(args, tokenizer, runner, str(folder), eos_token_ids)
         kv = runner.kv_cache_summary()
         num_params = sum(p.numel() for p in runner.model.parameters())
         logger.info(
@@ -65,12 +72,79 @@ class RuntimeCore:
         return core
 
     def close(self) -> None:
-        """Stop the processes this runtime started: the tensor-parallel ranks (idempotent)."""
+        """Stop the processes and threads this runtime started: the tensor-parallel ranks, the
+        tokenizer thread (idempotent)."""
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool = None
         tp = getattr(self.runner, "tp", None)  # test runners have no TP group
         if tp is not None:
             tp.close()
 
+    # ------------------------------------------------------------------ the scheduler, for the transport and the Engine
+
+    def submit(self, req: Req) -> None:
+        """Validate (managers/validation.py) and queue a request from `make_req`; ValueError names what
+        is wrong (QueueFullError when the queue is full)."""
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str) -> bool:
+        """Abort a live request (its abort report comes out of the next `step`); False if unknown."""
+        return self.scheduler.abort_request(rid)
+
+    def has_work(self) -> bool:
+        """True while anything is queued, running, awaiting a grammar, or an abort awaits its report."""
+        return self.scheduler.has_work()
+
+    def has_ready_work(self) -> bool:
+        """True when a step would do something now (not only wait for grammar compiles)."""
+        return self.scheduler.has_ready_work()
+
+    def is_compiling_grammar(self) -> bool:
+        """A grammar compile is running (xgrammar cannot interrupt it; exit need not wait for it)."""
+        return self.scheduler.validator.is_compiling()
+
+    def step(self) -> list[Req]:
+        """One scheduler step: every request with new output or a finish since the last step."""
+        return self.scheduler.step()
+
+    def take_reports(self) -> list[Req]:
+        """Drop-and-return the pending abort reports without running a step."""
+        return self.scheduler.take_reports()
+
+    def live_request_ids(self) -> list[str]:
+        return self.scheduler.live_request_ids()
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (and nothing done) while requests are in flight."""
+        return self.scheduler.flush_cache()
+
+    def check_invariant(self) -> None:
+        """AssertionError unless every KV slot and request row is accounted for."""
+        self.scheduler.check_invariant()
+
+    def stream_state(self, req: Req) -> IncrementalDetokenizer:
+        """The streaming state of `req`: incremental text deltas that never include a prefix of a
+        stop string the final text may cut."""
+        params = req.sampling_params
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, params), stop_hold_back_chars(params.stop_strings()))
+
     # ------------------------------------------------------------------ requests
+
+    def prepare(self, rid: str, text: str | None, input_ids: list[int] | None,
+                sampling_params: SamplingParams | dict | None, **options: Any) -> Req | concurrent.futures.Future:
+        """`make_req` for the serve loop: a text longer than INLINE_TOKENIZE_MAX_CHARS passes the cheap
+        checks here and is tokenized on the tokenizer thread (a Future[Req] comes back), so that the
+        loop keeps stepping; anything else is made inline."""
+        if not isinstance(text, str) or len(text) <= INLINE_TOKENIZE_MAX_CHARS:
+            return self.make_req(rid, text, input_ids, sampling_params, **options)
+        params = to_sampling_params(sampling_params)
+        self.scheduler.validator.check_raw_request(
+            text, input_ids, params, top_logprobs_num=options.get("top_logprobs_num", 0),
+            logprob_start_len=options.get("logprob_start_len", -1))
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        return self._tokenizer_pool.submit(self.make_req, rid, text, input_ids, params, **options)
 
     def make_req(
         self,
@@ -85,29 +159,12 @@ class RuntimeCore:
         priority: int | None = None,
         stream: bool = False,
     ) -> Req:
-        """Tokenize and validate one request (ValueError names the field); does not queue it."""
-        if (text is None) == (input_ids is None):
-            raise ValueError("give exactly one of text (prompt) or input_ids")
-        if text is not None:
-            if not isinstance(text, str):
-                raise ValueError(f"text must be a string; got {type(text).__name__}")
-            if len(text) > self.context_length * self.max_token_chars:
-                raise ValueError(f"the prompt text ({len(text)} characters) is longer than the context length "
-                                 f"{self.context_length} tokens can hold")
-            ids = list(self.tokenizer(text)["input_ids"])
-        else:
-            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
-                raise ValueError("input_ids must be a list of integers")
-            ids = list(input_ids)
-        params = sampling_params_from_dict(sampling_params)
-        params.validate(self.runner.vocab_size)
-        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
-                                     or not -INT64_MAX <= priority <= INT64_MAX):
-            raise ValueError(f"priority must be an integer in [-2**63 + 1, 2**63 - 1]; got {priority!r}")
-        if not 0 <= top_logprobs_num <= self.runner.vocab_size:
-            raise ValueError(f"top_logprobs_num must be in [0, vocab size {self.runner.vocab_size}]; got {top_logprobs_num}")
-        if logprob_start_len < -1:
-            raise ValueError(f"logprob_start_len must be >= -1 (-1: no input logprobs); got {logprob_start_len}")
+        """Tokenize one request after the cheap size checks (ValueError names the field); `submit` queues
+        it, validating the rest (managers/validation.py)."""
+        params = to_sampling_params(sampling_params)
+        self.scheduler.validator.check_raw_request(text, input_ids, params, top_logprobs_num=top_logprobs_num,
+                                                   logprob_start_len=logprob_start_len)
+        ids = list(self.tokenizer(text)["input_ids"]) if text is not None else list(input_ids)  # type: ignore[arg-type]
         return Req(
             rid=rid, input_ids=ids, sampling_params=params, priority=priority, stream=stream,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,

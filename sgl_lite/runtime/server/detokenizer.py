@@ -40,10 +40,6 @@ class IncrementalDetokenizer:
         self._sent_chars = 0  # how much of _confirmed has been handed out
         self._sent_ids = 0  # how many output ids have been reported through `new_ids`
 
-    @property
-    def sent_text_length(self) -> int:
-        return self._sent_chars
-
     def new_ids(self, output_ids: Sequence[int]) -> list[int]:
         """The ids produced since the previous call (reported with each chunk)."""
         fresh = list(output_ids[self._sent_ids :])

@@ -83,25 +83,23 @@ class Engine:
             if is_batch:
                 raise ValueError("stream=True takes a single prompt")
             return self._stream(reqs[0])
-        self._queue(reqs)
+        self._submit_all(reqs)
         self._run(reqs, progress=n > PROGRESS_BAR_MIN)
         outputs = [self._output(r) for r in reqs]
         return outputs if is_batch else outputs[0]
 
-    def _queue(self, reqs: list[Req]) -> None:
+    def _submit_all(self, reqs: list[Req]) -> None:
         """Queue all or none: a rejected request aborts those queued before it."""
-        scheduler = self.core.scheduler
         for i, req in enumerate(reqs):
             try:
-                scheduler.add_request(req)
+                self.core.submit(req)
             except ValueError:
                 for queued in reqs[:i]:
-                    scheduler.abort_request(queued.rid)
+                    self.core.abort(queued.rid)
                 self._drain()
                 raise
 
     def _run(self, reqs: list[Req], progress: bool) -> None:
-        scheduler = self.core.scheduler
         pending = {r.rid for r in reqs}
         bar = None
         if progress:
@@ -110,14 +108,14 @@ class Engine:
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         try:
             while pending:
-                for req in scheduler.step():
+                for req in self.core.step():
                     if req.finished and req.rid in pending:
                         pending.discard(req.rid)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
             for rid in pending:  # e.g. KeyboardInterrupt: leave nothing behind in the scheduler
-                scheduler.abort_request(rid)
+                self.core.abort(rid)
             self._drain()
             raise
         finally:
@@ -126,30 +124,34 @@ class Engine:
 
     def _stream(self, req: Req) -> Iterator[dict]:
         """SGLang's Engine stream: each chunk holds the text and output ids *so far* and a meta_info
-        (prompt/completion tokens, finish_reason None until the last chunk, which is the full output)."""
-        self._queue([req])
-        scheduler = self.core.scheduler
+        (prompt/completion tokens, finish_reason None until the last chunk, which is the full output).
+        The text comes from the server's streaming state (RuntimeCore.stream_state): incremental
+        detokenizing, and the last characters withheld while a stop string could still be completing,
+        so every chunk's text is a prefix of the final text."""
+        self._submit_all([req])
+        state = self.core.stream_state(req)
+        text = ""
         try:
             while not req.finished:
-                changed = scheduler.step()
+                changed = self.core.step()
                 if req not in changed or req.finished:
                     continue
-                text = self.core.decode(req.output_ids, req.sampling_params)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 character: wait for the rest
+                delta = state.update(req.output_ids)
+                if not delta:
+                    continue  # an incomplete UTF-8 character, or text a stop string may still cut
+                text += delta
                 meta_info = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.input_ids),
                              "completion_tokens": len(req.output_ids)}
                 yield {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info}
         finally:
             if not req.finished:
-                scheduler.abort_request(req.rid)
+                self.core.abort(req.rid)
                 self._drain()
-        # The final text is authoritative: a stop string streamed before it was complete is cut from it.
         yield self._output(req)
 
     def _drain(self) -> None:
         """Drop the reports of requests this engine aborted (nobody waits for them)."""
-        self.core.scheduler.take_reports()
+        self.core.take_reports()
 
     def _output(self, req: Req) -> dict:
         return {"text": self.core.output_text(req), "output_ids": list(req.output_ids), "meta_info": self.core.meta_info(req)}
@@ -157,7 +159,7 @@ class Engine:
     # ------------------------------------------------------------------ admin
 
     def flush_cache(self) -> bool:
-        return self.core.scheduler.flush_cache()
+        return self.core.flush_cache()
 
     def get_server_info(self) -> dict:
         return self.core.server_info()
@@ -170,9 +172,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        scheduler = self.core.scheduler
-        for rid in scheduler.live_request_ids():
-            scheduler.abort_request(rid)
+        for rid in self.core.live_request_ids():
+            self.core.abort(rid)
         self._drain()
         self.core.close()
 

@@ -1,8 +1,9 @@
 """The runtime process's front door: one ZeroMQ ROUTER socket in front of one RuntimeCore.
 
-A single thread owns the socket and the scheduler. Each loop iteration reads every waiting message
-(non-blocking while the scheduler has work, otherwise blocking up to IDLE_POLL_MS so that shutdown
-requests are noticed), then runs one `scheduler.step()` and replies to whoever asked for each
+A single thread owns the socket and the core. Pure transport: every request goes through the
+RuntimeCore's methods (submit, abort, step, flush_cache, stream_state), never the scheduler itself.
+Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise
+blocking up to IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for each
 changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted.
 
 Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
@@ -33,7 +34,6 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import os
@@ -43,7 +43,7 @@ import threading
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import zmq
@@ -51,13 +51,19 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.ports import PortUnavailableError
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
+from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.managers.request import FinishKind, Req
+from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
+
+if TYPE_CHECKING:  # the core needs torch, which this module does not import at load time
+    from sgl_lite.runtime.server.core import RuntimeCore
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+PENDING_POLL_MS = 2  # while a long prompt is tokenized elsewhere and nothing else runs
 GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
@@ -89,13 +95,14 @@ def _wire_value(obj: Any) -> Any:
 
 
 class RuntimeServer:
-    def __init__(self, core: Any, args: ServerArgs, context: zmq.Context | None = None) -> None:
+    def __init__(self, core: RuntimeCore, args: ServerArgs, context: zmq.Context | None = None) -> None:
         self._core = core
         self._args = args
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._socket: zmq.Socket | None = None
         self._inflight: dict[str, _InFlight] = {}
+        self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
         self.step_started_at: float | None = None
@@ -147,13 +154,15 @@ class RuntimeServer:
         assert self._socket is not None, "bind() first"
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        scheduler = self._core.scheduler
+        core = self._core
         try:
             while not self._stop_requested:
                 if poller.poll(self._poll_timeout_ms()):
                     self._read_messages()
+                if self._pending:
+                    self._accept_tokenized()
                 # has_ready_work() stays true while an abort awaits its report by step().
-                if scheduler.has_ready_work():
+                if core.has_ready_work():
                     for req in self._step():
                         self._reply_for(req)
                 self._keepalive()
@@ -161,41 +170,45 @@ class RuntimeServer:
             self._shutdown()
 
     def _poll_timeout_ms(self) -> int:
-        """0 when a step has work to do; a short wait while only grammar compiles are pending (no
-        busy loop: a compile's end is noticed within GRAMMAR_POLL_MS); else the idle wait."""
-        scheduler = self._core.scheduler
-        if scheduler.has_ready_work():
+        """0 when a step has work to do; a short wait while only grammar compiles or long prompts'
+        tokenizing are pending (no busy loop: their end is noticed within that wait); else the idle wait."""
+        core = self._core
+        if core.has_ready_work():
             return 0
-        return GRAMMAR_POLL_MS if scheduler.has_work() else IDLE_POLL_MS
+        if self._pending:
+            return PENDING_POLL_MS
+        return GRAMMAR_POLL_MS if core.has_work() else IDLE_POLL_MS
 
     def _step(self) -> list[Req]:
-        scheduler = self._core.scheduler
+        core = self._core
         self.step_started_at = time.monotonic()  # read by the watchdog (run_server)
         try:
-            return scheduler.step()
+            return core.step()
         except Exception as e:
             # The scheduler contains forward failures itself; this is a bug elsewhere in a step.
             logger.exception("scheduler step failed; aborting every request in flight")
             message = f"internal error in the runtime: {type(e).__name__}: {e}"
             for key, flight in self._inflight.items():
                 flight.abort_message = message
-                scheduler.abort_request(key)
-            scheduler.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
+                core.abort(key)
+            core.check_invariant()  # AssertionError ends serve_forever: unsafe to go on
             return []
         finally:
             self.step_started_at = None
 
     def _shutdown(self) -> None:
-        scheduler = self._core.scheduler
+        core = self._core
+        for pending in self._pending.cancel_all():
+            self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, "server shutting down", "aborted"))
         for key, flight in list(self._inflight.items()):
-            scheduler.abort_request(key)
+            core.abort(key)
             if not flight.client_gone:
                 self._send(flight.identity, protocol.ErrorReply(flight.rid, "server shutting down", "aborted"))
         if self._inflight:
             logger.info("aborted %d in-flight request(s) on shutdown", len(self._inflight))
             # Everything is aborted, so this step runs no forward: it only collects the abort
             # reports, leaving the scheduler idle for whoever owns the core next (tests, Engine).
-            scheduler.step()
+            core.step()
         self._inflight.clear()
         if self._socket is not None:
             self._socket.close(linger=SHUTDOWN_LINGER_MS)
@@ -275,49 +288,67 @@ class RuntimeServer:
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def _dispatch(self, identity: bytes, msg: protocol.Request) -> None:
-        scheduler = self._core.scheduler
         if isinstance(msg, protocol.GenerateReq):
             self._add_generate(identity, msg)
         elif isinstance(msg, protocol.AbortReq):
             key = self._key(identity, msg.rid)
             flight = self._inflight.get(key)
-            if flight is None or not scheduler.abort_request(key):
+            if self._pending.cancel(key) is not None:
+                self._send(identity, protocol.ErrorReply(msg.rid, "aborted by the client", "aborted"))
+            elif flight is None or not self._core.abort(key):
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
             else:
                 flight.abort_message = "aborted by the client"
         elif isinstance(msg, protocol.FlushCacheReq):
-            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(scheduler.flush_cache())}))
+            self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(self._core.flush_cache())}))
         elif isinstance(msg, protocol.ServerInfoReq):
             self._send(identity, protocol.InfoReply(msg.rid, self._core.server_info()))
         elif isinstance(msg, protocol.HealthReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
 
     def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
-        # Imported here: the scheduler needs torch, which this module does not import at load time.
-        from sgl_lite.runtime.managers.scheduler import QueueFullError
-
         key = self._key(identity, msg.rid)
-        if key in self._inflight:
+        if key in self._inflight or key in self._pending:
             self._send(identity, protocol.ErrorReply(msg.rid, f"request id {msg.rid!r} is already in flight"))
             return
         try:
-            req = self._core.make_req(
+            req = self._core.prepare(
                 key, msg.text, msg.input_ids, msg.sampling_params,
                 return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                 top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
             )
-            self._core.scheduler.add_request(req)
+        except ValueError as e:
+            self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
+            return
+        if isinstance(req, Req):
+            self._submit(identity, msg, req)
+        else:
+            self._pending.add(key, identity, msg, req)
+
+    def _accept_tokenized(self) -> None:
+        for key, pending in self._pending.take_ready():
+            try:
+                req = pending.future.result()
+            except ValueError as e:
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, str(e)))
+                continue
+            except Exception as e:
+                logger.exception("tokenizing %s failed", key)
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, f"internal error: {e}", "internal"))
+                continue
+            self._submit(pending.identity, pending.msg, req)
+
+    def _submit(self, identity: bytes, msg: protocol.GenerateReq, req: Req) -> None:
+        try:
+            self._core.submit(req)
         except QueueFullError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e), "queue_full"))
             return
         except ValueError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
             return
-        stream_state = None
-        if msg.stream:
-            hold_back = stop_hold_back_chars(msg.sampling_params.stop_strings())
-            stream_state = IncrementalDetokenizer(functools.partial(self._core.decode, params=req.sampling_params), hold_back)
-        self._inflight[key] = _InFlight(identity, msg.rid, stream_state)
+        stream_state = self._core.stream_state(req) if msg.stream else None
+        self._inflight[req.rid] = _InFlight(identity, msg.rid, stream_state)
 
     @staticmethod
     def _key(identity: bytes, rid: str) -> str:
@@ -335,7 +366,7 @@ class RuntimeServer:
         except Exception as e:  # a bug (e.g. in detokenizing) must cost this request, not the server
             logger.exception("could not build the reply for %s", req.rid)
             if not req.finished:
-                self._core.scheduler.abort_request(req.rid)  # its abort report finds no flight: silent
+                self._core.abort(req.rid)  # its abort report finds no flight: silent
             replies = [protocol.ErrorReply(flight.rid, f"internal error: {type(e).__name__}: {e}", "internal")]
             done = True
         if done:
@@ -395,7 +426,7 @@ class RuntimeServer:
             flight = self._inflight[key]
             flight.client_gone = True
             flight.abort_message = "client disconnected"
-            self._core.scheduler.abort_request(key)
+            self._core.abort(key)
         if gone:
             logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
 
@@ -439,9 +470,12 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
     warn_if_exposed(args.host, args.api_key, "the runtime")
     print(READY_PREFIX, *announced, flush=True)
     logger.info("ready")
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        core.close()  # the tensor-parallel ranks and the tokenizer thread
     logger.info("server stopped")
-    if core.scheduler.checks.is_compiling():
+    if core.is_compiling_grammar():
         # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
         # on a daemon thread): every client has been answered, so leave at once. The HTTP front
         # notices its parent's exit (parent watch) and exits too.
