@@ -21,6 +21,7 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.openmp_env import prefer_passive_wait  # noqa: E402
 
 prefer_passive_wait()  # as `sgl-lite serve` does; must precede `import torch`
@@ -78,7 +79,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompts", type=int, default=40, help=f"at most {len(SUBJECTS) * len(TASKS)}")
-    parser.add_argument("--out", default="bench_kv_dtype.json")
+    parser.add_argument("--out", default=artifact_path("bench_kv_dtype.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model_dir = resolve_model_path(args.model)
@@ -104,7 +105,7 @@ def main() -> None:
         prefix = sum(common_prefix(a, b) for a, b in zip(outputs[kv], outputs["auto"])) / len(prompts)
         results[kv] = {"identical": same, "prompts": len(prompts), "mean_common_prefix": prefix}
         print(f"| {kv} vs auto ({dtype_name}) | {same}/{len(prompts)} | {prefix:.1f} of {args.new_tokens} |")
-    Path(args.out).write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "args": vars(args), "results": results}, indent=2))
+    output_file(args.out).write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "args": vars(args), "results": results}, indent=2))
     print(f"\nwrote {args.out}")
 
 

@@ -4,7 +4,8 @@ Measures, in one run on the same weights and dtype:
 - prefill tokens/s for one long prompt (default 1024 tokens);
 - decode tokens/s at several batch sizes (default 1, 8, 32), once per attention variant (default: the
   torch_native reference, the cpu_kernel C++ decode kernel, and that kernel over an fp8_e4m3 KV pool),
-  the variants interleaved round by round so that load on a shared box hits them alike;
+  the variants interleaved round by round so that load on a shared box hits them alike; a variant
+  `backend+w8a16_int8` / `+w4a16_int4` also runs the matmuls as with that --quantization;
 next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
 two limits:
 - matmul limit: GFLOP/s measured with F.linear at the model's own weight shapes and the batch's row
@@ -16,7 +17,7 @@ two limits:
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
 Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N]
-       [--variants torch_native,cpu_kernel,cpu_kernel/fp8_e4m3] [--out artifacts/bench_model.json]
+       [--variants torch_native,cpu_kernel,cpu_kernel/fp8_e4m3,cpu_kernel+w4a16_int4] [--out artifacts/bench_model.json]
 The machine's load average is printed with the table: on a shared box, other processes skew every column
 (the variants' ratio within one run is the robust figure).
 """
@@ -112,7 +113,8 @@ class Variant:
     """One way to run decode attention: a backend (torch_native or cpu_kernel) and the KV pool's dtype."""
 
     def __init__(self, runner: ModelRunner, spec: str) -> None:
-        backend, _, kv = spec.partition("/")
+        attention, _, quantization = spec.partition("+")
+        backend, _, kv = attention.partition("/")
         self.name = spec
         self.kv_dtype = kv_cache_dtype(kv or "auto", runner.dtype)
         self.attn = create_backend(backend, runner.device, runner.model.num_heads, runner.model.num_kv_heads, runner.model.head_dim)
@@ -120,9 +122,16 @@ class Variant:
             raise SystemExit("the cpu_kernel variant fell back to torch_native (see the log line above)")
         self.pool = KVPool(runner.config.num_hidden_layers, runner.num_slots, runner.model.num_kv_heads, runner.model.head_dim,
                            self.kv_dtype, runner.device)
+        # +quantization: the matmul forms of a runner started with that --quantization (same weights)
+        source = ModelRunner(runner.args.replace(quantization=quantization), model_dir=runner.model_dir).model \
+            if quantization else runner.model
+        self.packed = [dict(layer.packed) for layer in source.layers], source.packed_lm_head
 
     def install(self, runner: ModelRunner) -> None:
         runner.attn, runner.kv_pool = self.attn, self.pool
+        for layer, packed in zip(runner.model.layers, self.packed[0]):
+            layer.packed = packed
+        runner.model.packed_lm_head = self.packed[1]
 
 
 class RunnerBench:
@@ -229,8 +238,9 @@ def main() -> None:
     parser.add_argument("--decode-prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--variants", default="torch_native,cpu_kernel,cpu_kernel/fp8_e4m3",
-                        help="decode attention variants, backend[/kv-cache-dtype], measured interleaved")
+    parser.add_argument("--variants", default="torch_native,cpu_kernel,cpu_kernel/fp8_e4m3,cpu_kernel+w8a16_int8,"
+                        "cpu_kernel+w4a16_int4",
+                        help="decode variants, backend[/kv-cache-dtype][+quantization], measured interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+
 SETTINGS = {  # name -> (torch threads, extra environment)
     "2 threads, OMP default": (2, {}),
     "2 threads, OMP_WAIT_POLICY=passive": (2, {"OMP_WAIT_POLICY": "passive"}),
@@ -75,7 +79,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="bench_threads.json")
+    parser.add_argument("--out", default=artifact_path("bench_threads.json"))
     args = parser.parse_args()
     if args.worker:
         worker(args.batch, args.steps, args.prompt_len)
@@ -102,7 +106,7 @@ def main() -> None:
         base = best["none", setting]
         cells = [f"{best[n, setting]:.1f} ({best[n, setting] / base:.0%})" for n in NEIGHBOURS]
         print(f"| {setting} | " + " | ".join(cells) + " |")
-    Path(args.out).write_text(json.dumps({"load_average": load, "args": vars(args), "time": time.time(),
+    output_file(args.out).write_text(json.dumps({"load_average": load, "args": vars(args), "time": time.time(),
                                           "results": [{"neighbour": n, "setting": s, "tokens_per_s": v} for (n, s), v in best.items()]},
                                          indent=2))
     print(f"\nwrote {args.out}")

@@ -29,6 +29,7 @@ from sgl_lite.lang.api import (
     user_begin,
     user_end,
 )
+from sgl_lite.lang.global_config import global_config
 from sgl_lite.lang.choices import (
     greedy_token_selection,
     token_length_normalized,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Engine",
+    "OpenAI",
     "Runtime",
     "RuntimeEndpoint",
     "assistant",
@@ -50,6 +52,7 @@ __all__ = [
     "gen_int",
     "gen_string",
     "get_server_info",
+    "global_config",
     "greedy_token_selection",
     "select",
     "set_default_backend",
@@ -69,6 +72,10 @@ def __getattr__(name: str) -> Any:
         from sgl_lite.runtime.server.engine import Engine
 
         return Engine
+    if name == "OpenAI":
+        from sgl_lite.lang.openai_backend import OpenAI
+
+        return OpenAI
     if name == "RuntimeEndpoint":
         from sgl_lite.lang.endpoint import RuntimeEndpoint
 

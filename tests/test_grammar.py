@@ -194,6 +194,27 @@ def test_ebnf_walks(tiny_backend, tiny_tokenizer):
         assert re.fullmatch(r"\((?:[a-c]|x[0-9])(?:,(?:[a-c]|x[0-9])){0,3}\)", text), text
 
 
+@pytest.mark.parametrize("choice", ["required", "named", "auto", "none"])
+def test_random_walks_under_the_tool_call_structural_tags(tiny_backend, tiny_tokenizer, choice):
+    """The structural tags the HTTP front sends for tools: whatever the logits, every call is whole and valid."""
+    from sgl_lite.http.tool_parsers import Qwen25Parser
+    from sgl_lite.http.tools import ToolRequest
+
+    tools = [{"type": "function", "function": {"name": "person", "parameters": PERSON_SCHEMA}}]
+    request = ToolRequest(tools, choice, "person" if choice == "named" else None, True, Qwen25Parser, True)
+    params = SamplingParams(structural_tag=request.structural_tag())
+    for seed in range(6):
+        text = decode_walk(tiny_backend, tiny_tokenizer, params, seed, 1.0)
+        parsed = request.parser().parse(text)
+        if choice in ("required", "named"):
+            assert parsed.calls and parsed.content == "", text
+        if choice == "none":
+            assert "<tool_call>" not in text
+        for call in parsed.calls:
+            jsonschema.validate(json.loads(call.arguments), PERSON_SCHEMA)
+        assert "<tool_call>" not in parsed.content  # a started call always completed
+
+
 def allowed_by_matcher(matcher: GrammarMatcher, vocab_size: int) -> set[int]:
     """Tokens the matcher accepts now, found by trying each one and rolling it back."""
     allowed = set()
@@ -260,11 +281,13 @@ def test_not_a_matcher_is_a_clear_error(tiny_backend):
         ("json_schema", {"type": "no-such-type"}),
         ("ebnf", "root ::= undefined_rule"),
         ("ebnf", 'root ::= "a'),
+        ("structural_tag", {"type": "structural_tag", "format": {"type": "no-such-format"}}),
+        ("structural_tag", "{not json"),
     ],
 )
 def test_invalid_specs_are_named(tiny_backend, field, value):
     params = SamplingParams(**{field: value})
-    if field == "json_schema":
+    if field in ("json_schema", "structural_tag"):
         tiny_backend.validate(params)  # a schema is converted with its compile, off the caller's thread
     else:
         with pytest.raises(ValueError, match=f"^invalid {field}: ") as info:

@@ -21,6 +21,8 @@ from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts a
 from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
 
 SYSTEM_NAMES = ("sgl_lite", "no-cache", "hf")
+# How --url is driven: SGLang's native /generate, or /v1/chat/completions (any OpenAI-compatible server).
+URL_BACKENDS = ("sglang", "openai-chat")
 # `router-dpN`: the benchmark starts N replicas behind sglang-router (sgl_lite.cluster) and drives
 # the router over HTTP.
 ROUTER_SYSTEM_PREFIX = "router-dp"
@@ -33,8 +35,10 @@ class BenchConfig:
     model_path: str = "smollm2-135m"
     address: str | None = None  # a running runtime to use as the sgl_lite system (ZeroMQ)
     url: str | None = None  # a running HTTP server or router to use as the sgl_lite system
+    backend: str = "sglang"
     api_key: str | None = None
     systems: tuple[str, ...] = SYSTEM_NAMES
+    openai_urls: tuple[str, ...] = ()  # NAME=URL: more systems, OpenAI-compatible servers already running
     router_policy: str = "cache_aware"
     router_args: str = ""  # extra sglang-router flags, one shell-style string
     workload: str = "multiturn-agent"
@@ -70,11 +74,17 @@ class BenchConfig:
 
     def validate(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEM_NAMES and router_dp_size(s) is None]
-        if unknown or not self.systems:
+        if self.backend not in URL_BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(URL_BACKENDS)}; got {self.backend!r}")
+        for entry in self.openai_urls:
+            name, _, url = entry.partition("=")
+            if not name or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--openai-urls takes NAME=http://host:port entries; got {entry!r}")
+        if unknown or not (self.systems or self.openai_urls):
             raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)}, {ROUTER_SYSTEM_PREFIX}N "
                              f"(N >= 1); got {','.join(self.systems) or 'nothing'}")
-        if len(set(self.systems)) != len(self.systems):
-            raise ValueError(f"--systems lists a system twice: {','.join(self.systems)}")
+        if len(set(self.all_systems)) != len(self.all_systems):
+            raise ValueError(f"--systems and --openai-urls name a system twice: {','.join(self.all_systems)}")
         if self.address and self.url:
             raise ValueError("give at most one of --address (ZeroMQ) and --url (HTTP) for the sgl_lite system")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -97,6 +107,17 @@ class BenchConfig:
         if bad:
             raise ValueError(f"server args set by the benchmark itself cannot be passed: {', '.join(bad)}")
         ServerArgs.from_kwargs(**self.server_args)  # names any bad value
+
+
+    @property
+    def openai_systems(self) -> dict[str, str]:
+        """--openai-urls as name -> URL."""
+        return dict(entry.partition("=")[::2] for entry in self.openai_urls)
+
+    @property
+    def all_systems(self) -> tuple[str, ...]:
+        """What the run measures, in order: --systems, then the --openai-urls servers."""
+        return (*self.systems, *(entry.partition("=")[0] for entry in self.openai_urls))
 
 
 def router_dp_size(system: str) -> int | None:
@@ -129,9 +150,15 @@ _HELP = {
     "address": "Use this running server as the sgl_lite system over ZeroMQ: its URL (http://host:PORT, the endpoint is found from it) or its tcp:// address (its cache is flushed first).",
     "url": "Use this running HTTP server or sglang-router (http://host:port) as the sgl_lite system, "
            "driven through SGLang's native /generate (its cache is flushed first).",
+    "backend": "How --url is driven: sglang (SGLang's native /generate, token ids) or openai-chat "
+               "(/v1/chat/completions, any OpenAI-compatible server: vLLM, llama-server, SGLang, sgl_lite's HTTP "
+               "front; prompts are the ids decoded with --model-path's tokenizer).",
     "api_key": "Key of the runtime at --address or the server at --url.",
     "systems": f"Comma-separated systems to measure, in order: some of {','.join(SYSTEM_NAMES)}, and "
                f"{ROUTER_SYSTEM_PREFIX}N: N replicas (one CPU share each) behind sglang-router, driven over HTTP.",
+    "openai_urls": "More systems: already running OpenAI-compatible servers as NAME=URL[,NAME=URL...], each driven "
+                   "over /v1/chat/completions like --backend openai-chat (e.g. vllm=http://127.0.0.1:8000,"
+                   "llama-server=http://127.0.0.1:8080); --model-path must name the model they serve (its tokenizer).",
     "router_policy": f"sglang-router policy of the {ROUTER_SYSTEM_PREFIX}N systems.",
     "router_args": f"Extra sglang-router flags for the {ROUTER_SYSTEM_PREFIX}N systems, as one string "
                    "(--router-args='--cache-threshold 0.82').",
@@ -177,8 +204,10 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
         help_text = _HELP[f.name]
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name == "systems":
+        elif f.name in ("systems", "openai_urls"):
             parser.add_argument(flag, default=",".join(f.default), help=help_text)
+        elif f.name == "backend":
+            parser.add_argument(flag, default=f.default, choices=URL_BACKENDS, help=help_text)
         elif f.name == "workload":
             parser.add_argument(flag, default=f.default, choices=WORKLOAD_NAMES, help=help_text)
         elif f.name == "router_policy":
@@ -205,7 +234,8 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "bench_serving")
     namespace = vars(build_parser(prog).parse_args(argv))
     server_args = {k.removeprefix("server_arg__"): v for k, v in namespace.items() if k.startswith("server_arg__")}
     values = {k: v for k, v in namespace.items() if not k.startswith("server_arg__")}
-    values["systems"] = tuple(s.strip() for s in values["systems"].split(",") if s.strip())
+    for name in ("systems", "openai_urls"):
+        values[name] = tuple(s.strip() for s in values[name].split(",") if s.strip())
     config = BenchConfig(**values, server_args=server_args)
     config.validate()
     return config

@@ -103,6 +103,13 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
     """Start (or connect to) one system; the caller closes it."""
     if name == "sgl_lite" and config.address:
         return RuntimeBackend(name, _patient_client(config.address, config.api_key))
+    openai_url = config.openai_systems.get(name) or (config.url if name == "sgl_lite" and config.backend == "openai-chat" else None)
+    if openai_url:
+        from sgl_lite.bench.openai_chat_backend import OpenAIChatBackend
+        from sgl_lite.runtime.model_executor import loader
+
+        tokenizer = loader.load_tokenizer(loader.resolve_model_path(config.model_path))
+        return OpenAIChatBackend(name, openai_url, tokenizer, api_key=config.api_key)
     if name == "sgl_lite" and config.url:
         from sgl_lite.bench.http_backend import HTTPBackend
 
@@ -152,12 +159,12 @@ def _patient_client(address: str, api_key: str | None) -> Any:
 
 
 def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
-    """The model every system serves (that of the --address runtime or --url server, when given) and
-    its prompt vocabulary."""
+    """The model every system serves (that of the --address runtime or the SGLang-native --url server,
+    when given; --model-path for OpenAI-compatible servers) and its prompt vocabulary."""
     from sgl_lite.runtime.model_executor import loader
 
     model_path = config.model_path
-    if config.url:
+    if config.url and config.backend == "sglang":
         import httpx2
 
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -220,7 +227,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     model_path, vocab = resolve_model(config)
     config = dataclasses.replace(config, model_path=model_path)
     workload = make_workload(config, vocab)
-    summaries = [measure_system(name, config, workload) for name in config.systems]
+    summaries = [measure_system(name, config, workload) for name in config.all_systems]
     ratios = throughput_ratios(summaries)
     stem = f"{workload.name}_{time.strftime('%Y%m%d-%H%M%S')}"
     report: dict[str, Any] = {

@@ -90,7 +90,7 @@ def from_abort(finish_reason: dict[str, Any]) -> HttpError:
 
 
 # Request fields a runtime message may name, the ones a caller most likely has to change first.
-_RUNTIME_FIELDS = ("max_new_tokens", "min_new_tokens", "json_schema", "regex", "ebnf", "stop_token_ids",
+_RUNTIME_FIELDS = ("max_new_tokens", "min_new_tokens", "json_schema", "structural_tag", "regex", "ebnf", "stop_token_ids",
                    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                    "repetition_penalty", "seed", "priority", "logprob_start_len", "top_logprobs_num",
                    "input_ids", "prompt", "text")

@@ -72,3 +72,22 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, text_off
         "top_logprobs": [{texts.token_text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
+
+
+def echoed_completion_logprobs(meta_info: dict[str, Any], texts: TokenTexts) -> dict[str, Any]:
+    """Completions logprobs with echo: the prompt's tokens first (the first one unscored: null), then the output's."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for logprob, token_id, _ in meta_info.get("input_token_logprobs") or []:
+        token = texts.token_text(int(token_id))
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+        token_logprobs.append(None if logprob is None else _finite(logprob))
+        tops.append(None if logprob is None else {token: _finite(logprob)})
+    output = completion_logprobs(LogprobCursor().take(meta_info), texts, text_offset=offset)
+    return {"tokens": tokens + output["tokens"], "token_logprobs": token_logprobs + output["token_logprobs"],
+            "top_logprobs": tops + output["top_logprobs"], "text_offset": offsets + output["text_offset"]}

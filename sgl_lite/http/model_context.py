@@ -26,10 +26,13 @@ class ModelContext:
     chat_template_error: str | None  # why chat_template is None
     token_texts: TokenTexts
     model_info: dict[str, Any]
+    tool_call_parser: str | None = None  # the runtime's --tool-call-parser
+    constrain_tool_calls: bool = True  # not --disable-tool-call-constraint
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any], served_model_name: str | None) -> ModelContext:
         model_path = info.get("model_path")
+        server_args = info.get("server_args") or {}
         name = served_model_name or info.get("served_model_name") or (Path(model_path).name if model_path else "default")
         template: ChatTemplate | None = None
         error: str | None = None
@@ -43,8 +46,10 @@ class ModelContext:
             context_length=info.get("context_length"),
             chat_template=template,
             chat_template_error=error,
-            token_texts=TokenTexts(model_path),
+            token_texts=TokenTexts(server_args.get("tokenizer_path") or model_path),
             model_info=info,
+            tool_call_parser=server_args.get("tool_call_parser"),
+            constrain_tool_calls=not server_args.get("disable_tool_call_constraint", False),
         )
 
     def require_chat_template(self) -> ChatTemplate:

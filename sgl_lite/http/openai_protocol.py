@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # The largest n (choices per prompt) one request may ask for: each choice is one runtime request.
 MAX_CHOICES = 64
 MAX_TOP_LOGPROBS = 20
+# OpenAI's own limit on the tools of one request.
+MAX_TOOLS = 128
 
 
 class _Lenient(BaseModel):
@@ -128,10 +130,44 @@ class SamplingFields(_Lenient):
         return None
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None means no arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -139,15 +175,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens in favour of max_completion_tokens; the newer one wins.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) is not supported by this server"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         return super().unsupported_field()
@@ -169,8 +205,8 @@ class CompletionRequest(SamplingFields):
             return "suffix", "suffix (fill-in-the-middle) is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of other than n is not supported by this server"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo together with logprobs is not supported by this server"
+        if self.echo and self.logprobs is not None and self.stream:
+            return "echo", "echo together with logprobs is supported without stream only"
         if self.echo and not self.prompt_texts_known():
             return "echo", "echo is supported for text prompts only"
         return super().unsupported_field()

@@ -14,14 +14,16 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 from fastapi.responses import JSONResponse, Response
 
-from sgl_lite.http.chat_template import ChatTemplateError, message_text
+from sgl_lite.http.chat_template import ChatTemplateError, message_text, template_message
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
 from sgl_lite.http.limits import HttpLimits
-from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs
+from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sgl_lite.http.sse import sse_response
+from sgl_lite.http.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
+from sgl_lite.http.tools import ToolRequest, tool_request
 from sgl_lite.runtime.protocol import sampling_params_from_dict
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -48,7 +50,8 @@ def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
 
 
 def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[int] | None]],
-                    return_logprob: bool, top_logprobs_num: int, max_fanout: int) -> list[GenerationInput]:
+                    return_logprob: bool, top_logprobs_num: int, max_fanout: int,
+                    structural_tag: dict[str, Any] | None = None) -> list[GenerationInput]:
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise bad_request(unsupported[1], unsupported[0])
@@ -61,7 +64,10 @@ def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[i
     for text, input_ids in prompts:
         for choice in range(body.n):
             try:
-                params = sampling_params_from_dict(body.sampling_params(choice))
+                params_dict = body.sampling_params(choice)
+                if structural_tag is not None:
+                    params_dict["structural_tag"] = structural_tag
+                params = sampling_params_from_dict(params_dict)
             except ValueError as e:
                 raise bad_request(str(e), _param_of(str(e))) from None
             inputs.append(GenerationInput(text, input_ids, params, return_logprob=return_logprob,
@@ -71,7 +77,7 @@ def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[i
 
 # Runtime (SGLang) sampling field -> the OpenAI request field it comes from.
 _OPENAI_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
-                 "text": "prompt", "input_ids": "prompt"}
+                 "structural_tag": "tools", "text": "prompt", "input_ids": "prompt"}
 
 
 def _param_of(message: str) -> str | None:
@@ -113,24 +119,28 @@ class OpenAIServing:
         limit = self._limits.max_chat_messages
         if len(body.messages) > limit:
             raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages {limit}", "messages")
+        tools = tool_request(body, context.tool_call_parser, not body.tools or template.renders_tools,
+                             context.constrain_tool_calls)
         try:
-            messages = [_message_dict(m.role, message_text(m.content, f"messages[{i}].content"), m.name)
+            messages = [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
+                                         [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
                         for i, m in enumerate(body.messages)]
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         try:
+            args = (messages, tools.tools if tools else None, context.token_texts.encoder())
             if sum(len(m["content"]) for m in messages) > RENDER_INLINE_CHARS:
-                prompt = await anyio.to_thread.run_sync(template.render, messages)  # not on the event loop
+                prompt = await anyio.to_thread.run_sync(template.prompt, *args)  # not on the event loop
             else:
-                prompt = template.render(messages)
+                prompt = template.prompt(*args)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        inputs = _runtime_inputs(body, [(prompt, None)], body.logprobs, body.top_logprobs_num(),
-                                 self._limits.max_request_fanout)
+        inputs = _runtime_inputs(body, [(prompt.text, prompt.input_ids)], body.logprobs, body.top_logprobs_num(),
+                                 self._limits.max_request_fanout, tools.structural_tag() if tools else None)
         response_id = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._chat_events(context, response_id, inputs, include_usage)
+            events = self._chat_events(context, response_id, inputs, include_usage, tools)
             return await sse_response(events, on_stream_end)
         generations = await self._runner.collect_many(inputs)
         choices = []
@@ -138,11 +148,12 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": chat_logprobs(LogprobCursor().take(gen.meta_info), context.token_texts)}
+            message, num_calls = assistant_message(gen.text, tools)
             choices.append({
                 "index": index,
-                "message": {"role": "assistant", "content": gen.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason_name(gen.finish_reason),
+                "finish_reason": finish_reason_with_calls(finish_reason_name(gen.finish_reason), num_calls),
             })
         return JSONResponse(_envelope(response_id, "chat.completion", context, choices, usage(generations, 1)))
 
@@ -154,6 +165,10 @@ class OpenAIServing:
             raise bad_request(str(e), "prompt") from None
         top = body.logprobs or 0
         inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top, self._limits.max_request_fanout)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs:
+            for runtime_input in inputs:
+                runtime_input.logprob_start_len = 0  # the prompt's logprobs too (how clients score text)
         response_id = "cmpl-" + uuid.uuid4().hex
         echoes = [(text or "") if body.echo else "" for text, _ in prompts for _ in range(body.n)]
         if body.stream:
@@ -165,7 +180,9 @@ class OpenAIServing:
         choices = []
         for index, gen in enumerate(generations):
             logprobs = None
-            if body.logprobs is not None:
+            if echo_logprobs:
+                logprobs = echoed_completion_logprobs(gen.meta_info, context.token_texts)
+            elif body.logprobs is not None:
                 entries = LogprobCursor().take(gen.meta_info)
                 logprobs = completion_logprobs(entries, context.token_texts, text_offset=0)
             choices.append({
@@ -177,8 +194,9 @@ class OpenAIServing:
         return JSONResponse(_envelope(response_id, "text_completion", context, choices, usage(generations, len(prompts))))
 
     async def _chat_events(self, context: ModelContext, response_id: str, inputs: list[GenerationInput],
-                           include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                           include_usage: bool, tools: ToolRequest | None) -> AsyncIterator[dict[str, Any]]:
         cursors = [LogprobCursor() for _ in inputs]
+        streams = [StreamedChoice(tools) for _ in inputs]
         finals: list[Generation | None] = [None] * len(inputs)
         async with aclosing(self._runner.stream_many(inputs)) as deltas:
             first = await _first(deltas)  # before any event: a runtime rejection becomes the HTTP status
@@ -191,14 +209,20 @@ class OpenAIServing:
                 if inputs[index].return_logprob:
                     entries = cursors[index].take(delta.meta_info)
                     logprobs = {"content": chat_logprobs(entries, context.token_texts)}
-                if delta.text or logprobs and logprobs["content"]:
+                pieces = streams[index].feed(delta.text)
+                if delta.finish_reason is not None:
+                    pieces += streams[index].finish()
+                if not pieces and logprobs and logprobs["content"]:
+                    pieces = [{"content": ""}]
+                for piece in pieces:
                     yield _chunk(response_id, "chat.completion.chunk", context,
-                                 {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None})
+                                 {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": None})
+                    logprobs = None
                 if delta.finish_reason is not None:
                     finals[index] = Generation("", [], delta.meta_info)
+                    reason = finish_reason_with_calls(finish_reason_name(delta.finish_reason), streams[index].num_calls)
                     yield _chunk(response_id, "chat.completion.chunk", context,
-                                 {"index": index, "delta": {}, "logprobs": None,
-                                  "finish_reason": finish_reason_name(delta.finish_reason)})
+                                 {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         if include_usage:
             yield _chunk(response_id, "chat.completion.chunk", context, None, usage([g for g in finals if g], 1))
 
@@ -229,13 +253,6 @@ class OpenAIServing:
                                  {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish})
         if include_usage:
             yield _chunk(response_id, "text_completion", context, None, usage([g for g in finals if g], num_prompts))
-
-
-def _message_dict(role: str, content: str, name: str | None) -> dict[str, Any]:
-    message = {"role": role, "content": content}
-    if name:
-        message["name"] = name
-    return message
 
 
 def _envelope(response_id: str, kind: str, context: ModelContext, choices: list[dict[str, Any]],

@@ -1,4 +1,4 @@
-"""Token id -> (text, bytes) for the `token` and `bytes` fields of OpenAI logprobs.
+"""Token id -> (text, bytes) for the `token` and `bytes` fields of OpenAI logprobs, and text -> ids for chat prompts.
 
 The runtime reports logprobs by token id only. The HTTP front reads the model's `tokenizer.json`
 (with the Rust `tokenizers` package; no transformers, no torch) when the model folder is reachable
@@ -13,6 +13,7 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,14 @@ class TokenTexts:
                 return bytes(decoder[ch] for ch in piece)
             return piece.encode()  # an added/special token stored verbatim
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def encoder(self) -> Callable[[str], list[int]] | None:
+        """Text -> ids without the tokenizer's special tokens (how a rendered chat template is tokenized),
+        or None without a tokenizer file."""
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return None
+        return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

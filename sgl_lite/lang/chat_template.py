@@ -1,6 +1,7 @@
 """Role prefixes and suffixes for sgl.system/user/assistant, derived from the model's own template.
 
-The runtime reports the tokenizer's Jinja chat template. Rendering it with sentinel message
+The runtime reports the tokenizer's Jinja chat template (or the one given with --chat-template).
+Rendering it (template_renderer.py, the renderer the HTTP front uses too) with sentinel message
 contents and cutting the output at the sentinels gives each role's prefix and suffix, so a
 program's text is byte-identical to what `tokenizer.apply_chat_template` would produce for the
 same messages. Templates that insert a default system message when the conversation does not
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from sgl_lite.lang.template_renderer import ChatTemplateError, TemplateRenderer
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +73,10 @@ def chat_template_from_model_info(info: dict[str, Any]) -> ChatTemplate:
     return CHATML
 
 
-def _render(template: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    # bos_token is rendered empty: the runtime's tokenizer adds BOS itself when the model wants one.
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+def _render(template: TemplateRenderer, messages: list[dict[str, str]]) -> str:
+    # bos_token is rendered empty: a DSL program's text is tokenized by the runtime, whose tokenizer
+    # adds BOS itself when the model wants one (so the prompt has one BOS, as transformers gives).
+    return template.render(messages, add_generation_prompt=False)
 
 
 def _split_at(text: str, sentinel: str) -> tuple[str, str]:
@@ -95,16 +99,7 @@ def _strip_prefix(text: str, prefix: str) -> str:
 
 def chat_template_from_jinja(source: str) -> ChatTemplate:
     """Cut a Jinja chat template into role prefixes/suffixes with sentinel contents."""
-    import jinja2.exceptions
-    import jinja2.sandbox
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    template = env.from_string(source)
+    template = TemplateRenderer(source)
     sys_s, user_s, asst_s = _SENTINELS["system"], _SENTINELS["user"], _SENTINELS["assistant"]
     sys_msg = {"role": "system", "content": sys_s}
     user_msg = {"role": "user", "content": user_s}
@@ -114,7 +109,7 @@ def chat_template_from_jinja(source: str) -> ChatTemplate:
     try:
         roles["system"] = _split_at(_render(template, [sys_msg]), sys_s)
         head: list[dict[str, str]] = [sys_msg]
-    except jinja2.exceptions.TemplateError:
+    except ChatTemplateError:
         head = []  # templates without a system role (some Mistral/Gemma ones) raise on it
 
     # Each role's prefix is read after a preceding message, so a default system message that the

@@ -97,7 +97,7 @@ class ProgramState:
             child.cur_role_begin_pos = executor.cur_role_begin_pos
             child.error_ = executor.error_
             branches.append(ProgramState(child))
-        return ProgramStateGroup(branches, self)
+        return ProgramStateGroup(branches, self, fork_text_len=len(executor.text_))
 
     @contextlib.contextmanager
     def copy(self, position_ids_offset: Optional[list[int]] = None) -> Iterator[ProgramState]:
@@ -199,9 +199,10 @@ class ProgramStateGroup:
     list gives one item per branch); `join()` waits for all branches and copies each variable new
     in the branches back into the parent as a list (one value per branch)."""
 
-    def __init__(self, states: list[ProgramState], src_state: ProgramState) -> None:
+    def __init__(self, states: list[ProgramState], src_state: ProgramState, fork_text_len: int = 0) -> None:
         self.states = states
         self.src_state = src_state
+        self.fork_text_len = fork_text_len  # where each branch's own text starts (for concate_and_append)
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
@@ -232,19 +233,28 @@ class ProgramStateGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        if mode != "gather_variable":
-            raise ValueError(f"join mode must be 'gather_variable' (the only one sgl_lite supports); got {mode!r}")
+        """gather_variable: each variable new in the branches becomes a list in the parent.
+        concate_and_append (SGLang's spelling): the branches' new text, in branch order, is appended
+        to the parent's text (as text: the runtime's radix cache makes its prefix a cache hit)."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append'; got {mode!r}")
         parent = self.src_state.stream_executor
         parent_names = set(parent.variables)
+        appended = []
         for state in self.states:
             child = state.stream_executor
             child.end()
             child.sync()
-            for name in child.variables:
-                if name in parent_names:
-                    continue
-                value = child.variables[name]
-                parent.variables.setdefault(name, []).append(value)
-                parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+            if mode == "concate_and_append":
+                appended.append(child.text_[self.fork_text_len:])
+            else:
+                for name in child.variables:
+                    if name in parent_names:
+                        continue
+                    value = child.variables[name]
+                    parent.variables.setdefault(name, []).append(value)
+                    parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
             if child.error_ is not None and parent.error_ is None:
                 parent.error_ = child.error_
+        if appended:
+            self.src_state += "".join(appended)

@@ -60,10 +60,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: Union[int, None] = None
-    # Constrained decoding (at most one): a regex, a JSON Schema (string or object), an EBNF grammar.
+    # Constrained decoding (at most one): a regex, a JSON Schema (string or object), an EBNF grammar,
+    # an xgrammar structural tag (string or object: free text with constrained tagged parts, SGLang's field).
     regex: Union[str, None] = None
     json_schema: Union[str, dict[str, Any], None] = None
     ebnf: Union[str, None] = None
+    structural_tag: Union[str, dict[str, Any], None] = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field when a value is out of range."""
@@ -103,8 +105,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             for tok in self.stop_token_ids or ():
                 if not 0 <= tok < vocab_size:
                     raise ValueError(f"stop_token_ids contains {tok}, outside the vocabulary [0, {vocab_size})")
-        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
-            raise ValueError("only one of regex, json_schema, ebnf may be given")
+        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf, self.structural_tag)) > 1:
+            raise ValueError("only one of regex, json_schema, ebnf, structural_tag may be given")
 
     @property
     def is_greedy(self) -> bool:

@@ -21,6 +21,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+# Tool-call output formats the HTTP front parses (http/tool_parsers/), named as SGLang names them.
+TOOL_CALL_PARSERS = ("qwen25", "llama3")
+# Weight-only CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
+QUANTIZATIONS = ("w8a16_int8", "w4a16_int4")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -33,9 +37,15 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
+    quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
+    chat_template: str | None = field(default=None, metadata={"help": "Chat template used instead of the tokenizer's: a file path, or a built-in name (smollm2-tools: SmolLM2's ChatML with tool calling, Qwen 2.5's format)."})
+
+    # Tool calling (the HTTP front's /v1/chat/completions `tools`).
+    tool_call_parser: str | None = field(default=None, metadata={"help": "Format of the model's tool calls, parsed into OpenAI tool_calls; requests with `tools` are refused without it.", "choices": TOOL_CALL_PARSERS})
+    disable_tool_call_constraint: bool = field(default=False, metadata={"help": "sgl_lite: do not constrain tool calls with xgrammar (by default tool_choice required/named allows only schema-valid calls, and auto lets a started call be only schema-valid)."})
 
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
@@ -74,6 +84,12 @@ class ServerArgs:
     grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
     grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
 
+    # Speculative decoding (SGLang's flag names; only the n-gram drafter, which needs no draft model).
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "ngram: draft tokens by looking the last tokens up in the request's own prompt and output, and verify every draft in the decode forward (greedy output unchanged, sampled output keeps its distribution). Default: off."})
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "Max draft tokens per request per step (default 4); each request's draft adapts to what it had accepted."})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "Shortest suffix of a request's tokens looked up to draft."})
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "Longest suffix looked up (the longest one found wins)."})
+
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
     port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
@@ -105,6 +121,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
         for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
@@ -112,6 +130,16 @@ class ServerArgs:
                 raise ValueError(f"{flag_of(name)} {getattr(self, name)}: {hint}")
             if getattr(self, name) not in choices:
                 raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.lower()  # SGLang spells it NGRAM
+            if self.speculative_algorithm != "ngram":
+                raise ValueError(f"--speculative-algorithm must be ngram (the only drafter without a draft model); got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1; got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= --speculative-ngram-max-match-window-size")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",

@@ -57,8 +57,11 @@ class ReqKV:
         return self.allocator.available_size >= num_tokens
 
     def build_batch(self, parts: list[tuple[Req, int]], is_decode: bool,
-                    borrows: Sequence[Borrow | None] = ()) -> ForwardBatch:
+                    borrows: Sequence[Borrow | None] = (), drafts: Sequence[list[int]] | None = None) -> ForwardBatch:
         """Allocate slots for `n` new tokens of each (req, n) and write them into the rows.
+
+        With `drafts` (speculative decoding, one list per part), part i's last len(drafts[i]) new
+        tokens are its draft, computed after its own tokens.
 
         With `borrows` (in-batch prefix sharing, one entry per part), part i's first
         `borrows[i].length` tokens take the slots its lenders hold at those positions instead of new
@@ -86,8 +89,10 @@ class ReqKV:
             prefix_lens=[r.kv_len + b for (r, _), b in zip(parts, borrowed)],
             extend_lens=[n - b for (_, n), b in zip(parts, borrowed)],
             out_cache_loc=slots,
-            sample=[r.kv_len + n == r.seq_len and r.wants_sampling for r, n in parts],
+            sample=[r.kv_len + n - len(d) == r.seq_len and r.wants_sampling
+                    for (r, n), d in zip(parts, drafts or [[]] * len(parts))],
             is_decode=is_decode,
+            draft_ids=list(drafts) if drafts is not None else None,
         )
 
     def flush(self) -> None:

@@ -83,6 +83,13 @@ class Req:
     # Its stop strings indexed for one-pass matching (stop_checker.StopStrings), built on first use.
     stop_strings: Any = None
 
+    # N-gram speculative decoding (--speculative-algorithm ngram): the proposer's per-request state
+    # (managers/ngram_proposer.py), verification steps, and draft tokens proposed / accepted.
+    spec_state: Any = None
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -30,6 +30,7 @@ from typing import Any
 
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex, Borrow
+from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
 from sgl_lite.runtime.managers.policy import SchedulePolicy, prefix_match_key
 from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
 from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, reserved_output
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+DEFAULT_NUM_DRAFT_TOKENS = 4  # --speculative-num-draft-tokens when not given
 
 
 class Scheduler:
@@ -73,6 +75,10 @@ class Scheduler:
         chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else (8192 if on_cuda else 2048)
         self.chunk_size: int | None = None if chunk == -1 else chunk
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
+        self.proposer = NgramProposer(args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS,
+                                      args.speculative_ngram_min_match_window_size,
+                                      args.speculative_ngram_max_match_window_size) \
+            if args.speculative_algorithm == "ngram" else None
         self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
@@ -385,7 +391,29 @@ class Scheduler:
                 return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
-        return self.kv.build_batch([(r, 1) for r in self.running], is_decode=True)
+        drafts = self._drafts() if self.proposer is not None else None
+        if drafts is None or not any(drafts):
+            return self.kv.build_batch([(r, 1) for r in self.running], is_decode=True)
+        return self.kv.build_batch([(r, 1 + len(d)) for r, d in zip(self.running, drafts)], is_decode=False, drafts=drafts)
+
+    def _drafts(self) -> list[list[int]] | None:
+        """N-gram drafts for the running requests ([] where a request does not draft), or None when
+        the free slots cannot hold them: drafts never evict cached prefixes."""
+        assert self.proposer is not None
+        drafts = []
+        for req in self.running:
+            params = req.sampling_params
+            # Requests whose next-token distribution depends on the tokens before it in ways the
+            # verifier does not replay (grammar state, penalties, min_new_tokens) decode one token a step.
+            plain = (req.grammar is None and len(req.output_ids) >= params.min_new_tokens
+                     and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+                     and params.repetition_penalty == 1.0)
+            # Room for every accepted token plus the one after: within max_new_tokens and the context.
+            limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
+            drafts.append(self.proposer.propose(req, limit) if plain and limit > 0 else [])
+        if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
+            return None
+        return drafts
 
     def _retract(self, changed: list[Req]) -> None:
         """SGLang's retract_decode: put back the requests with the fewest outputs (then longest prompts)."""
@@ -421,8 +449,12 @@ class Scheduler:
         """Rows [start, end of batch) (decode rows: one new token each, all in self.running)."""
         for i in range(start, len(batch.reqs)):
             req = batch.reqs[i]
-            req.kv_len += 1
-            self._append_token(req, output.next_token_ids[i])
+            accepted = output.accepted_ids[i] if batch.draft_ids and batch.draft_ids[i] else None
+            if accepted is None:
+                req.kv_len += 1
+                self._append_token(req, output.next_token_ids[i])
+            else:
+                self._append_verified(req, accepted, batch.extend_lens[i])
             changed.append(req)
         if any(r.finished for r in self.running):
             self.running = [r for r in self.running if not r.finished]
@@ -431,15 +463,42 @@ class Scheduler:
     # ------------------------------------------------------------------ shared helpers
 
     def _append_token(self, req: Req, token: int | None) -> None:
+        reason = self._take_token(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _take_token(self, req: Req, token: int | None) -> FinishReason | None:
+        """Append one output token; the reason the request must finish now, if any."""
         assert token is not None, f"the runner returned no token for {req.rid}"
         req.output_ids.append(int(token))
         if req.first_token_time is None:
             req.first_token_time = self.clock()
         if req.grammar is not None and not req.grammar.accept_token(int(token)):
             # The sampler applies the grammar mask, so this means a masking bug; SGLang aborts too.
-            self._finish(req, FinishReason(FinishKind.ABORT, message=f"the grammar rejected sampled token {token}"))
-            return
-        reason = self.stop_checker.check(req)
+            return FinishReason(FinishKind.ABORT, message=f"the grammar rejected sampled token {token}")
+        return self.stop_checker.check(req)
+
+    def _append_verified(self, req: Req, tokens: list[int], extend: int) -> None:
+        """A verified draft row: `extend` slots were computed (its last token + the draft); append the
+        accepted tokens up to the first stop, keep the KV of the tokens kept, free the other slots."""
+        assert self.proposer is not None
+        self.proposer.record(req, extend - 1, len(tokens) - 1)
+        req.spec_verify_ct += 1
+        start, reason, kept = req.kv_len, None, 0
+        for token in tokens:
+            kept += 1
+            reason = self._take_token(req, token)
+            if reason is not None:
+                break
+        # Position start + j holds the KV of the j-th input of this row, valid while that input is
+        # the request's: its last token and the accepted draft tokens before the last one kept.
+        req.kv_len = start + kept
+        if kept < extend:
+            row = self.req_to_token.table[req.req_pool_idx]
+            self.kv.allocator.free(row[start + kept : start + extend].clone())
+        if kept < len(tokens) and req.return_logprob:  # the runner scored every verified token
+            del req.output_token_logprobs[kept - len(tokens):]
+            del req.output_top_logprobs[kept - len(tokens):]
         if reason is not None:
             self._finish(req, reason)
 
@@ -525,5 +584,6 @@ class Scheduler:
             "schedule_policy": self.policy.policy,
             "max_running_requests": self.max_running_requests,
             "chunked_prefill_size": self.chunk_size,
+            **(self.proposer.stats() if self.proposer is not None else {}),
         }
 

@@ -92,7 +92,7 @@ class RequestValidator:
             if not isinstance(bad, int) or isinstance(bad, bool):
                 raise ValueError("input_ids must be a list of integers")
             raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
-        if params.regex is None and params.json_schema is None and params.ebnf is None:
+        if params.regex is None and params.json_schema is None and params.ebnf is None and params.structural_tag is None:
             return None
         check_grammar_limits(params, self.args.max_grammar_chars, self.args.max_json_schema_depth)
         backend = self._grammar()
@@ -136,7 +136,7 @@ class RequestValidator:
     def _grammar(self) -> Any:
         if self._grammar_backend is None:
             if self.tokenizer is None:
-                raise ValueError("regex / json_schema / ebnf need a tokenizer, and this scheduler has none")
+                raise ValueError("regex / json_schema / ebnf / structural_tag need a tokenizer, and this scheduler has none")
             from sgl_lite.runtime.sampling.grammar import GrammarBackend
 
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.args.grammar_compile_workers,

@@ -14,7 +14,7 @@ implement this interface, so the scheduler never knows which one it drives.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,10 @@ class ForwardBatch:
     sample: list[bool]
     # True when every request extends by exactly one token (a decode step).
     is_decode: bool = False
+    # Speculative decoding: per request, draft tokens appended after its fill_ids in this forward
+    # (extend_lens[i] = tokens of fill_ids computed now + len(draft_ids[i])); None when no row drafts.
+    # A drafting row is verified (sampling/speculative.py) instead of sampled once.
+    draft_ids: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,13 +49,17 @@ class ForwardBatch:
 
     def input_ids(self, i: int) -> list[int]:
         start = self.prefix_lens[i]
-        return self.reqs[i].fill_ids[start : start + self.extend_lens[i]]
+        draft = self.draft_ids[i] if self.draft_ids is not None else []
+        return self.reqs[i].fill_ids[start : start + self.extend_lens[i] - len(draft)] + list(draft)
 
 
 @dataclass
 class ForwardOutput:
     # One entry per request of the batch: the sampled token id, or None where sample[i] is False.
     next_token_ids: list[int | None]
+    # Rows that drafted (batch.draft_ids[i] non-empty): every token to append, the accepted draft
+    # prefix then one more (next_token_ids[i] is its first); None for the other rows.
+    accepted_ids: list[list[int] | None] = field(default_factory=list)
 
 
 class ModelRunnerBase(abc.ABC):
@@ -74,5 +82,7 @@ class ModelRunnerBase(abc.ABC):
           computes (the token at position p is scored by the logits at p - 1), and, when sampling,
           appends to `req.output_token_logprobs` / `req.output_top_logprobs` (top_logprobs_num > 0);
         - samples with the request's SamplingParams (greedy when temperature == 0), applying its
-          grammar bitmask when `req.grammar` is set; never returns a token for sample[i] False.
+          grammar bitmask when `req.grammar` is set; never returns a token for sample[i] False;
+        - for a row with draft tokens (batch.draft_ids), computes its new tokens followed by the draft
+          and returns in accepted_ids[i] the tokens verification accepts (sampling/speculative.py).
         """

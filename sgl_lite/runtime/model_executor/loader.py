@@ -140,6 +140,22 @@ def iter_weights(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Te
                 yield name, f.get_tensor(name)
 
 
+def gguf_source(folder: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a cached folder was converted from, when it is still there unchanged; else None."""
+    try:
+        source = json.loads((Path(folder) / _SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # an HF folder of the user's (or an unreadable record): no GGUF behind it
+    if "alias" in source and source["alias"] in MODEL_ALIASES:
+        wheel = MODEL_ALIASES[source["alias"]]
+        found = sorted((cache_root() / "gguf" / f"{wheel.package}-{wheel.version}").glob("*.gguf"))
+        return found[0] if found else None
+    gguf_file = Path(str(source.get("gguf", "")))
+    if gguf_file.suffix == ".gguf" and gguf_file.is_file() and gguf_file.stat().st_size == source.get("size"):
+        return gguf_file
+    return None
+
+
 # ---------------------------------------------------------------- folder checks
 
 

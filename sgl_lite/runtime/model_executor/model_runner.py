@@ -112,6 +112,8 @@ class ModelRunner(ModelRunnerBase):
         if self.device.type == "cpu":
             keep_freed_heap_memory()
         self.dtype = choose_dtype(args.dtype, self.device)
+        if args.quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"--quantization {args.quantization} runs on torch's CPU kernels; the device is {self.device.type}")
         model_dir = Path(model_dir) if model_dir is not None else loader.resolve_model_path(args.model_path)
         self.model_dir = model_dir
         self.config = loader.load_config(model_dir)
@@ -126,7 +128,7 @@ class ModelRunner(ModelRunnerBase):
         self.tp = TensorParallel.from_args(args, model_dir, self.device, self.config)
         if self.tp is not None:
             self.tp.shard(self.model)
-        self.packed_weights = self.model.pack_weights()
+        self.packed_weights = self.model.pack_weights(quantization=args.quantization, int4_values=self._gguf_int4_values())
         self.vocab_size = self.config.vocab_size
 
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
@@ -146,6 +148,20 @@ class ModelRunner(ModelRunnerBase):
             model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
             self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__,
         )
+
+    def _gguf_int4_values(self) -> dict | None:
+        """`--quantization w4a16_int4` on a model converted from a GGUF file: that file's own Q4 blocks
+        (exact), not a second rounding of their dequantized values. Not under TP (the blocks are unsharded)."""
+        from sgl_lite.runtime.model_executor import loader
+
+        if self.args.quantization != "w4a16_int4" or self.tp is not None:
+            return None
+        gguf_file = loader.gguf_source(self.model_dir)
+        if gguf_file is None:
+            return None
+        from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
+
+        return read_int4_blocks(gguf_file)
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
@@ -186,15 +202,18 @@ class ModelRunner(ModelRunnerBase):
         num_reqs = len(reqs)
         if not num_reqs:
             return ForwardOutput(next_token_ids=[])
-        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
-            if extend <= 0 or prefix + extend > req.seq_len:
-                raise ValueError(f"request {req.rid}: prefix {prefix} + extend {extend} does not fit its {req.seq_len} tokens")
+        drafts = batch.draft_ids or [[] for _ in reqs]
+        for req, prefix, extend, draft in zip(reqs, batch.prefix_lens, batch.extend_lens, drafts):
+            own = extend - len(draft)
+            if own <= 0 or prefix + own > req.seq_len:
+                raise ValueError(f"request {req.rid}: prefix {prefix} + extend {own} does not fit its {req.seq_len} tokens")
             if req.req_pool_idx is None:
                 raise ValueError(f"request {req.rid} has no req_to_token row")
         device = self.device
         ids: list[int] = []
-        for req, prefix, extend in zip(reqs, batch.prefix_lens, batch.extend_lens):
-            ids.extend(_new_token_ids(req, prefix, extend))
+        for req, prefix, extend, draft in zip(reqs, batch.prefix_lens, batch.extend_lens, drafts):
+            ids.extend(_new_token_ids(req, prefix, extend - len(draft)))
+            ids.extend(draft)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         meta = AttentionMetadata.build(
             [r.req_pool_idx for r in reqs], batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self.req_to_token
@@ -207,18 +226,40 @@ class ModelRunner(ModelRunnerBase):
 
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.
+        # Rows that verify a draft need logits at every position of their draft (the last ones).
         qo = meta.qo_indptr.tolist()
-        sample_idx = [i for i in range(num_reqs) if batch.sample[i]]
+        spec_idx = [i for i in range(num_reqs) if batch.sample[i] and drafts[i]]
+        sample_idx = [i for i in range(num_reqs) if batch.sample[i] and not drafts[i]]
         score_ranges = self._input_logprob_ranges(batch)
         rows = [qo[i + 1] - 1 for i in sample_idx]
         for i, first, last in score_ranges:
             rows.extend(range(qo[i] + first - batch.prefix_lens[i], qo[i] + last - batch.prefix_lens[i]))
+        num_scored = len(rows)
+        for i in spec_idx:
+            rows.extend(range(qo[i + 1] - len(drafts[i]) - 1, qo[i + 1]))
         next_ids: list[int | None] = [None] * num_reqs
+        accepted: list[list[int] | None] = [None] * num_reqs
         if not rows:
-            return ForwardOutput(next_token_ids=next_ids)
+            return ForwardOutput(next_token_ids=next_ids, accepted_ids=accepted)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         num_sample = len(sample_idx)
-        self._score_inputs(batch, score_ranges, logits[num_sample:])
+        self._score_inputs(batch, score_ranges, logits[num_sample:num_scored])
+        if spec_idx:
+            from sgl_lite.runtime.sampling.speculative import verify_drafts
+
+            spec_logits = logits[num_scored:]
+            verified = verify_drafts(self.sampler, spec_logits, [reqs[i] for i in spec_idx],
+                                     [drafts[i] for i in spec_idx])
+            offset = 0
+            for i, tokens in zip(spec_idx, verified):
+                accepted[i] = tokens
+                next_ids[i] = tokens[0]
+                if reqs[i].return_logprob:  # the raw model logprob of each emitted token, as when sampled
+                    rows_i = spec_logits[offset : offset + len(tokens)].float()
+                    chosen = torch.log_softmax(rows_i, dim=-1).gather(1, torch.tensor(tokens, device=device)[:, None])
+                    for j, logprob in enumerate(chosen.squeeze(1).tolist()):
+                        self._record_output_logprobs(reqs[i], logprob, rows_i[j])
+                offset += len(drafts[i]) + 1
         if num_sample:
             sample_reqs = [reqs[i] for i in sample_idx]
             sample_logits = logits[:num_sample]
@@ -230,7 +271,7 @@ class ModelRunner(ModelRunnerBase):
                 next_ids[i] = tokens_list[j]
                 if reqs[i].return_logprob:
                     self._record_output_logprobs(reqs[i], logprob_list[j], sample_logits[j])
-        return ForwardOutput(next_token_ids=next_ids)
+        return ForwardOutput(next_token_ids=next_ids, accepted_ids=accepted)
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""

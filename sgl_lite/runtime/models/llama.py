@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend
+from sgl_lite.runtime.layers.linear import QuantizedLinear, cpu_packed_linear_supported, linear, quantize_linear
+from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -72,19 +74,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): ~10-25% faster matmuls here."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -108,8 +97,9 @@ class LlamaDecoderLayer(nn.Module):
         self.down_weight = _param((hidden, self.intermediate), dtype, device)
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
-        # oneDNN-packed copies of the four weights (see LlamaForCausalLM.pack_weights); None = plain F.linear
-        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
+        # oneDNN-packed copies or quantized forms of the four weights (see LlamaForCausalLM.pack_weights);
+        # None = plain F.linear
+        self.packed: dict[str, torch.Tensor | QuantizedLinear | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
         # Tensor parallelism (model_executor/tp.py) shards the heads and MLP columns and sets this to the
         # all-reduce of the o- and down-projection partial sums; None = one process, nothing to reduce.
         self.tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -149,6 +139,12 @@ _FUSED = {  # HF name suffix -> (fused parameter, part index among its parts)
     "mlp.gate_proj": ("gate_up", 0),
     "mlp.up_proj": ("gate_up", 1),
 }
+_HF_PARTS = {  # fused parameter -> the HF modules it is made of, in order
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 _PLAIN = {
     "self_attn.o_proj.weight": "o_weight",
     "self_attn.o_proj.bias": "o_bias",
@@ -178,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: torch.Tensor | QuantizedLinear | None = None
         layer0 = self.layers[0]
         self.num_heads, self.num_kv_heads, self.head_dim = layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
         max_positions = max_positions or config.max_position_embeddings
@@ -247,27 +243,45 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"missing weight(s) for {type(self).__name__}: {', '.join(missing[:10])}")
 
-    def pack_weights(self, batch_hint: int = 32) -> bool:
-        """After loading: prepack matmul weights for oneDNN when supported (bf16 on CPU).
+    def pack_weights(self, batch_hint: int = 32, quantization: str | None = None,
+                     int4_values: dict[str, Int4Values] | None = None) -> bool:
+        """After loading: prepack matmul weights for oneDNN when supported (bf16 on CPU), and with
+        `quantization` (one of layers.quantization.QUANTIZATION_METHODS) add weight-only quantized forms,
+        which calls with few rows use (layers/linear.py). `int4_values`: HF weight name -> a GGUF file's
+        own 4-bit blocks, used instead of quantizing those weights (they must dequantize to the loaded ones).
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
-        final. Costs one extra copy of the matmul weights in memory. Returns whether it packed.
+        final. Costs one extra copy of the matmul weights in memory. Returns whether it packed for oneDNN.
         """
-        if not cpu_packed_linear_supported(self.dtype, self.embed_tokens.device):
-            return False
+        packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight
         try:
             for layer in self.layers:
                 weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "gate_up": layer.gate_up_weight, "down": layer.down_weight}
-                layer.packed = {name: reorder(w.detach(), batch_hint) for name, w in weights.items()}
-            self.packed_lm_head = reorder(self.lm_head.detach(), batch_hint)
+                layer.packed = {name: reorder(w.detach(), batch_hint) if packed else None for name, w in weights.items()}
+            self.packed_lm_head = reorder(self.lm_head.detach(), batch_hint) if packed else None
         except RuntimeError as e:  # an oneDNN build without bf16 support: stay on F.linear
             logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
             for layer in self.layers:
                 layer.packed = dict.fromkeys(layer.packed)
             self.packed_lm_head = None
-            return False
-        return True
+            packed = False
+        if quantization is not None:
+            self._quantize(quantization, int4_values or {})
+        return packed
+
+    def _quantize(self, method: str, int4_values: dict[str, Int4Values]) -> None:
+        for layer in self.layers:
+            prefix = f"model.layers.{layer.layer_id}."
+            for name in layer.packed:
+                weight = getattr(layer, f"{name}_weight")
+                parts = [int4_values.get(prefix + hf + ".weight") for hf in _HF_PARTS[name]]
+                values = Int4Values.cat(parts) if all(p is not None for p in parts) else None
+                _check_same_weight(values, weight, f"{prefix}{name}")
+                layer.packed[name] = quantize_linear(method, weight.detach(), layer.packed[name], values)
+        head = int4_values.get("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+        _check_same_weight(head, self.lm_head, "lm_head")
+        self.packed_lm_head = quantize_linear(method, self.lm_head.detach(), self.packed_lm_head, head)
 
     def _plain_target(self, name: str) -> str | None:
         if name == "model.embed_tokens.weight":
@@ -289,6 +303,19 @@ class LlamaForCausalLM(nn.Module):
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {source} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor)
+
+
+def _check_same_weight(values: Int4Values | None, weight: torch.Tensor, name: str) -> None:
+    """A GGUF file's blocks must be the weights the model loaded (its dequantized copy): else the cache
+    and the file disagree, and serving would silently mix two models."""
+    if values is None:
+        return
+    dense = weight.detach().float()
+    if values.q.shape != dense.shape:
+        raise ValueError(f"GGUF 4-bit weight for {name} has shape {tuple(values.q.shape)}, expected {tuple(dense.shape)}")
+    error = (values.dequantize().to(weight.dtype).float() - dense).abs().max().item()
+    if error > 1e-2 * max(dense.abs().max().item(), 1e-6):
+        raise ValueError(f"GGUF 4-bit weight for {name} differs from the loaded weight (max error {error:.3g})")
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -29,7 +29,7 @@ from sgl_lite.runtime.sampling.compile_pool import CompilePool
 
 logger = logging.getLogger(__name__)
 
-GrammarKey = tuple[str, str]  # (kind: "regex" | "json_schema" | "ebnf", canonical text)
+GrammarKey = tuple[str, str]  # (kind: "regex" | "json_schema" | "ebnf" | "structural_tag", canonical text)
 
 # Compiled grammars kept (LRU). Each holds a per-token mask cache of the vocabulary, so the bound matters.
 COMPILED_CACHE_SIZE = 128
@@ -46,14 +46,16 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
         return ("regex", params.regex)
     if params.ebnf is not None:
         return ("ebnf", params.ebnf)
-    if params.json_schema is not None:
-        schema = params.json_schema
-        if isinstance(schema, str):
+    for kind in ("json_schema", "structural_tag"):
+        spec = getattr(params, kind)
+        if spec is None:
+            continue
+        if isinstance(spec, str):
             try:
-                schema = json.loads(schema)
+                spec = json.loads(spec)
             except json.JSONDecodeError:
-                return ("json_schema", params.json_schema)
-        return ("json_schema", json.dumps(schema, separators=(",", ":")))
+                return (kind, getattr(params, kind))
+        return (kind, json.dumps(spec, separators=(",", ":")))
     return None
 
 
@@ -66,6 +68,21 @@ def json_schema_ebnf(schema_text: str) -> str:
     """The EBNF of a JSON schema (compact separators), with strings free of raw control characters."""
     ebnf = str(xgrammar.Grammar.from_json_schema(schema_text, any_whitespace=False))
     return ebnf.replace(_LENIENT_JSON_STRING_CHAR, _STRICT_JSON_STRING_CHAR)
+
+
+def structural_tag_ebnf(tag_text: str) -> str:
+    """The EBNF of an xgrammar structural tag, its JSON parts' strings free of raw control characters."""
+    ebnf = str(xgrammar.Grammar.from_structural_tag(tag_text))
+    return ebnf.replace(_LENIENT_JSON_STRING_CHAR, _STRICT_JSON_STRING_CHAR)
+
+
+def _ebnf_of(kind: str, text: str) -> str | None:
+    """The EBNF we compile for a JSON-based constraint (None for regex, which compiles directly)."""
+    if kind == "json_schema":
+        return json_schema_ebnf(text)
+    if kind == "structural_tag":
+        return structural_tag_ebnf(text)
+    return text if kind == "ebnf" else None
 
 
 class GrammarMatcher:
@@ -190,7 +207,7 @@ class GrammarBackend:
         """
         key = grammar_key(params)
         if key is None:
-            raise ValueError("request_matcher called for a request without regex, json_schema or ebnf")
+            raise ValueError("request_matcher called for a request without regex, json_schema, ebnf or structural_tag")
         compiled_future = self.compiled_future(key)
         with self._lock:
             self._waiters[key] += 1
@@ -246,10 +263,8 @@ class GrammarBackend:
         try:
             if kind == "regex":
                 return self._compiler.compile_regex(text)
-            if kind == "json_schema":
-                return self._compiler.compile_grammar(json_schema_ebnf(text))
-            return self._compiler.compile_grammar(text)
-        except (RuntimeError, ValueError, TypeError) as e:
+            return self._compiler.compile_grammar(_ebnf_of(kind, text))
+        except (RuntimeError, ValueError, TypeError, xgrammar.InvalidStructuralTagError, xgrammar.InvalidJSONError) as e:
             raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
 
     def is_compiling(self) -> bool:

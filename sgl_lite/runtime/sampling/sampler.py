@@ -80,6 +80,35 @@ class Sampler:
         self._apply_penalties(out, reqs)
         return out
 
+    def target_probs(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """[B, V] float32: the distribution `sample` draws row i from, for requests that need no
+        logit processing (speculative verification: no grammar, penalties or pending min_new_tokens).
+
+        softmax(logits / temperature) with top-k, top-p and min-p applied and renormalized; a greedy
+        row is one-hot on its argmax.
+        """
+        if self._needs_processing(reqs):
+            raise ValueError("target_probs takes only requests without grammar, penalties or min_new_tokens")
+        raw = logits.float()
+        probs = torch.zeros_like(raw)
+        greedy = torch.tensor([r.sampling_params.is_greedy for r in reqs], device=raw.device)
+        probs[greedy] = torch.nn.functional.one_hot(raw[greedy].argmax(dim=-1), raw.shape[1]).float()
+        rows = (~greedy).nonzero().squeeze(1).tolist()
+        if rows:
+            index = torch.tensor(rows, device=raw.device)
+            params = [reqs[i].sampling_params for i in rows]
+            temperature = torch.tensor([p.temperature for p in params], device=raw.device).unsqueeze(1)
+            sub = torch.softmax(raw[index] / temperature, dim=-1)
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+                sorted_probs, order = sub.sort(dim=-1, descending=True)
+                sub = torch.zeros_like(sub).scatter_(1, order, _filter_sorted_probs(sorted_probs, params))
+            probs[index] = sub / sub.sum(dim=-1, keepdim=True)
+        return probs
+
+    def uniform(self, req: Req, device: torch.device) -> float:
+        """One uniform draw from the request's own generator (seeded requests stay reproducible)."""
+        return float(torch.rand(1, generator=self._generator(req, device), device=device))
+
     # ---------------------------------------------------------------- processing
 
     def _needs_processing(self, reqs: Sequence[Req]) -> bool:

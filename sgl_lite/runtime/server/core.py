@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from sgl_lite.runtime.chat_templates import load_chat_template
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
 from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
 from sgl_lite.runtime.managers.request import Req
@@ -54,6 +55,8 @@ class RuntimeCore:
 
         folder = loader.resolve_model_path(args.model_path)
         tokenizer = loader.load_tokenizer(args.tokenizer_path or folder)
+        if args.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(args.chat_template)
         # Resolved once: the sampler (min_new_tokens masking) and the stop check use this one set.
         eos_token_ids = eos_ids_of(loader.load_config(folder), tokenizer)
         runner = ModelRunner(args, folder, eos_token_ids=eos_token_ids)
@@ -199,6 +202,11 @@ class RuntimeCore:
         admitted, entered = req.admission_time, req.queue_enter_time
         if admitted is not None and admitted >= entered:
             meta["queue_time"] = admitted - entered
+        if req.spec_verify_ct:
+            # SGLang's meta_info names: verification forwards, and accepted draft tokens per forward.
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accepted_tokens / req.spec_verify_ct
+            meta["spec_accept_rate"] = req.spec_accepted_tokens / max(req.spec_draft_tokens, 1)
         if req.return_logprob:
             meta.update(logprob_lists(req))
         return meta

@@ -1,0 +1,13 @@
+"""Tool-call parsers, by their `--tool-call-parser` names (SGLang's)."""
+
+from __future__ import annotations
+
+from sgl_lite.http.tool_parsers.base import (ArgumentsDelta, ContentDelta, Event, ParsedCall, ParsedOutput,
+                                             ToolCallParser, ToolCallStart, collect)
+from sgl_lite.http.tool_parsers.llama3 import Llama3Parser
+from sgl_lite.http.tool_parsers.qwen25 import Qwen25Parser
+
+PARSERS: dict[str, type[ToolCallParser]] = {cls.name: cls for cls in (Qwen25Parser, Llama3Parser)}
+
+__all__ = ["PARSERS", "ArgumentsDelta", "ContentDelta", "Event", "Llama3Parser", "ParsedCall", "ParsedOutput",
+           "Qwen25Parser", "ToolCallParser", "ToolCallStart", "collect"]

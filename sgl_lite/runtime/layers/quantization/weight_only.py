@@ -1,0 +1,125 @@
+"""Weight-only int8 and int4 weights for torch's CPU kernels (activations stay in the model dtype).
+
+- Int8WeightOnly: one symmetric scale per output row; `aten._weight_int8pack_mm`.
+- Int4WeightOnly: groups of 32 input columns, each with a scale and a minimum (w = scale * q + min,
+  q in 0..15: GGUF's Q4_1 layout, and Q4_0 is the case min = -8 * scale); the weight is repacked
+  once by `aten._convert_weight_to_int4pack_for_cpu` and multiplied by
+  `aten._weight_int4pack_mm_for_cpu`, whose per-group pair is (scale, zero) with
+  w = (q - 8) * scale + zero, so zero = min + 8 * scale.
+
+`Int8WeightOnly.dequantize()` and `Int4Values.dequantize()` give the float32 weight the kernels
+compute with (up to the cast of the scales to the activations' dtype): the tests' reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; also the smallest group the CPU kernel accepts
+_INT4_ROW_MULTIPLE = 16  # the int4 packing needs N % 16 == 0: pad rows, slice the output
+_INT4_INNER_K_TILES = 1  # the CPU kernel's only packing parameter; its layout ignores tiles beyond 1
+
+
+class Int8WeightOnly:
+    """[N, K] int8 weight with one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        if weight.dtype != torch.int8 or weight.dim() != 2 or scales.shape != (weight.shape[0],):
+            raise ValueError(f"int8 weight [N, K] with scales [N] expected; got {tuple(weight.shape)} "
+                             f"{weight.dtype}, scales {tuple(scales.shape)}")
+        self.weight = weight.contiguous()
+        self.scales = scales
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8WeightOnly:
+        """Round-to-nearest with scale = max|row| / 127."""
+        w = weight.detach().float()
+        # the scales as the kernel will read them (rounded to the activations' dtype)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * self.scales.element_size()
+
+
+@dataclass(frozen=True)
+class Int4Values:
+    """[N, K] 4-bit values in groups of INT4_GROUP_SIZE input columns: w = scale * q + min.
+
+    The loading form (from GGUF blocks or quantized from a dense weight), before packing.
+    """
+
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scales: torch.Tensor  # [N, K / INT4_GROUP_SIZE] float32
+    mins: torch.Tensor  # same shape
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        groups = k // INT4_GROUP_SIZE
+        if k % INT4_GROUP_SIZE or self.scales.shape != (n, groups) or self.mins.shape != (n, groups):
+            raise ValueError(f"int4 weight [N, K] with K % {INT4_GROUP_SIZE} == 0 and scales/mins [N, K/"
+                             f"{INT4_GROUP_SIZE}] expected; got {tuple(self.q.shape)}, {tuple(self.scales.shape)}, "
+                             f"{tuple(self.mins.shape)}")
+        if self.q.numel() and int(self.q.max()) > 15:
+            raise ValueError("int4 values must lie in 0..15")
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Values:
+        """Per group: min and max map to 0 and 15 (Q4_1's scheme), round to nearest in between."""
+        w = weight.detach().float()
+        n, k = w.shape
+        if k % INT4_GROUP_SIZE:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}; got {k}")
+        groups = w.reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        mins, maxs = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = (maxs - mins) / 15.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round((groups - mins[..., None]) / safe[..., None]).clamp(0, 15).reshape(n, k)
+        return cls(q.to(torch.uint8), scales, mins)
+
+    @staticmethod
+    def cat(parts: list[Int4Values]) -> Int4Values:
+        """Rows of several weights stacked (fused q/k/v or gate/up)."""
+        return Int4Values(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.mins for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        return (groups * self.scales[..., None] + self.mins[..., None]).reshape(n, k)
+
+
+class Int4WeightOnly:
+    """Int4Values packed for the CPU kernel; scales and zeros in the activations' dtype."""
+
+    def __init__(self, values: Int4Values, dtype: torch.dtype) -> None:
+        n, k = values.q.shape
+        self.out_features, self.in_features = n, k
+        pad = -n % _INT4_ROW_MULTIPLE
+        q = torch.cat([values.q.to(torch.int32), torch.full((pad, k), 8, dtype=torch.int32)])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INT4_INNER_K_TILES)
+        pairs = torch.stack([values.scales, values.mins + 8.0 * values.scales], dim=-1)  # [N, G, 2]
+        pairs = torch.cat([pairs, pairs.new_zeros(pad, *pairs.shape[1:])])
+        self.scales_and_zeros = pairs.transpose(0, 1).contiguous().to(dtype)  # [G, N_padded, 2]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+
+QuantizedWeight = Int8WeightOnly | Int4WeightOnly

@@ -1,0 +1,98 @@
+"""The serving benchmark over /v1/chat/completions (sgl_lite.bench.openai_chat_backend), against sgl_lite's
+own OpenAI-compatible HTTP front on a tiny model: what any OpenAI-compatible server (vLLM, llama-server)
+is driven through. Expected values come from the server itself (its non-streamed answer, its usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Iterator
+
+import httpx2
+import pytest
+
+from sgl_lite.bench.config import parse_config
+from sgl_lite.bench.driver import run_benchmark
+from sgl_lite.bench.openai_chat_backend import OpenAIChatBackend
+from sgl_lite.http.app import create_app
+from sgl_lite.http.launch import HttpServerThread
+from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.model_executor.loader import load_tokenizer
+
+pytestmark = pytest.mark.timeout(600)  # a loaded 2-core box starts a server slowly
+
+API_KEY = "bench-key"
+AGENT = dict(agent_num_sessions=3, agent_num_turns=3, agent_system_prompt_len=48, agent_task_len=8,
+             agent_obs_len_min=2, agent_obs_len_max=6, agent_output_len=5)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[str]:
+    runtime = Runtime(model_path=str(tiny_llama_dir), startup_timeout=120, dtype="float32", max_total_tokens=4096,
+                      log_level="warning")
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY))
+    try:
+        yield http.url
+    finally:
+        http.stop()
+        runtime.shutdown()
+
+
+async def _collect(backend: OpenAIChatBackend, prompt: list[int], n: int) -> tuple[list[int], list[dict]]:
+    ids: list[int] = []
+    finals: list[dict] = []
+    try:
+        async for event in backend.stream(prompt, n):
+            ids += event.new_ids
+            if event.meta_info is not None:
+                finals.append(event.meta_info)
+    finally:
+        await backend.close_async_resources()
+    return ids, finals
+
+
+def test_chat_stream_matches_the_servers_answer_and_usage(server: str, tiny_llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    backend = OpenAIChatBackend("ours", server, tokenizer, api_key=API_KEY)
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    backend.reset()
+    assert backend.latency_note == ""  # sgl_lite offers /flush_cache
+    ids, finals = asyncio.run(_collect(backend, prompt, 7))
+    body = {"model": backend._model_name(), "messages": [{"role": "user", "content": tokenizer.decode(prompt)}],
+            "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    whole = httpx2.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                        timeout=60).json()
+    assert tokenizer.decode(ids) == whole["choices"][0]["message"]["content"]  # greedy: the same text streamed
+    (meta,) = finals
+    assert meta["completion_tokens"] == 7 and meta["finish_reason"] == {"type": "length"}
+    assert meta["prompt_tokens"] == whole["usage"]["prompt_tokens"] > len(prompt)  # the chat template's tokens too
+    assert meta["cached_tokens"] == 0  # after the flush
+    repeat = asyncio.run(_collect(backend, prompt, 2))[1][0]
+    assert repeat["cached_tokens"] == whole["usage"]["prompt_tokens"] - 1  # the server had just seen it all
+    backend.reset()
+    assert asyncio.run(_collect(backend, prompt, 2))[1][0]["cached_tokens"] == 0
+
+
+def test_bench_command_line_drives_openai_compatible_servers(server: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two names for the same server: `--url` with `--backend openai-chat`, and an --openai-urls entry."""
+    config = parse_config(["--url", server, "--backend", "openai-chat", "--api-key", API_KEY, "--systems", "sgl_lite",
+                           "--openai-urls", f"other={server}", "--model-path", str(tiny_llama_dir),
+                           "--output-dir", str(tmp_path), "--no-plots", "--no-progress",
+                           *[f"--{k.replace('_', '-')}={v}" for k, v in AGENT.items()]])
+    report = run_benchmark(config)
+    assert [s["system"] for s in report["systems"]] == ["sgl_lite", "other"]
+    for summary in report["systems"]:
+        assert summary["completed"] == 9 and summary["failed"] == 0, summary["errors"]
+        assert summary["completion_tokens"] == 9 * 5 and summary["output_throughput"] > 0
+        later = [t for t in summary["per_turn"] if t["turn"] > 0]
+        assert all(t["hit_rate"] > 0.5 for t in later), summary["per_turn"]  # the history is the cached prefix
+
+
+def test_openai_urls_are_checked() -> None:
+    for bad in (["--openai-urls", "vllm"], ["--openai-urls", "vllm=localhost:8000"],
+                ["--systems", "sgl_lite", "--openai-urls", "sgl_lite=http://127.0.0.1:1"]):
+        with pytest.raises(ValueError, match="--openai-urls"):
+            parse_config(bad)
+    assert parse_config(["--systems", "", "--openai-urls", "a=http://h:1,b=http://h:2"]).all_systems == ("a", "b")

@@ -1,0 +1,177 @@
+"""Weight-only quantization (--quantization): the int8/int4 kernels against matmuls with their own
+dequantized weights, the GGUF Q4 block reader against gguf's dequantizer, and a tiny model served
+quantized end to end, greedy-identical to transformers on weights that the quantization represents exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_lite.runtime.layers.linear import QuantizedLinear, quantize_linear
+from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
+from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
+from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4WeightOnly, Int8WeightOnly
+from sgl_lite.runtime.server_args import QUANTIZATIONS, ServerArgs
+
+ROWS = (1, 2, 3, 8, 33)
+
+
+def _reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    return x.double() @ dequantized.double().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_kernel_matches_its_dequantized_weight(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(100, 96, generator=g)  # N not a multiple of 16, K of 32: any shape works
+    q = Int8WeightOnly.quantize(weight, dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    ref = _reference(x, q.weight.float() * q.scales.float()[:, None])  # the scales as the kernel sees them
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(q.matmul(x).double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    if dtype == torch.float32:  # and the quantization itself is round-to-nearest: within half a step
+        assert ((q.dequantize() - weight).abs() <= q.scales[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features", [128, 100])  # 100: padded to the kernel's multiple of 16
+def test_int4_kernel_matches_its_dequantized_weight(dtype: torch.dtype, rows: int, out_features: int) -> None:
+    g = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, 96, generator=g)
+    values = Int4Values.quantize(weight)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    out = Int4WeightOnly(values, dtype).matmul(x)
+    assert out.shape == (rows, out_features)
+    rounded = Int4Values(values.q, values.scales.to(dtype).float(), (values.mins + 8 * values.scales).to(dtype).float()
+                         - 8 * values.scales.to(dtype).float())
+    ref = _reference(x, rounded.dequantize())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    groups = values.scales.repeat_interleave(32, dim=1)
+    assert ((values.dequantize() - weight).abs() <= groups / 2 + 1e-5).all()
+
+
+def test_quantized_linear_picks_the_kernel_by_row_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(64, 64, generator=g), torch.randn(64, generator=g)
+    layer = quantize_linear("w4a16_int4", weight, None)
+    assert isinstance(layer, QuantizedLinear)
+    few = torch.randn(layer.max_rows, 64, generator=g)
+    many = torch.randn(layer.max_rows + 1, 64, generator=g)
+    assert torch.equal(layer(many, weight, bias), F.linear(many, weight, bias))  # dense above the threshold
+    quantized = layer.quantized.matmul(few) + bias
+    assert torch.equal(layer(few, weight, bias), quantized)
+    assert not torch.allclose(quantized, F.linear(few, weight, bias), atol=1e-3)  # so the two paths differ
+
+
+def test_method_names_agree_and_bad_names_are_refused() -> None:
+    assert QUANTIZATIONS == QUANTIZATION_METHODS
+    with pytest.raises(ValueError, match="--quantization"):
+        ServerArgs(quantization="int3")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linear("int3", torch.zeros(16, 32), None)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Values.quantize(torch.zeros(16, 40))
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object]], heads: tuple[int, int]) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_head_count(heads[0])
+    writer.add_head_count_kv(heads[1])
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_q4_blocks_match_the_gguf_dequantizer(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    dense = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in
+             {"blk.0.attn_q.weight": (64, 96), "blk.0.attn_k.weight": (32, 96), "blk.0.ffn_down.weight": (48, 64),
+              "output.weight": (80, 64), "blk.0.attn_v.weight": (32, 96)}.items()}
+    kinds = {"blk.0.attn_q.weight": T.Q4_1, "blk.0.attn_k.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q4_1,
+             "output.weight": T.Q4_0, "blk.0.attn_v.weight": T.Q8_0}
+    blocks = {name: (quantize(w, kinds[name]), kinds[name]) for name, w in dense.items()}
+    _write_gguf(tmp_path / "m.gguf", blocks, heads=(4, 2))
+    values = read_int4_blocks(tmp_path / "m.gguf")
+    # Q8_0 is not a 4-bit format: left to quantization at load
+    assert sorted(values) == ["lm_head.weight", "model.layers.0.mlp.down_proj.weight",
+                              "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+
+    def expected(name: str, heads: int | None) -> np.ndarray:
+        w = dequantize(*blocks[name])
+        if heads is None:
+            return w
+        # transformers' inverse of llama.cpp's q/k row permutation
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(2, 1).reshape(w.shape)
+
+    for gguf_name, hf_name, heads in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
+                                      ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2),
+                                      ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
+                                      ("output.weight", "lm_head.weight", None)]:
+        assert np.array_equal(values[hf_name].dequantize().numpy(), expected(gguf_name, heads)), hf_name
+
+
+# ---------------------------------------------------------------- a tiny model served quantized
+
+
+def _exactly_quantizable_copy(src: Path, dst: Path, method: str) -> Path:
+    """The tiny model with every matmul weight replaced by its own quantize-dequantize round trip, so
+    that `method` represents the weights exactly and dense and quantized kernels compute one function."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name, w in tensors.items():
+        if w.dim() == 2:
+            q = Int8WeightOnly.quantize(w, torch.float32).dequantize() if method == "w8a16_int8" else \
+                Int4Values.quantize(w).dequantize()
+            tensors[name] = q.contiguous()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"]
+    return dst
+
+
+@pytest.mark.parametrize("method", QUANTIZATION_METHODS)
+def test_tiny_model_served_quantized_matches_transformers(method: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sgl_lite.runtime.server.engine import Engine
+
+    model_dir = _exactly_quantizable_copy(tiny_llama_dir, tmp_path / "model", method)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine = Engine(model_path=str(model_dir), max_total_tokens=2048, dtype="float32", device="cpu", quantization=method)
+    try:
+        layer = engine.core.runner.model.layers[0]
+        assert all(isinstance(p, QuantizedLinear) for p in layer.packed.values())
+        prompts = ["The quick brown fox", "What is the capital of France?", "def add(a, b):"]
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        # one at a time (decode of 1 row: the quantized kernels), then together (3 rows: dense)
+        outs = [engine.generate(p, params) for p in prompts] + engine.generate(prompts, params)
+        for i, out in enumerate(outs):
+            ids = engine.core.tokenizer(prompts[i % 3])["input_ids"]
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert out["output_ids"] == ref[0, len(ids):].tolist(), prompts[i % 3]
+    finally:
+        engine.shutdown()
+    engine.core.scheduler.check_invariant()
+

@@ -1,0 +1,202 @@
+"""N-gram speculative decoding: the drafter, the verifier's exactness, and the runtime end to end."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_lite.runtime.managers.ngram_proposer import MAX_FAILED_DRAFTS, NgramProposer, longest_suffix_match
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.sampling.sampler import Sampler
+from sgl_lite.runtime.sampling.speculative import verify_drafts
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.testing.hf_reference import hf_greedy, hf_model
+
+# ---------------------------------------------------------------- the drafter
+
+
+def brute_force_match(tokens: list[int], min_window: int, max_window: int) -> int | None:
+    length = len(tokens)
+    for n in range(min(max_window, length - 1), min_window - 1, -1):
+        suffix = tokens[length - n :]
+        for end in range(length - 1, n - 1, -1):
+            if tokens[end - n : end] == suffix:
+                return end
+    return None
+
+
+def test_longest_suffix_match_equals_brute_force() -> None:
+    rng = random.Random(0)
+    for case in range(400):
+        tokens = [rng.randrange(4 if case % 2 else 12) for _ in range(rng.randrange(1, 60))]
+        lo = rng.randrange(1, 4)
+        hi = rng.randrange(lo, 8)
+        assert longest_suffix_match(np.array(tokens), lo, hi) == brute_force_match(tokens, lo, hi), (tokens, lo, hi)
+
+
+def req_with(prompt: list[int], output: list[int] = (), **params) -> Req:
+    req = Req(rid=f"r{random.random()}", input_ids=list(prompt), sampling_params=SamplingParams(**params))
+    req.output_ids = list(output)
+    return req
+
+
+def test_propose_continues_the_latest_longest_match_and_grows_incrementally() -> None:
+    proposer = NgramProposer(num_draft_tokens=4, min_window=1, max_window=4)
+    # "5 6 7" occurred twice; the latest occurrence is followed by 8 9 1 2.
+    req = req_with([5, 6, 7, 1, 2, 5, 6, 7, 8, 9, 1, 2, 3], [5, 6, 7])
+    assert proposer.propose(req, limit=10) == [8, 9, 1, 2]
+    assert proposer.propose(req, limit=2) == [8, 9]
+    req.output_ids += [8, 9]  # the buffer appends only the new outputs
+    assert proposer.propose(req, limit=10) == [1, 2, 3, 5]
+    assert proposer.propose(req_with([1, 2, 3, 4]), limit=4) == []  # nothing repeats: no draft
+
+
+def test_draft_length_adapts_and_failing_requests_back_off() -> None:
+    proposer = NgramProposer(num_draft_tokens=4, min_window=1, max_window=4)
+    req = req_with([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    assert len(proposer.propose(req, limit=10)) == 4
+    proposer.record(req, 4, 1)  # one accepted: the next draft is at most 2 long
+    assert len(proposer.propose(req, limit=10)) == 2
+    for _ in range(MAX_FAILED_DRAFTS):
+        proposer.record(req, 1, 0)
+    assert proposer.propose(req, limit=10) == []  # backing off
+    assert proposer.stats()["spec_accepted_tokens"] == 1 and req.spec_draft_tokens == 4 + MAX_FAILED_DRAFTS
+
+
+# ---------------------------------------------------------------- the verifier
+
+
+def test_greedy_verification_accepts_the_matching_prefix_then_the_models_token() -> None:
+    vocab = 10
+    targets = [3, 4, 5, 6]  # argmax at the 4 positions of a 3-token draft
+    logits = torch.full((4, vocab), -5.0)
+    logits[torch.arange(4), torch.tensor(targets)] = 5.0
+    greedy = req_with([0], temperature=0.0)
+    sampler = Sampler(vocab, [])
+    assert verify_drafts(sampler, logits, [greedy], [[3, 4, 5]]) == [[3, 4, 5, 6]]  # all accepted + bonus
+    assert verify_drafts(sampler, logits, [greedy], [[3, 9, 5]]) == [[3, 4]]  # stops at the mismatch
+    assert verify_drafts(sampler, logits, [greedy], [[7, 4, 5]]) == [[3]]
+
+
+def test_sampled_verification_keeps_the_target_distribution() -> None:
+    # Position 0 of a 1-token draft: whatever the draft, the first emitted token must be distributed as
+    # p = softmax(logits / T) (accepted with probability p(d), else drawn from p without d).
+    vocab, trials = 6, 6000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * vocab])
+    expected = torch.softmax(logits[0] / 0.8, dim=-1).numpy()
+    sampler = Sampler(vocab, [])
+    for draft in (0, 4):  # a likely draft and an unlikely one
+        counts = np.zeros(vocab)
+        req = req_with([0], temperature=0.8, seed=draft + 1)
+        for _ in range(trials):
+            counts[verify_drafts(sampler, logits, [req], [[draft]])[0][0]] += 1
+        observed = counts / trials
+        # 5 standard errors of a binomial proportion: fails on a biased rule, not on noise.
+        tolerance = 5 * np.sqrt(expected * (1 - expected) / trials)
+        assert np.all(np.abs(observed - expected) <= tolerance), (draft, observed, expected)
+
+
+def test_sampled_verification_applies_top_k() -> None:
+    vocab = 5
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 2)
+    req = req_with([0], temperature=1.0, top_k=2, seed=3)
+    sampler = Sampler(vocab, [])
+    seen = {verify_drafts(sampler, logits, [req], [[4]])[0][0] for _ in range(300)}
+    assert seen <= {0, 1}  # the draft (rank 5) has probability 0 under top-k 2: always rejected
+
+
+# ---------------------------------------------------------------- the runtime end to end
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path):
+    common = dict(model_path=str(tiny_llama_dir), max_total_tokens=4096, max_running_requests=16,
+                  dtype="float32", device="cpu", chunked_prefill_size=64)
+    plain = Engine(**common)
+    spec = Engine(**common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    yield plain, spec
+    for eng in (plain, spec):
+        eng.shutdown()
+        eng.core.scheduler.check_invariant()
+
+
+@pytest.fixture(autouse=True)
+def _invariant(request):
+    yield
+    if "engines" in request.fixturenames:
+        for eng in request.getfixturevalue("engines"):
+            eng.core.scheduler.check_invariant()
+            assert not eng.core.scheduler.has_work()
+
+
+COPY_PROMPTS = [
+    "Repeat after me: the tool returned status ok, id 42, name alpha. Repeat after me: the tool returned",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four five one two three four five one two three",
+]
+
+
+def test_greedy_output_is_identical_with_speculation(engines, tiny_llama_dir: Path) -> None:
+    plain, spec = engines
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected = plain.generate(COPY_PROMPTS, params)
+    got = spec.generate(COPY_PROMPTS, params)  # batched: every row verifies its own draft
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
+    assert [g["text"] for g in got] == [e["text"] for e in expected]
+    # The drafts were really used: some verified forwards accepted tokens.
+    assert sum(g["meta_info"].get("spec_verify_ct", 0) for g in got) > 0
+    assert spec.core.scheduler.stats()["spec_accepted_tokens"] > 0
+    # And the runtime's greedy output is still transformers' own.
+    ids = spec.core.tokenizer(COPY_PROMPTS[2])["input_ids"]
+    assert got[2]["output_ids"] == hf_greedy(hf_model(tiny_llama_dir), ids, 40)
+    # A prefix-cache hit changes nothing.
+    again = spec.generate(COPY_PROMPTS[0], params)
+    assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == expected[0]["output_ids"]
+
+
+def test_limits_stops_and_streaming_match_plain_decoding(engines) -> None:
+    plain, spec = engines
+    for params in ({"temperature": 0, "max_new_tokens": 7, "ignore_eos": True},
+                   {"temperature": 0, "max_new_tokens": 30, "stop": [" two"], "ignore_eos": True},
+                   {"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 5}):
+        for prompt in COPY_PROMPTS:
+            want, got = plain.generate(prompt, params), spec.generate(prompt, params)
+            assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], params
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    chunks = list(spec.generate(COPY_PROMPTS[2], params, stream=True))  # SGLang's shape: text so far
+    assert len(chunks) > 1 and chunks[-1]["text"] == plain.generate(COPY_PROMPTS[2], params)["text"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+
+
+def test_sampled_requests_and_logprob_requests_run_and_leak_nothing(engines) -> None:
+    _, spec = engines
+    params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 30, "seed": 5, "ignore_eos": True}
+    outs = spec.generate(COPY_PROMPTS, params)
+    assert all(len(o["output_ids"]) == 30 for o in outs)
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(engines) -> None:
+    plain, spec = engines
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    want = plain.generate(COPY_PROMPTS[2], params, return_logprob=True)["meta_info"]
+    got = spec.generate(COPY_PROMPTS[2], params, return_logprob=True)["meta_info"]
+    assert got["spec_verify_ct"] > 0
+    assert [t for _, t, _ in got["output_token_logprobs"]] == [t for _, t, _ in want["output_token_logprobs"]]
+    assert [lp for lp, _, _ in got["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in want["output_token_logprobs"]], abs=1e-4)
+
+
+def test_bad_speculative_flags_are_refused() -> None:
+    from sgl_lite.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--speculative-algorithm"):
+        ServerArgs(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="window"):
+        ServerArgs(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2)
