@@ -73,6 +73,12 @@ def free_port(host: str = _LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def _last_value(cmd: list[str], flag: str) -> str | None:
+    """The value of the last `flag` in `cmd` (extra router args given later override ours)."""
+    values = [cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == flag]
+    return values[-1] if values else None
+
+
 def router_command(worker_urls: list[str], host: str, port: int, policy: str, log_level: str = "info") -> list[str]:
     """The sglang-router command line for `worker_urls` (its metrics on a free loopback port).
 
@@ -123,6 +129,7 @@ class Cluster:
         self.replicas: list[_Child] = []
         self.router: _Child | None = None
         self.worker_urls: list[str] = []
+        self.metrics_urls: list[str] = []  # each replica's /metrics, then the router's
 
     @property
     def url(self) -> str:
@@ -155,6 +162,10 @@ class Cluster:
         _wait_router_workers(self.url, len(self.worker_urls), self.router, deadline, self.args.api_key)
         logger.info("cluster ready: router (%s) on %s over %d replicas %s", self.router_policy, self.url,
                     self.dp, ", ".join(self.worker_urls))
+        # A Prometheus scrapes each replica (SGLang's sglang:* names, one series set per replica) and the router.
+        router_metrics = f"http://{_last_value(cmd, '--prometheus-host')}:{_last_value(cmd, '--prometheus-port')}/metrics"
+        self.metrics_urls = [url + "/metrics" for url in self.worker_urls] + [router_metrics]
+        logger.info("metrics: replicas %s; sglang-router %s", ", ".join(self.metrics_urls[:-1]), router_metrics)
 
     def _spawn_replica(self, index: int, cpus: list[int]) -> _Child:
         from sgl_lite.lang.launcher import serve_command

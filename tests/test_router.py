@@ -105,6 +105,16 @@ def flush_all(cluster: Cluster) -> None:
         assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
 
 
+def test_metrics_urls_of_the_replicas_and_the_router(cluster: Cluster) -> None:
+    *replicas, router = cluster.metrics_urls
+    assert router == cluster.metrics_url  # type: ignore[attr-defined]
+    assert len(replicas) == 2
+    for url in replicas:
+        names = {f.name for f in text_string_to_metric_families(requests.get(url, timeout=10).text)}
+        assert {"sglang:num_running_reqs", "sglang:token_usage", "sglang:generation_tokens"} <= names
+    assert requests.get(router, timeout=10).status_code == 200
+
+
 def test_worker_api_shapes_the_router_reads(cluster: Cluster) -> None:
     worker = cluster.worker_urls[0]
     load = requests.get(worker + "/get_load", timeout=10).json()

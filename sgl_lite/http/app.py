@@ -157,7 +157,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
             info = await _call(client.server_info)
         except HttpError:
             info = None  # still export what the front measured; runtime_up says the runtime is gone
-        return Response(metrics.render(info), media_type=CONTENT_TYPE)
+        return Response(metrics.render(info, served_model_name), media_type=CONTENT_TYPE)
 
     return app
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 import anyio
 
 from sgl_lite.http.errors import HttpError, from_abort, from_runtime_error
-from sgl_lite.http.metrics import HttpMetrics, priority_label
+from sgl_lite.http.metrics import HttpMetrics
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.protocol import SamplingParams
 
@@ -66,7 +66,7 @@ class RequestRunner:
 
         Closing this generator early closes the client's stream, which aborts the runtime request.
         """
-        label = priority_label(request.priority)
+        label = self._metrics.priority_label(request.priority)
         start = time.perf_counter()
         last_token_time: float | None = None
         chunks = self._client.async_generate_stream(
@@ -85,17 +85,16 @@ class RequestRunner:
                     now = time.perf_counter()
                     num_new = len(chunk.output_ids)
                     if num_new and last_token_time is None:
-                        self._metrics.time_to_first_token.labels(priority=label).observe(now - start)
+                        self._metrics.observe_first_token(label, now - start)
                     elif num_new:
                         # A chunk may carry several tokens (the detokenizer holds back incomplete
                         # characters and possible stop strings); spread the gap over them.
-                        for _ in range(num_new):
-                            self._metrics.inter_token_latency.labels(priority=label).observe((now - last_token_time) / num_new)
+                        self._metrics.observe_inter_token(label, (now - last_token_time) / num_new, num_new)
                     if num_new:
                         last_token_time = now
                     finish_reason = chunk.meta_info.get("finish_reason")
                     if finish_reason:
-                        self._observe_finished(chunk.meta_info, label, now - start)
+                        self._metrics.observe_finished(chunk.meta_info, label, now - start)
                         if finish_reason.get("type") == "abort":
                             raise from_abort(finish_reason)
                     # After the final chunk the client's stream ends by itself (on the Finished reply).
@@ -157,13 +156,6 @@ class RequestRunner:
                 yield index, delta
         finally:
             await _cancel_all(tasks)
-
-    def _observe_finished(self, meta_info: dict[str, Any], label: str, e2e_seconds: float) -> None:
-        self._metrics.observe_finished(meta_info)
-        self._metrics.e2e_latency.labels(priority=label).observe(e2e_seconds)
-        queue_time = meta_info.get("queue_time")
-        if isinstance(queue_time, (int, float)):
-            self._metrics.queue_wait.labels(priority=label).observe(queue_time)
 
 
 async def _cancel_all(tasks: list[asyncio.Future[Any]]) -> None:

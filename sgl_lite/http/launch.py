@@ -55,8 +55,9 @@ def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = D
         logger.info("HTTP API for runtime %s on http://%s:%d%s", runtime_address, host, port,
                     " (API key required)" if api_key else "")
         warn_if_exposed(host, api_key, "the HTTP API")
-        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level,
-                                access_log=log_level == "debug", http=guarded_h11_protocol())
+        # access_log: uvicorn's line per HTTP request (client, method, path, status), as SGLang prints.
+        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=True,
+                                http=guarded_h11_protocol())
         server = uvicorn.Server(config)
         if fd is not None:
             threading.Thread(target=_announce_when_started, args=(server,), daemon=True).start()

@@ -3,10 +3,13 @@
 Two sources:
 - what the HTTP front observes per request: outcomes, token counts, TTFT, inter-token latency,
   end-to-end latency and queue wait (from meta_info["queue_time"] when the runtime reports it),
-  the latency histograms labelled by priority class;
+  the latency histograms labelled by priority class (at most MAX_PRIORITY_LABELS distinct values,
+  the rest under "other": each label value is a time series kept forever, so a client choosing
+  priorities freely must not be able to grow /metrics without bound);
 - the runtime's scheduler stats, fetched from server_info at scrape time and exported as gauges
   (queue length, running requests, KV slots used/evictable, cache hit rate) and counters
   (preemptions, retractions).
+The same measurements are exported under SGLang's names by sglang_metrics.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from sgl_lite.http.sglang_metrics import SglangMetrics
 
 PREFIX = "sgl_lite_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -38,8 +43,26 @@ _RUNTIME_COUNTERS = {
 }
 
 
-def priority_label(priority: int | None) -> str:
-    return "none" if priority is None else str(priority)
+MAX_PRIORITY_LABELS = 16
+OTHER_PRIORITIES = "other"
+
+
+class PriorityLabels:
+    """The `priority` label value of a request: its priority while fewer than `limit` distinct ones
+    have been seen (a deployment's few classes), then "other" for any new one."""
+
+    def __init__(self, limit: int = MAX_PRIORITY_LABELS) -> None:
+        self.limit = limit
+        self._seen: set[int] = set()
+
+    def __call__(self, priority: int | None) -> str:
+        if priority is None:
+            return "none"
+        if priority not in self._seen:
+            if len(self._seen) >= self.limit:
+                return OTHER_PRIORITIES
+            self._seen.add(priority)
+        return str(priority)
 
 
 class RuntimeStatsCollector(Collector):
@@ -100,13 +123,33 @@ class HttpMetrics:
                                     ["priority"], buckets=_FIRST_TOKEN_BUCKETS, registry=r)
         self._prompt_total = 0
         self._cached_total = 0
+        self.priority_label = PriorityLabels()
         self.runtime_stats = RuntimeStatsCollector()
         r.register(self.runtime_stats)
+        self.sglang = SglangMetrics()
+        r.register(self.sglang)
+
+    def observe_first_token(self, label: str, seconds: float) -> None:
+        self.time_to_first_token.labels(priority=label).observe(seconds)
+        self.sglang.time_to_first_token.observe(seconds)
+
+    def observe_inter_token(self, label: str, seconds: float, count: int) -> None:
+        """`count` tokens that arrived together, `seconds` apart from the previous one each."""
+        ours, theirs = self.inter_token_latency.labels(priority=label), self.sglang.inter_token_latency
+        for _ in range(count):
+            ours.observe(seconds)
+            theirs.observe(seconds)
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
-    def observe_finished(self, meta_info: dict[str, Any]) -> None:
+    def observe_finished(self, meta_info: dict[str, Any], label: str, e2e_seconds: float) -> None:
+        self.e2e_latency.labels(priority=label).observe(e2e_seconds)
+        self.sglang.e2e_request_latency.observe(e2e_seconds)
+        queue_time = meta_info.get("queue_time")
+        if isinstance(queue_time, (int, float)):
+            self.queue_wait.labels(priority=label).observe(queue_time)
+            self.sglang.queue_time.observe(queue_time)
         prompt, cached = int(meta_info.get("prompt_tokens") or 0), int(meta_info.get("cached_tokens") or 0)
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(int(meta_info.get("completion_tokens") or 0))
@@ -117,8 +160,10 @@ class HttpMetrics:
     def local_hit_rate(self) -> float:
         return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
-    def render(self, server_info: dict[str, Any] | None) -> bytes:
-        """The exposition text; `server_info` is the runtime's, or None when it did not answer."""
+    def render(self, server_info: dict[str, Any] | None, model_name: str | None = None) -> bytes:
+        """The exposition text; `server_info` is the runtime's, or None when it did not answer;
+        `model_name` labels the sglang:* metrics (SGLang's served model name)."""
         stats = None if server_info is None else server_info.get("stats", server_info)
         self.runtime_stats.update(stats, self.local_hit_rate())
+        self.sglang.update(stats, model_name or (server_info or {}).get("served_model_name"))
         return generate_latest(self.registry)

@@ -95,6 +95,8 @@ class Runtime:
         self.address = ""  # the ZeroMQ endpoint
         self.url = ""  # the HTTP API, SGLang's Runtime.url
         command = serve_command(self.args) + ["--parent-pid", str(os.getpid())]
+        self._started = time.monotonic()
+        _say(f"sgl.Runtime: starting `sgl-lite serve` for model {model_path} (its start-up log follows)")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env=api_key_env(_child_env(), self.api_key),
                                         start_new_session=True)
@@ -196,12 +198,26 @@ class Runtime:
         for line in self.process.stdout:
             if not self._ready.is_set() and line.startswith(READY_PREFIX + " "):
                 self.address, self.url = line.split()[1:3]
+                _say(f"sgl.Runtime: ready at {self.url} (DSL over {self.address}) after "
+                     f"{time.monotonic() - self._started:.1f} s")
                 self._ready.set()
 
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            self._stderr_tail.append(line.rstrip("\n"))
+            line = line.rstrip("\n")
+            self._stderr_tail.append(line)
+            # The start-up log (model fetch, load, KV memory, address) shows what the wait is for;
+            # once serving, only problems are passed on, so a program's own output stays readable.
+            if not self._ready.is_set() or any(level in line for level in _PROBLEM_LEVELS):
+                _say(line)
+
+
+_PROBLEM_LEVELS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _child_env() -> dict[str, str]:

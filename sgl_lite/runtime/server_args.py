@@ -34,7 +34,7 @@ class ServerArgs:
     # Model and device.
     model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default).", "aliases": ("--model",)})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
-    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 where the CPU has AMX (or on CUDA), else float32.", "choices": DTYPES})
+    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})
@@ -111,6 +111,11 @@ class ServerArgs:
     watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
     enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
 
+    # Logs, metrics and reproducibility (SGLang's flags).
+    decode_log_interval: int = field(default=40, metadata={"help": "Log a 'Decode batch' line (running, tokens, usage, gen throughput, queue) every this many decode steps."})
+    log_requests: bool = field(default=False, metadata={"help": "Log every finished request: its id, finish reason, token counts, and its input and output text (each cut to 512 tokens)."})
+    enable_deterministic_inference: bool = field(default=False, metadata={"help": "Greedy results independent of the prefix cache and of batching (attention computes every row in fixed-size tiles and chunks, in float32, in a fixed order); slower, see README."})
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -137,7 +142,7 @@ class ServerArgs:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
-        positive = ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
+        positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                     "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
                     "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
                     "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")

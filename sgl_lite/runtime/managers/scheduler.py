@@ -37,6 +37,7 @@ from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, res
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
 from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import StopChecker
@@ -98,6 +99,7 @@ class Scheduler:
         self.num_forward_steps = 0
         self.cached_tokens_total = 0
         self.prompt_tokens_total = 0
+        self.metrics = SchedulerMetrics(args.decode_log_interval, args.log_requests, tokenizer, clock)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -183,6 +185,7 @@ class Scheduler:
             batch = self._decode_batch(changed)
         if batch is not None:
             self.num_forward_steps += 1
+            self.metrics.on_batch(self, batch, num_prefill)
             try:
                 output = self.runner.forward(batch)
             except Exception as e:  # a failed forward costs the requests of its batch, not the runtime
@@ -527,6 +530,7 @@ class Scheduler:
         req.finished_reason = reason
         self.kv.release(req)
         self._live.pop(req.rid, None)
+        self.metrics.on_finish(req)
 
     # ------------------------------------------------------------------ maintenance
 
@@ -554,6 +558,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         prompt = self.prompt_tokens_total
+        used, usage = token_usage(self)
         return {
             "num_waiting": len(self._waiting),
             "num_running": len(self.running),
@@ -569,6 +574,12 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "num_preemptions": self.num_preemptions,
             "num_forward_steps": self.num_forward_steps,
+            "num_used_tokens": used,
+            "token_usage": usage,
+            "gen_throughput": self.metrics.gen_throughput,
+            "generated_tokens_total": self.metrics.generated_tokens_total,
+            "num_finished_requests": self.metrics.finished_requests_total,
+            "num_aborted_requests": self.metrics.aborted_requests_total,
             "new_token_ratio": self.new_token_ratio,
             "schedule_policy": self.policy.policy,
             "max_running_requests": self.max_running_requests,

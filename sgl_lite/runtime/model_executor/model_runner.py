@@ -140,7 +140,8 @@ class ModelRunner(ModelRunnerBase):
         )
         self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
-        self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads, self.model.head_dim)
+        self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads,
+                                   self.model.head_dim, deterministic=args.enable_deterministic_inference)
         self.sampler = self._make_sampler(eos_token_ids)
         logger.info(
             "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",

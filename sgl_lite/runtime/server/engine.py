@@ -13,6 +13,8 @@ PROGRESS_BAR_MIN requests. `stream=True` (single prompt) yields dicts, as SGLang
 from __future__ import annotations
 
 import itertools
+import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,11 +24,15 @@ from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
 
 PROGRESS_BAR_MIN = 32
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+logger = logging.getLogger(__name__)
 
 
 class Engine:
     def __init__(self, model_path: str = "smollm2-135m", **server_args: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        _show_logs(self.args.log_level)
+        logger.info("Engine: loading model %s (the first use of an alias fetches and converts it once)", model_path)
         self.core = RuntimeCore.from_args(self.args)
         self._ids = itertools.count()
         self._closed = False
@@ -176,3 +182,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _show_logs(level: str) -> None:
+    """Print sgl_lite's logs (start-up progress, batch lines) to stderr at `level`, as SGLang's Engine
+    does, unless the application has configured logging itself (a handler on the root or ours)."""
+    ours = logging.getLogger("sgl_lite")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    ours.addHandler(handler)
+    ours.setLevel(level.upper())

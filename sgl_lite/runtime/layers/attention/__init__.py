@@ -13,13 +13,18 @@ logger = logging.getLogger(__name__)
 
 
 def create_backend(
-    name: str, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int
+    name: str, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int, deterministic: bool = False
 ) -> AttentionBackend:
     """`name` is ServerArgs.attention_backend.
 
     auto picks flashinfer on CUDA and cpu_kernel on CPU. cpu_kernel falls back to torch_native (with one
     log line) when its C++ op cannot be built here or does not support the model's head layout.
+    `deterministic` (--enable-deterministic-inference) picks the batch-invariant backend instead.
     """
+    if deterministic:
+        from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
+
+        return BatchInvariantBackend(num_q_heads, num_kv_heads, head_dim)
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" else "cpu_kernel"
     if name == "torch_native":

@@ -1,0 +1,128 @@
+"""--enable-deterministic-inference: bf16 greedy results independent of the prefix cache and of batching.
+
+The cause of the dependence is attention (its reduction order follows the call's shape); the
+linear layers' rows are checked here to be independent of the batch size on this CPU's kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend
+from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from sgl_lite.runtime.server.engine import Engine
+from test_attention import CASES, naive_attention, random_batch
+
+HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batch_invariant_backend_matches_naive(case: str) -> None:
+    prefix_lens, extend_lens, hq, hkv = CASES[case]
+    pool, meta, q, k, v = random_batch(3, prefix_lens, extend_lens, hq, hkv)
+    backend = BatchInvariantBackend(hq, hkv, q.shape[-1])
+    backend.prepare(meta)
+    out = backend.forward(1, q, k, v, pool)
+    torch.testing.assert_close(out, naive_attention(meta, 1, q, pool), atol=1e-5, rtol=1e-5)
+
+
+def _rows(backend_cls: type, seq: int, splits: list[tuple[int, int]], others: int = 0) -> torch.Tensor:
+    """Output rows of one request of `seq` tokens computed as extends (prefix, extend) in turn, the
+    request batched after `others` unrelated requests; K/V/Q of every position are fixed by seed."""
+    g = torch.Generator().manual_seed(0)
+    q_all = torch.randn(seq, HQ, D, generator=g).bfloat16()
+    k_all, v_all = torch.randn(seq, HKV, D, generator=g).bfloat16(), torch.randn(seq, HKV, D, generator=g).bfloat16()
+    pool = KVPool(num_layers=1, num_slots=seq + 64 * others + 8, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
+    table = ReqToTokenPool(max_requests=others + 2, max_context=seq + 64)
+    row = table.alloc()
+    table.table[row, :seq] = torch.arange(1, seq + 1)
+    backend = backend_cls(HQ, HKV, D)
+    outputs = []
+    for prefix, extend in splits:
+        rows, prefixes, extends, locs, qs, ks, vs = [], [], [], [], [], [], []
+        for o in range(others):  # unrelated requests ahead in the batch: 37 new tokens each
+            other_row = table.alloc()
+            slots = torch.arange(seq + 1 + 64 * o, seq + 1 + 64 * o + 37)
+            table.table[other_row, :37] = slots
+            rows.append(other_row), prefixes.append(0), extends.append(37), locs.append(slots)
+            qs.append(torch.randn(37, HQ, D, generator=g).bfloat16())
+            ks.append(torch.randn(37, HKV, D, generator=g).bfloat16()), vs.append(torch.randn(37, HKV, D, generator=g).bfloat16())
+        rows.append(row), prefixes.append(prefix), extends.append(extend)
+        locs.append(torch.arange(1 + prefix, 1 + prefix + extend))
+        new = slice(prefix, prefix + extend)
+        qs.append(q_all[new]), ks.append(k_all[new]), vs.append(v_all[new])
+        meta = AttentionMetadata.build(rows, prefixes, extends, torch.cat(locs), table)
+        backend.prepare(meta)
+        outputs.append(backend.forward(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), pool)[-extend:])
+        for other_row in rows[:-1]:
+            table.free(other_row)
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("backend_cls", [BatchInvariantBackend, TorchNativeBackend])
+def test_rows_independent_of_cache_split_and_batch(backend_cls: type) -> None:
+    full = _rows(backend_cls, 150, [(0, 150)])
+    variants = {
+        "cached prefix + suffix": _rows(backend_cls, 150, [(0, 100), (100, 50)]),
+        "chunked": _rows(backend_cls, 150, [(0, 64), (64, 64), (128, 22)]),
+        "token by token at the end": _rows(backend_cls, 150, [(0, 147), (147, 1), (148, 1), (149, 1)]),
+        "batched with others": _rows(backend_cls, 150, [(0, 150)], others=3),
+    }
+    same = {name: torch.equal(rows, full) for name, rows in variants.items()}
+    if backend_cls is BatchInvariantBackend:
+        assert all(same.values()), same
+    else:  # the default backend really does depend on the split in bf16: what the flag is for
+        assert not all(same.values()), same
+
+
+@pytest.mark.parametrize("k_dim,n_dim", [(576, 960), (576, 3072), (1536, 576), (576, 49152), (64, 128), (128, 64)])
+def test_linear_rows_independent_of_batch_size(k_dim: int, n_dim: int) -> None:
+    """The premise of attention-only batch invariance: a row of x @ W.T in bf16 is the same whatever
+    the number of rows around it (shapes of SmolLM2-135M and of the tiny test model)."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(n_dim, k_dim, generator=g).bfloat16()
+    x = torch.randn(300, k_dim, generator=g).bfloat16()
+    linears = [lambda a: F.linear(a, weight)]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        linears.append(lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    for linear in linears:
+        alone = linear(x[7:8])[0]
+        for m in (2, 5, 16, 31, 64, 128, 300):
+            assert torch.equal(linear(x[:m] if m > 7 else x[7 - m + 1 : 8])[7 if m > 7 else m - 1], alone), m
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    return [out["output_ids"] for out in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.timeout(900)
+def test_engine_greedy_same_cold_cached_alone_batched(tiny_llama_dir: Path) -> None:
+    engine = Engine(model_path=str(tiny_llama_dir), dtype="bfloat16", max_total_tokens=4096,
+                    chunked_prefill_size=48, enable_deterministic_inference=True, log_level="warning")
+    try:
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (23, 70, 41)]
+        alone_cold = []
+        for p in prompts:
+            engine.flush_cache()
+            alone_cold.append(_greedy(engine, [p])[0])
+        engine.flush_cache()
+        for p in prompts:  # cache a prefix only: the rest is computed over it
+            _greedy(engine, [p[: len(p) // 2]])
+        half_cached = [_greedy(engine, [p])[0] for p in prompts]
+        cached = [_greedy(engine, [p])[0] for p in prompts]
+        engine.flush_cache()
+        batched_cold = _greedy(engine, prompts)
+        assert half_cached == alone_cold
+        assert cached == alone_cold
+        assert batched_cold == alone_cold
+    finally:
+        engine.shutdown()
+        engine.core.scheduler.check_invariant()
