@@ -344,6 +344,26 @@ class _GatedTokenizer:
         return self._inner(text, **kwargs)
 
 
+def _send_while_tokenizing(client, gated: _GatedTokenizer, text: str, params: dict,
+                           **kwargs) -> tuple[threading.Thread, list[BaseException]]:
+    """Send `text` from a thread; return once the runtime is tokenizing it (the sender and its error list)."""
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            client.generate(text, sampling_params=params, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - kept for the caller's assertions
+            outcome.append(e)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 10
+    while not gated.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gated.threads, "the long text was never tokenized"
+    return sender, outcome
+
+
 def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_path):
     gate = threading.Event()
     gated = _GatedTokenizer(tokenizer, gate)
@@ -353,20 +373,7 @@ def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_pat
     long_text = "word " * 1000  # 5000 characters: tokenized elsewhere, and too long for the context
     params = {"max_new_tokens": 4, "ignore_eos": True}
     with RuntimeClient(server.address, timeout=30) as client, RuntimeClient(server.address, timeout=30) as other:
-        outcome: list[BaseException] = []
-
-        def send_long() -> None:
-            try:
-                client.generate(long_text, sampling_params=params)
-            except BaseException as e:  # noqa: BLE001 - kept for the assertion below
-                outcome.append(e)
-
-        sender = threading.Thread(target=send_long)
-        sender.start()
-        deadline = time.monotonic() + 10
-        while not gated.threads and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert gated.threads, "the long text was never tokenized"
+        sender, outcome = _send_while_tokenizing(client, gated, long_text, params)
         # The long text's tokenizing is blocked: the serve loop must still serve a short request.
         short = other.generate("hi", sampling_params=params)
         assert not gate.is_set() and len(short.output_ids) == 4
@@ -382,20 +389,8 @@ def test_a_prompt_aborted_while_it_is_tokenized_never_runs(tokenizer, serve, tmp
     core = RuntimeCore(ServerArgs(model_path="fake"), gated, ScriptedRunner(vocab_size=len(tokenizer), context_length=8192),
                        "fake", [tokenizer.eos_token_id])
     server = serve(core, tmp_path)
-    outcome: list[BaseException] = []
     with RuntimeClient(server.address, timeout=30) as client:
-        def send_long() -> None:
-            try:
-                client.generate("word " * 1000, sampling_params={"max_new_tokens": 4}, rid="long")
-            except BaseException as e:  # noqa: BLE001 - kept for the assertion below
-                outcome.append(e)
-
-        sender = threading.Thread(target=send_long)
-        sender.start()
-        deadline = time.monotonic() + 10
-        while not gated.threads and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert gated.threads, "the long text was never tokenized"
+        sender, outcome = _send_while_tokenizing(client, gated, "word " * 1000, {"max_new_tokens": 4}, rid="long")
         client.abort("long")
         sender.join(30)
         assert len(outcome) == 1 and "aborted by the client" in str(outcome[0])

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.runtime.client.discovery import check_zmq_address
-from sgl_lite.runtime.server.parent_watch import exit_with_parent
+from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
 from sgl_lite.http.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
 from sgl_lite.runtime.server_args import API_KEY_ENV, warn_if_exposed
 
@@ -151,13 +151,7 @@ class HttpFront:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_child(self.process, timeout)
 
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None

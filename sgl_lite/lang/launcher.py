@@ -27,6 +27,7 @@ from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.client.discovery import http_json
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.parent_watch import stop_child
 from sgl_lite.runtime.server_args import ServerArgs, flag_of
 
 STDERR_TAIL_LINES = 40
@@ -161,13 +162,7 @@ class Runtime:
             if close is not None:
                 close()
         self._endpoint = self._client = None
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_child(self.process, timeout)
         _live_runtimes.discard(self)
 
     def __enter__(self) -> Runtime:

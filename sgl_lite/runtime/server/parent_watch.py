@@ -1,5 +1,5 @@
 """A child process that dies with its parent: `sgl-lite serve` under `sgl.Runtime()` or a cluster, and
-the HTTP front under `serve`.
+the HTTP front under `serve`; and the parent's side, stopping such a child.
 
 A watch thread polls the parent pid instead of prctl(PR_SET_PDEATHSIG): the death signal fires when
 the *thread* that forked the child exits, so a Runtime created in a worker thread would lose its
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
 from typing import Callable
@@ -30,3 +31,15 @@ def exit_with_parent(parent_pid: int, on_parent_death: Callable[[], None]) -> No
         on_parent_death()
 
     threading.Thread(target=watch, name="sgl-lite-parent-watch", daemon=True).start()
+
+
+def stop_child(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM `process` (a graceful stop), SIGKILL it if it has not exited within `timeout` s, and reap it."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
