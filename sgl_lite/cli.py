@@ -140,7 +140,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
     from sgl_lite.runtime.server.ports import claim_ports
     from sgl_lite.runtime.server.preflight import SetupError, check_setup
-    from sgl_lite.runtime.server.transport import run_server
+    from sgl_lite.runtime.server.process import run_server
 
     if parent_pid is not None:  # started by sgl.Runtime() or a cluster: do not outlive it
         exit_with_parent(parent_pid, lambda: _stop_self(os.getpid(), signal.SIGTERM))

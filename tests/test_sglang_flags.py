@@ -78,7 +78,7 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(tiny_llama_dir, tmp_path):
 
 def test_watchdog_ends_a_process_whose_step_hangs():
     # The real watchdog over a stand-in whose step began 10 s ago, in a process of its own (it exits).
-    script = ("import time; from sgl_lite.runtime.server.transport import _start_watchdog\n"
+    script = ("import time; from sgl_lite.runtime.server.process import _start_watchdog\n"
               "class Hung: step_started_at = time.monotonic() - 10\n"
               "_start_watchdog(Hung(), 0.5); time.sleep(30)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20,

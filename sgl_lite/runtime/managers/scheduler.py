@@ -10,6 +10,8 @@ Each step (SGLang 0.5.7's event loop, without overlap):
 3. outputs: append tokens, check stops; prefilled prompts and finished requests' KV go into the
    radix tree. A prefill batch may share a prefix computed in that very batch (in_batch_sharing.py).
 
+The step's two halves live in scheduler_prefill.py (admission, prefill outputs) and
+scheduler_decode.py (retraction, speculative drafts, decode outputs), mixins of this class.
 Collaborators: policy.py orders the queue, prefill_adder.py budgets admission, preemption.py picks
 who gives way (retraction, priority preemption), in_batch_sharing.py finds prefixes shared within a
 prefill batch, req_kv.py owns slot bookkeeping (and the accounting `check_invariant` verifies),
@@ -28,15 +30,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex, Borrow
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
 from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
-from sgl_lite.runtime.managers.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, preemption_victims, retraction_order
-from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, reserved_output
-from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
+from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
+from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling
 from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
 from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
 from sgl_lite.runtime.server_args import ServerArgs
@@ -46,11 +46,10 @@ logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
 DEFAULT_NUM_DRAFT_TOKENS = 4  # --speculative-num-draft-tokens when not given
 
 
-class Scheduler:
+class Scheduler(PrefillScheduling, DecodeScheduling):
     def __init__(
         self,
         args: ServerArgs,
@@ -235,231 +234,6 @@ class Scheduler:
             self._enqueue(req)
         self.grammar_pending = still_pending
 
-    # ------------------------------------------------------------------ prefill
-
-    def _prefill_batch(self) -> tuple[ForwardBatch | None, int]:
-        """The next prefill batch (None: decode instead) and how many of its rows are prefill rows
-        (with --enable-mixed-chunk, the running requests' decode rows follow them)."""
-        if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
-            return None, 0
-        mixed = len(self.running) if self.args.enable_mixed_chunk else 0
-        adder = PrefillAdder(self.kv.tree_cache, self.kv.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
-        if self.chunked_req is not None:
-            adder.add_chunked_req(self.chunked_req)
-        admitted = self._admit(adder)
-        if not adder.plans:
-            return None, 0
-        return self._commit(adder, admitted, mixed), len(adder.plans)
-
-    def _admit(self, adder: PrefillAdder) -> list[Req]:
-        """Plan the waiting requests that join this prefill (in `adder`); return them, still queued."""
-        sharing = None
-        if not self.kv.tree_cache.disable and not self.args.disable_in_batch_prefix_sharing:
-            sharing = BatchPrefixIndex()
-            for i, plan in enumerate(adder.plans):  # the chunked request lends what it holds
-                sharing.add(plan.req.fill_ids, plan.req.kv_len + plan.extend_len, i)
-        rows_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
-        max_new = self.args.prefill_max_requests
-        # Admission stops at the first request it cannot take (or one past the row limit, when no
-        # preemption can make room), so the policy need not order more than this.
-        limit = max(min(rows_left, max_new if max_new is not None else rows_left), 0) + 1
-        candidates, matches = self.policy.candidates(self._waiting, limit) if self._waiting else ([], {})
-        admitted: list[Req] = []
-        for req in candidates:
-            if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
-                break
-            key = prefix_match_key(req)
-            match = matches.get(req) or self.kv.tree_cache.match_prefix(key)
-            borrow = sharing.borrow(req.fill_ids, match.length, len(key)) if sharing else None
-            ok, result, freed = self._add_preempting(req, match, borrow, adder, need_row=len(admitted) >= rows_left)
-            rows_left += freed
-            if ok:
-                admitted.append(req)
-                if sharing is not None:
-                    sharing.add(req.fill_ids, match.length + adder.plans[-1].extend_len, len(adder.plans) - 1)
-            if result is not AddResult.CONTINUE:
-                if result is AddResult.NO_TOKEN:
-                    self.batch_is_full = True
-                break
-        return admitted
-
-    def _add_preempting(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
-                        need_row: bool) -> tuple[bool, AddResult, int]:
-        """`adder.add_one_req`, preempting less urgent running requests (priority scheduling) for a
-        row when none is left (`need_row`) or for KV budget when it says NO_TOKEN, then trying again.
-
-        Returns (admitted, budget state, running requests preempted).
-        """
-        freed = 0
-        if need_row:
-            freed = self._preempt_for(req, match, borrow, adder, need_row=True)
-            if not freed:
-                return False, AddResult.NO_TOKEN, 0
-        alone = not self.running and not adder.plans and self.chunked_req is None
-        ok, result = adder.add_one_req(req, match, alone, borrow)
-        if not ok and result is AddResult.NO_TOKEN:
-            more = self._preempt_for(req, match, borrow, adder, need_row=False)
-            if more:
-                freed += more
-                ok, result = adder.add_one_req(req, match, alone, borrow)
-        return ok, result, freed
-
-    def _commit(self, adder: PrefillAdder, admitted: list[Req], mixed: int) -> ForwardBatch:
-        """Take the planned requests out of the queue, give them rows and build the batch."""
-        admission_time = self.clock()
-        for req in admitted:
-            self._dequeue(req)
-            req.admission_time = admission_time
-        for plan in adder.plans:
-            if plan.match is not None:
-                self.kv.start(plan.req, plan.match)
-        borrows = [plan.borrow for plan in adder.plans]
-        for plan, borrow in zip(adder.plans, borrows):
-            if plan.match is not None and plan.req.num_retractions == 0 and plan.req.num_preemptions == 0:
-                # Borrowed tokens count as cached: their KV is reused, not computed for this request.
-                cached = plan.match.length + (borrow.length if borrow is not None else 0)
-                plan.req.cached_tokens = cached
-                self.cached_tokens_total += cached
-                self.prompt_tokens_total += len(plan.req.input_ids)
-        # Preemption may have shrunk `running` since the adder reserved room for `mixed` decode tokens.
-        decodes = [(r, 1) for r in self.running] if mixed else []
-        return self.kv.build_batch([(p.req, p.extend_len) for p in adder.plans] + decodes, is_decode=False,
-                                   borrows=borrows + [None] * len(decodes))
-
-    def _preempt_for(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
-                     need_row: bool) -> int:
-        """Preempt as few running requests as admit `req`, each less urgent by MORE than the threshold.
-
-        Returns how many were preempted (0: none, and nothing changed).
-        """
-        if not self.args.enable_priority_scheduling or not self.running:
-            return 0
-        now = self.clock()
-        victims = preemption_victims(
-            self.running, self.policy.urgency(req, now), lambda r: self.policy.urgency(r, now),
-            self.args.priority_scheduling_preemption_threshold, adder.tokens_short(req, match, borrow), need_row,
-            lambda r: reserved_output(r, adder.new_token_ratio) + (r.kv_len - r.prefix_len))
-        if not victims:
-            return 0
-        for r in victims:
-            self.running.remove(r)
-            adder.release_running(r)
-            self._requeue(r)
-            r.num_preemptions += 1
-            self.num_preemptions += 1
-        logger.debug("preempted %d request(s) for %s", len(victims), req.rid)
-        return len(victims)
-
-    def _process_prefill(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req], end: int) -> None:
-        """Rows [0, end) of `batch` (the prefill rows)."""
-        # What this batch leaves in the tree or frees can change what fits: look at the queue again.
-        self.batch_is_full = False
-        for i in range(end):
-            req = batch.reqs[i]
-            # Tokens read from an earlier request of this batch (in-batch sharing): not this one's slots.
-            borrowed = batch.prefix_lens[i] - req.kv_len
-            req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
-            if req.kv_len < req.seq_len:
-                self.kv.tree_cache.cache_unfinished_req(req, borrowed)
-                self.chunked_req = req
-                continue
-            # The prompt goes into the tree now (as in SGLang), so requests arriving while this one
-            # decodes can reuse it. Batch order puts in-batch lenders in before their borrowers, so
-            # a borrower's lock moves onto the path holding what it read, and its row onto the tree's
-            # slots there (a lender may have freed its own copy as a duplicate of a newer tree entry).
-            self.kv.tree_cache.cache_unfinished_req(req, borrowed)
-            if self.chunked_req is req:
-                self.chunked_req = None
-            if not req.wants_sampling:  # a prefill-only cache hint
-                self._finish(req, FinishReason(FinishKind.LENGTH))
-                changed.append(req)
-                continue
-            self._append_token(req, output.next_token_ids[i])
-            changed.append(req)
-            if not req.finished:
-                self.running.append(req)
-
-    # ------------------------------------------------------------------ decode
-
-    def _decode_batch(self, changed: list[Req]) -> ForwardBatch | None:
-        if not self.running:
-            return None
-        if not self.kv.ensure_free(len(self.running)):
-            self._retract(changed)
-            if not self.running:
-                return None
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
-        drafts = self._drafts() if self.proposer is not None else None
-        if drafts is None or not any(drafts):
-            return self.kv.build_batch([(r, 1) for r in self.running], is_decode=True)
-        return self.kv.build_batch([(r, 1 + len(d)) for r, d in zip(self.running, drafts)], is_decode=False, drafts=drafts)
-
-    def _drafts(self) -> list[list[int]] | None:
-        """N-gram drafts for the running requests ([] where a request does not draft), or None when
-        the free slots cannot hold them: drafts never evict cached prefixes."""
-        assert self.proposer is not None
-        drafts = []
-        for req in self.running:
-            params = req.sampling_params
-            # Requests whose next-token distribution depends on the tokens before it in ways the
-            # verifier does not replay (grammar state, penalties, min_new_tokens) decode one token a step.
-            plain = (req.grammar is None and len(req.output_ids) >= params.min_new_tokens
-                     and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
-                     and params.repetition_penalty == 1.0)
-            # Room for every accepted token plus the one after: within max_new_tokens and the context.
-            limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            drafts.append(self.proposer.propose(req, limit) if plain and limit > 0 else [])
-        if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
-            return None
-        return drafts
-
-    def _retract(self, changed: list[Req]) -> None:
-        """SGLang's retract_decode: put back the requests with the fewest outputs (then longest prompts)."""
-        order = retraction_order(self.running)
-        retracted: list[Req] = []
-        while not self.kv.ensure_free(len(order)):
-            if len(order) == 1:
-                if self.chunked_req is not None:
-                    chunked, self.chunked_req = self.chunked_req, None
-                    self._requeue(chunked)
-                    chunked.num_retractions += 1
-                    self.num_retractions += 1
-                    continue
-                lone = order.pop()
-                self._finish(lone, FinishReason(
-                    FinishKind.ABORT,
-                    message=f"out of KV cache memory: {lone.seq_len} tokens need more than the "
-                            f"{self.num_slots}-slot pool (raise --max-total-tokens)"))
-                changed.append(lone)
-                break
-            victim = order.pop()
-            self._requeue(victim)
-            victim.num_retractions += 1
-            retracted.append(victim)
-        kept = set(order)
-        self.running = [r for r in self.running if r in kept]
-        self.num_retractions += len(retracted)
-        self.batch_is_full = False
-        self.new_token_ratio = new_token_ratio_after_retraction(self.running)
-        logger.debug("retracted %d request(s); new_token_ratio %.3f", len(retracted), self.new_token_ratio)
-
-    def _process_decode(self, batch: ForwardBatch, output: ForwardOutput, changed: list[Req], start: int = 0) -> None:
-        """Rows [start, end of batch) (decode rows: one new token each, all in self.running)."""
-        for i in range(start, len(batch.reqs)):
-            req = batch.reqs[i]
-            accepted = output.accepted_ids[i] if batch.draft_ids and batch.draft_ids[i] else None
-            if accepted is None:
-                req.kv_len += 1
-                self._append_token(req, output.next_token_ids[i])
-            else:
-                self._append_verified(req, accepted, batch.extend_lens[i])
-            changed.append(req)
-        if any(r.finished for r in self.running):
-            self.running = [r for r in self.running if not r.finished]
-            self.batch_is_full = False
-
     # ------------------------------------------------------------------ shared helpers
 
     def _append_token(self, req: Req, token: int | None) -> None:
@@ -477,30 +251,6 @@ class Scheduler:
             # The sampler applies the grammar mask, so this means a masking bug; SGLang aborts too.
             return FinishReason(FinishKind.ABORT, message=f"the grammar rejected sampled token {token}")
         return self.stop_checker.check(req)
-
-    def _append_verified(self, req: Req, tokens: list[int], extend: int) -> None:
-        """A verified draft row: `extend` slots were computed (its last token + the draft); append the
-        accepted tokens up to the first stop, keep the KV of the tokens kept, free the other slots."""
-        assert self.proposer is not None
-        self.proposer.record(req, extend - 1, len(tokens) - 1)
-        req.spec_verify_ct += 1
-        start, reason, kept = req.kv_len, None, 0
-        for token in tokens:
-            kept += 1
-            reason = self._take_token(req, token)
-            if reason is not None:
-                break
-        # Position start + j holds the KV of the j-th input of this row, valid while that input is
-        # the request's: its last token and the accepted draft tokens before the last one kept.
-        req.kv_len = start + kept
-        if kept < extend:
-            row = self.req_to_token.table[req.req_pool_idx]
-            self.kv.allocator.free(row[start + kept : start + extend].clone())
-        if kept < len(tokens) and req.return_logprob:  # the runner scored every verified token
-            del req.output_token_logprobs[kept - len(tokens):]
-            del req.output_top_logprobs[kept - len(tokens):]
-        if reason is not None:
-            self._finish(req, reason)
 
     def _requeue(self, req: Req) -> None:
         """Retraction / preemption: back to the queue (bypassing its limit), resuming from the cache."""

@@ -16,7 +16,7 @@ Invariants (checked by `check_integrity`):
 All tokens of one node always share their access history: a match or insert that ends inside an
 edge splits it first. So LRU per node is LRU per token.
 
-An optional `TreeObserver` hears about every structural change (new leaf, split, eviction, reset),
+An optional `TreeObserver` (tree_observer.py) hears about every structural change (new leaf, split, eviction, reset),
 so that an index of waiting requests (waiting_index.py) can follow the tree without re-matching.
 """
 
@@ -25,12 +25,15 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.managers.request import Req
+
+if TYPE_CHECKING:
+    from sgl_lite.runtime.mem_cache.tree_observer import TreeObserver
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +59,6 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-class TreeObserver(Protocol):
-    """Told about every structural change of a RadixCache, right after it happened."""
-
-    def on_new_leaf(self, leaf: TreeNode) -> None: ...
-
-    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        """`lower` (same object as before) now hangs below the new `upper`, which took its place."""
-
-    def on_evict(self, leaf: TreeNode, parent: TreeNode) -> None:
-        """`leaf` was removed from `parent.children`."""
-
-    def on_reset(self) -> None: ...
-
-    def waiting_touch_time(self, leaf: TreeNode) -> int:
-        """The access time waiting requests matched into `leaf` give it (0: none). SGLang re-matches
-        every waiting request each step, which refreshes their prefixes' LRU time; an observer that
-        spares those matches reports the time of its last ordering instead, so eviction is the same."""
 
 
 @dataclass

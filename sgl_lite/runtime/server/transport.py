@@ -34,28 +34,22 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
-import signal
-import sys
-import threading
 import time
-import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.protocol import READY_PREFIX
-from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
+from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, is_authorized, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
-from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
+from sgl_lite.runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:  # the core needs torch, which this module does not import at load time
     from sgl_lite.runtime.server.core import RuntimeCore
@@ -68,16 +62,6 @@ GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
-REQUEST_TYPES = tuple(t.__name__ for t in typing.get_args(protocol.Request))  # the wire tags
-
-
-class _Envelope(msgspec.Struct):
-    """A lenient view of any incoming map, to find a rid and api_key for the reply even when the
-    message itself is invalid. Unknown fields are ignored and every field accepts any type."""
-
-    type: Any = None
-    rid: Any = None
-    api_key: Any = None
 
 
 @dataclass
@@ -241,13 +225,13 @@ class RuntimeServer:
         if len(frames) != 2:
             self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
             return
-        envelope = self._envelope(payload)
-        if not self._authorized(envelope):
+        envelope = read_envelope(payload)
+        if not is_authorized(envelope, self._args.api_key):
             # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
             # the client that every request it sent with this key is refused.
             self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
-        rid = envelope.rid if envelope is not None and _is_echoable_rid(envelope.rid) else ""
+        rid = echoable_rid(envelope)
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
             self._send(identity, protocol.ErrorReply(rid, f"message of {len(payload)} bytes exceeds --max-message-bytes {limit}"))
@@ -255,37 +239,13 @@ class RuntimeServer:
         try:
             msg = protocol.decode_request(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            self._send(identity, protocol.ErrorReply(rid, self._describe_invalid(envelope, e)))
+            self._send(identity, protocol.ErrorReply(rid, describe_invalid(envelope, e)))
             return
         try:
             self._dispatch(identity, msg)
         except Exception as e:  # a bug must cost one request, not the server
             logger.exception("internal error handling %s", type(msg).__name__)
             self._send(identity, protocol.ErrorReply(msg.rid, f"internal error: {e}", "internal"))
-
-    @staticmethod
-    def _envelope(payload: bytes) -> _Envelope | None:
-        try:
-            return msgspec.msgpack.decode(payload, type=_Envelope)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # nested too deeply
-            return None
-
-    @staticmethod
-    def _describe_invalid(envelope: _Envelope | None, error: Exception) -> str:
-        if envelope is None:
-            return f"undecodable request (expected a msgpack map with a 'type' field): {error}"
-        if isinstance(envelope.type, str) and envelope.type not in REQUEST_TYPES:
-            return f"unknown message type {envelope.type!r}; expected one of {', '.join(REQUEST_TYPES)}"
-        return f"invalid request: {error}"
-
-    def _authorized(self, envelope: _Envelope | None) -> bool:
-        expected = self._args.api_key
-        given = envelope.api_key if envelope is not None else None
-        if expected is None:
-            return True
-        if not isinstance(given, str):
-            return False
-        return hmac.compare_digest(given.encode(), expected.encode())
 
     def _dispatch(self, identity: bytes, msg: protocol.Request) -> None:
         if isinstance(msg, protocol.GenerateReq):
@@ -429,74 +389,3 @@ class RuntimeServer:
             self._core.abort(key)
         if gone:
             logger.info("client %s went away or stopped reading; aborted %d request(s)", identity.hex(), len(gone))
-
-
-def _is_echoable_rid(rid: Any) -> bool:
-    """A rid the reply to an invalid message may carry back: the wire's own rid rule."""
-    return isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_RID_CHARS
-
-
-def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
-    """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
-
-    `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
-    waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
-    The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
-    for; everything else goes to the log (stderr).
-    """
-    from sgl_lite.runtime.server.core import RuntimeCore
-
-    core = RuntimeCore.from_args(args)
-    server = RuntimeServer(core, args)
-    try:
-        address = server.bind()
-    except zmq.ZMQError as e:
-        core.close()
-        raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: server.request_shutdown())
-    announced = [address]
-    if after_bind is not None:
-        try:
-            announced += after_bind(server.request_shutdown)
-        except BaseException:
-            server.request_shutdown()
-            server.serve_forever()  # returns at once: closes the socket
-            core.close()
-            raise
-    _start_watchdog(server, args.watchdog_timeout)
-    # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
-    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
-    warn_if_exposed(args.host, args.api_key, "the runtime")
-    print(READY_PREFIX, *announced, flush=True)
-    logger.info("ready")
-    try:
-        server.serve_forever()
-    finally:
-        core.close()  # the tensor-parallel ranks and the tokenizer thread
-    logger.info("server stopped")
-    if core.is_compiling_grammar():
-        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
-        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
-        # notices its parent's exit (parent watch) and exits too.
-        logger.info("exiting without waiting for a grammar compile")
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(0)
-
-
-def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
-    """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
-    process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
-    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(min(1.0, timeout / 4))
-            started = server.step_started_at
-            if started is not None and time.monotonic() - started > timeout:
-                logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
-                logging.shutdown()
-                os._exit(1)
-
-    threading.Thread(target=watch, name="sgl-lite-watchdog", daemon=True).start()

@@ -1,0 +1,92 @@
+"""The `sgl-lite serve` process around the transport: load, bind, announce readiness, serve, exit.
+
+`run_server` is the process's main: RuntimeCore from the flags, the ZeroMQ socket bound (before the
+HTTP front starts, so a port clash is one line), signals wired to a graceful stop, the ready line on
+stdout that launchers wait for, then `RuntimeServer.serve_forever` until a signal. `--watchdog-timeout`
+ends a process whose scheduler step hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.ports import PortUnavailableError
+from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
+
+logger = logging.getLogger("sgl_lite.runtime.server.transport")
+
+
+def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
+    """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
+
+    `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
+    waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
+    The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
+    for; everything else goes to the log (stderr).
+    """
+    from sgl_lite.runtime.server.core import RuntimeCore
+
+    core = RuntimeCore.from_args(args)
+    server = RuntimeServer(core, args)
+    try:
+        address = server.bind()
+    except zmq.ZMQError as e:
+        core.close()
+        raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.request_shutdown())
+    announced = [address]
+    if after_bind is not None:
+        try:
+            announced += after_bind(server.request_shutdown)
+        except BaseException:
+            server.request_shutdown()
+            server.serve_forever()  # returns at once: closes the socket
+            core.close()
+            raise
+    _start_watchdog(server, args.watchdog_timeout)
+    # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
+    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+    warn_if_exposed(args.host, args.api_key, "the runtime")
+    print(READY_PREFIX, *announced, flush=True)
+    logger.info("ready")
+    try:
+        server.serve_forever()
+    finally:
+        core.close()  # the tensor-parallel ranks and the tokenizer thread
+    logger.info("server stopped")
+    if core.is_compiling_grammar():
+        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
+        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
+        # notices its parent's exit (parent watch) and exits too.
+        logger.info("exiting without waiting for a grammar compile")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
+    """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
+    process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
+    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            started = server.step_started_at
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sgl-lite-watchdog", daemon=True).start()
