@@ -37,3 +37,21 @@ def default_model_dir() -> Path:
     from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL)
+
+
+# Grammar fixtures shared by test_grammar.py and test_grammar_matcher.py (one of each per module).
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from sgl_lite.testing.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_tokenizer):
+    from sgl_lite.runtime.sampling.grammar import GrammarBackend
+
+    # Logits wider than the tokenizer (a model vocab padded to a multiple of 32, say).
+    backend = GrammarBackend(tiny_tokenizer, len(tiny_tokenizer) + 32, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    yield backend
+    backend.shutdown()
