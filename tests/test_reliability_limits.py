@@ -110,12 +110,18 @@ def _send_while_tokenizing(client, gated: _GatedTokenizer, text: str, params: di
     return sender, outcome
 
 
-def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_path):
+def _gated_server(tokenizer, serve, tmp_path, context_length: int):
+    """A served fake-runner core whose tokenizer blocks on long texts until its gate is set."""
     gate = threading.Event()
     gated = _GatedTokenizer(tokenizer, gate)
-    core = RuntimeCore(ServerArgs(model_path="fake"), gated, ScriptedRunner(vocab_size=len(tokenizer), context_length=1024),
+    core = RuntimeCore(ServerArgs(model_path="fake"), gated,
+                       ScriptedRunner(vocab_size=len(tokenizer), context_length=context_length),
                        "fake", [tokenizer.eos_token_id])
-    server = serve(core, tmp_path)
+    return gate, gated, core, serve(core, tmp_path)
+
+
+def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_path):
+    gate, gated, _, server = _gated_server(tokenizer, serve, tmp_path, context_length=1024)
     long_text = "word " * 1000  # 5000 characters: tokenized elsewhere, and too long for the context
     params = {"max_new_tokens": 4, "ignore_eos": True}
     with RuntimeClient(server.address, timeout=30) as client, RuntimeClient(server.address, timeout=30) as other:
@@ -130,11 +136,7 @@ def test_a_long_text_is_tokenized_off_the_serve_thread(tokenizer, serve, tmp_pat
 
 
 def test_a_prompt_aborted_while_it_is_tokenized_never_runs(tokenizer, serve, tmp_path):
-    gate = threading.Event()
-    gated = _GatedTokenizer(tokenizer, gate)
-    core = RuntimeCore(ServerArgs(model_path="fake"), gated, ScriptedRunner(vocab_size=len(tokenizer), context_length=8192),
-                       "fake", [tokenizer.eos_token_id])
-    server = serve(core, tmp_path)
+    gate, gated, core, server = _gated_server(tokenizer, serve, tmp_path, context_length=8192)
     with RuntimeClient(server.address, timeout=30) as client:
         sender, outcome = _send_while_tokenizing(client, gated, "word " * 1000, {"max_new_tokens": 4}, rid="long")
         client.abort("long")
