@@ -2,7 +2,7 @@
 
 Workloads (greedy, chat-templated text on the default model, in-process Engine):
 - copy: the answer copies from the context (repeat a tool output with one field changed, rename a
-  variable in code, extract JSON fields from a document): where n-gram drafts should pay;
+  variable in code, quote log lines): where n-gram drafts should pay;
 - agent: 4-turn sessions, each turn appending a tool observation the model must act on;
 - random: prompts of random tokens, where drafts rarely match: the cost of trying.
 Each is run at several concurrencies (requests in flight at once: 1 = one request after another);
@@ -10,6 +10,7 @@ the two systems alternate per measurement so that drift on a shared box hits bot
 outputs of the two systems are compared token by token (they must be identical).
 
 Usage: python scripts/bench_speculative.py [--concurrency 1 8 32] [--max-new-tokens 64] [--out artifacts/bench_speculative.json]
+       python scripts/bench_speculative.py --step-cost   (the cost constants of the draft-length policy)
 """
 
 from __future__ import annotations
@@ -34,22 +35,26 @@ RECORDS = [("alpha", 42, "ok", "eu-west"), ("beta", 7, "pending", "us-east"), ("
            ("eta", 3, "queued", "af-south"), ("theta", 77, "ok", "me-central")]
 
 
-def copy_prompts(n: int) -> list[str]:
+def copy_prompts(n: int) -> list[tuple[str, str]]:
+    """(user message, start of the answer) pairs whose answers copy from the message: a tool's JSON
+    repeated with one field changed, code re-emitted with a variable renamed (the answer begun, as an
+    agent framework does to pin the format), log lines quoted. The default model does copy these."""
     out = []
     for i in range(n):
         name, ident, status, region = RECORDS[i % len(RECORDS)]
         kind = i % 3
         if kind == 0:
-            out.append(f'The tool returned: {{"name": "{name}", "id": {ident}, "status": "{status}", "region": "{region}", '
-                       f'"retries": {i}, "owner": "team-{name}"}}\nRepeat this JSON exactly, but with "status" set to "done".')
+            out.append((f'The tool returned: {{"name": "{name}", "id": {ident}, "status": "{status}", "region": "{region}", '
+                        f'"retries": {i}, "owner": "team-{name}"}}\nRepeat this JSON exactly, but with "status" set to "done".', ""))
         elif kind == 1:
-            out.append(f"Rewrite this code with the variable `total` renamed to `{name}_sum`:\n\n"
-                       f"def summarize(values):\n    total = 0\n    for v in values:\n        total += v * {ident}\n"
-                       f"    if total > {ident * 10}:\n        return total - {i}\n    return total\n")
+            code = (f"def summarize(values):\n    total = 0\n    for v in values:\n        total += v * {ident}\n"
+                    f"    if total > {ident * 10}:\n        return total - {i}\n    return total\n")
+            out.append((f"Rewrite this code with the variable `total` renamed to `{name}_sum`:\n\n```python\n{code}```",
+                        f"```python\ndef summarize(values):\n    {name}_sum = 0\n"))
         else:
-            out.append(f"Document: Order {ident} for customer {name.title()} was shipped from {region} on day {i + 1}. "
-                       f"Its status is {status}. The customer {name.title()} paid {ident * 3} dollars.\n"
-                       f'Extract the fields as JSON with keys "order", "customer", "region", "status", "paid".')
+            lines = [RECORDS[(i + j) % len(RECORDS)] for j in range(6)]
+            log = "".join(f"10:4{j} {r[0]}-service status {r[2]} region {r[3]}\n" for j, r in enumerate(lines))
+            out.append((f"Log:\n{log}Copy the log lines above exactly, in the same order.", ""))
     return out
 
 
@@ -112,16 +117,50 @@ def measure(engine: Engine, workload: str, data, params: dict, concurrency: int)
             "output_ids": [o["output_ids"] for o in outs]}
 
 
+def step_cost(model: str, dtype: str) -> None:
+    """What the draft-length policy's constants (ngram_proposer.DRAFT_TOKEN_STEP_COST, DECODE_ROW_STEP_COST)
+    stand for: ms per decode step with B rows each verifying k forced (always rejected) draft tokens,
+    best of 3, and the two costs relative to a one-request step."""
+    engine = Engine(model_path=model, dtype=dtype, max_running_requests=16, speculative_algorithm="ngram",
+                    speculative_num_draft_tokens=8, log_level="warning")
+    scheduler = engine.core.scheduler
+    proposer = scheduler.proposer
+    proposer.record = lambda *args: None  # forced drafts: no back-off
+    prompt = list(range(1000, 1150))
+    ms: dict[tuple[int, int], float] = {}
+    for batch in (1, 8, 16):
+        for k in (0, 4):
+            proposer.propose = lambda req, limit, batch_size=1, k=k: [7] * min(k, limit)
+            best = float("inf")
+            for rep in range(3):
+                steps = scheduler.stats()["num_forward_steps"]
+                start = time.perf_counter()
+                engine.generate(input_ids=[[batch, rep, k] + prompt] * batch,
+                                sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+                best = min(best, (time.perf_counter() - start) / (scheduler.stats()["num_forward_steps"] - steps))
+            ms[batch, k] = best * 1e3
+            print(f"rows {batch:2d}, draft tokens per row {k}: {ms[batch, k]:.1f} ms/step")
+    engine.shutdown()
+    draft = sum((ms[b, 4] - ms[b, 0]) / (4 * b) for b in (1, 8, 16)) / 3
+    row = (ms[16, 0] - ms[1, 0]) / 15
+    print(f"draft token {draft:.2f} ms = {draft / ms[1, 0]:.3f} of a one-request step; "
+          f"decode row {row:.2f} ms = {row / ms[1, 0]:.3f} (load average {os.getloadavg()[0]:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the server's)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
     parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
+    parser.add_argument("--step-cost", action="store_true", help="only measure what a draft token and a decode row add to a step")
     args = parser.parse_args()
+    if args.step_cost:
+        step_cost(args.model, args.dtype)
+        return
 
     common = dict(model_path=args.model, dtype=args.dtype, max_running_requests=max(args.concurrency))
     systems = {"off": Engine(**common), "ngram": Engine(**common, speculative_algorithm="ngram",
@@ -131,7 +170,8 @@ def main() -> None:
     n = max(args.concurrency)
     vocab = Vocabulary.from_tokenizer(tokenizer)
     data = {
-        "copy": [chat(systems["off"], [{"role": "user", "content": p}]) for p in copy_prompts(n)],
+        "copy": [chat(systems["off"], [{"role": "user", "content": p}]) + tokenizer(start, add_special_tokens=False)["input_ids"]
+                 for p, start in copy_prompts(n)],
         "agent": agent_turns(max(2, n // 4)),
         "random": [list(s.first_prompt) for s in random_prompts(vocab, num_prompts=n, input_len=128,
                                                                   output_len=args.max_new_tokens, seed=0).sessions],
@@ -149,7 +189,7 @@ def main() -> None:
         engine.shutdown()
 
     print(f"\nload average {os.getloadavg()[0]:.2f}; model {args.model}, greedy, {args.max_new_tokens} new tokens, "
-          f"{args.num_draft_tokens} draft tokens")
+          f"{args.num_draft_tokens or 'default'} draft tokens")
     print("| workload | concurrency | off tok/s | ngram tok/s | speedup | accept rate | tokens/step off -> ngram | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -13,7 +13,8 @@ ATOL = 1e-5
 
 
 def random_batch(
-    seed: int, prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, d: int = 16, dtype: torch.dtype = torch.float32
+    seed: int, prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, d: int = 16, dtype: torch.dtype = torch.float32,
+    verify_rows: list[int] | None = None,
 ):
     """Fill prefixes with random KV in random slots; return everything a forward needs.
 
@@ -42,7 +43,7 @@ def random_batch(
     q = torch.randn(n, hq, d, generator=g).to(dtype)
     k = torch.randn(n, hkv, d, generator=g).to(dtype)
     v = torch.randn(n, hkv, d, generator=g).to(dtype)
-    meta = AttentionMetadata.build(rows, prefix_lens, extend_lens, torch.cat(new_slots), table)
+    meta = AttentionMetadata.build(rows, prefix_lens, extend_lens, torch.cat(new_slots), table, verify_rows=verify_rows)
     return pool, meta, q, k, v
 
 
@@ -105,6 +106,27 @@ def test_decode_gather_path_matches_naive(case, dtype):
     for layer in range(2):
         out = backend.forward(layer, q, k, v, pool)
         assert out.dtype == dtype and torch.isfinite(out).all()
+        expected = naive_attention(meta, layer, q, pool)
+        assert (out.float() - expected.float()).abs().max() < (ATOL if dtype == torch.float32 else BF16_ATOL)
+
+
+# Speculative verification rows (several tokens over a cached prefix) run as one decode query per token.
+VERIFY = {
+    "verify_and_decode": ([33, 0, 5, 12, 40], [5, 7, 1, 3, 1], [0, 3]),
+    "verify_only_in_order": ([9, 60, 2], [3, 5, 2], [0, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(VERIFY))
+def test_verify_rows_take_the_decode_path_and_match_naive(case, dtype):
+    prefix_lens, extend_lens, verify = VERIFY[case]
+    pool, meta, q, k, v = random_batch(5, prefix_lens, extend_lens, 9, 3, d=32, dtype=dtype, verify_rows=verify)
+    backend = TorchNativeBackend(9, 3, 32)
+    backend.prepare(meta)
+    assert all(e.start not in meta.qo_indptr[verify].tolist() for e in backend._extends)
+    for layer in range(2):
+        out = backend.forward(layer, q, k, v, pool)
         expected = naive_attention(meta, layer, q, pool)
         assert (out.float() - expected.float()).abs().max() < (ATOL if dtype == torch.float32 else BF16_ATOL)
 

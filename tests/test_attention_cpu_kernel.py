@@ -104,14 +104,17 @@ def test_kernel_rejects_bad_metadata(op):
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("case", ["decode_only", "mixed"])
+@pytest.mark.parametrize("case", ["decode_only", "mixed", "verify"])
 def test_backend_matches_naive_on_mixed_batches(op, case, kv):
     """Through the backend: KV writes (fp8 pools round and saturate), decode rows through the kernel in any
     batch position, extend rows through SDPA; against a float64 naive reference over the stored pool."""
     # Extend rows have a prefix: without one, SDPA reads the new rows before rounding, as SGLang's ragged prefill.
+    # "verify": speculative verification rows (extend over a prefix, meta.verify_rows), one kernel query per token.
     prefix_lens, extend_lens = {"decode_only": ([5, 120, 1, 40], [1, 1, 1, 1]),
-                                "mixed": ([33, 4, 5, 12, 2, 70], [1, 7, 1, 4, 1, 1])}[case]
-    pool, meta, q, k, v = random_batch(3, prefix_lens, extend_lens, 9, 3, d=32)
+                                "mixed": ([33, 4, 5, 12, 2, 70], [1, 7, 1, 4, 1, 1]),
+                                "verify": ([33, 4, 5, 12, 2, 70], [1, 7, 1, 4, 1, 3])}[case]
+    verify = [1, 5] if case == "verify" else None
+    pool, meta, q, k, v = random_batch(3, prefix_lens, extend_lens, 9, 3, d=32, verify_rows=verify)
     if kv != "auto":
         fp8 = KVPool(2, pool.num_slots, 3, 32, kv_cache_dtype(kv, torch.float32))
         for layer in range(2):
@@ -119,6 +122,7 @@ def test_backend_matches_naive_on_mixed_batches(op, case, kv):
         pool = fp8
     backend = CpuKernelBackend(9, 3, 32, op)
     backend.prepare(meta)
+    assert len(backend._extends) == sum(e > 1 for e in extend_lens) - len(verify or [])
     for layer in range(2):
         out = backend.forward(layer, q, k * 300, v, pool)  # k * 300: beyond e4m3's range, the pool saturates
         stored = KVPool(2, pool.num_slots, 3, 32, torch.float32)

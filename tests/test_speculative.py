@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_lite.runtime.managers.ngram_proposer import MAX_FAILED_DRAFTS, NgramProposer, longest_suffix_match
+from sgl_lite.runtime.managers.ngram_proposer import (MAX_FAILED_DRAFTS, NgramProposer, draft_token_cost,
+                                                      longest_suffix_match, worth_length)
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.sampler import Sampler
@@ -56,16 +57,32 @@ def test_propose_continues_the_latest_longest_match_and_grows_incrementally() ->
     assert proposer.propose(req_with([1, 2, 3, 4]), limit=4) == []  # nothing repeats: no draft
 
 
-def test_draft_length_adapts_and_failing_requests_back_off() -> None:
-    proposer = NgramProposer(num_draft_tokens=4, min_window=1, max_window=4)
-    req = req_with([1, 2, 3, 4, 5, 6, 7, 1, 2])
-    assert len(proposer.propose(req, limit=10)) == 4
-    proposer.record(req, 4, 1)  # one accepted: the next draft is at most 2 long
-    assert len(proposer.propose(req, limit=10)) == 2
+def test_draft_length_is_what_pays_at_the_batch_size() -> None:
+    # The j-th draft token is worth verifying while accept_chance ** j exceeds its share of the step.
+    assert draft_token_cost(1) < draft_token_cost(8) < draft_token_cost(32) < 1.0
+    assert worth_length(0.9, 1, cap=64) > worth_length(0.9, 8, cap=64) > worth_length(0.9, 32, cap=64) > 0
+    for batch in (1, 8, 32):
+        j = worth_length(0.7, batch, cap=64)
+        assert 0.7 ** j > draft_token_cost(batch) >= 0.7 ** (j + 1)
+    assert worth_length(0.3, 32, cap=64) == 0 and worth_length(1.0, 4, cap=6) == 6
+    assert worth_length(0.99, 10_000, cap=8) == 0  # a step that large is compute-bound: never draft
+
+
+def test_draft_length_follows_acceptance_and_failing_requests_back_off() -> None:
+    proposer = NgramProposer(num_draft_tokens=8, min_window=1, max_window=4)
+    req = req_with(list(range(1, 40)) + [1, 2])
+    first = len(proposer.propose(req, limit=40))
+    for _ in range(4):
+        proposer.record(req, 8, 8)  # a request that keeps copying drafts the cap at batch 1...
+    assert len(proposer.propose(req, limit=40)) == 8 > first
+    assert len(proposer.propose(req, limit=40, batch_size=64)) < 8  # ...and less in a big batch
+    for _ in range(3):
+        proposer.record(req, 8, 1)  # mostly rejected: shorter drafts
+    assert 0 < len(proposer.propose(req, limit=40, batch_size=8)) < 8
     for _ in range(MAX_FAILED_DRAFTS):
         proposer.record(req, 1, 0)
     assert proposer.propose(req, limit=10) == []  # backing off
-    assert proposer.stats()["spec_accepted_tokens"] == 1 and req.spec_draft_tokens == 4 + MAX_FAILED_DRAFTS
+    assert proposer.stats()["spec_accepted_tokens"] == 35 and req.spec_draft_tokens == 56 + MAX_FAILED_DRAFTS
 
 
 # ---------------------------------------------------------------- the verifier

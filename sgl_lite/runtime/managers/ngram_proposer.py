@@ -7,14 +7,22 @@ what followed them then is a good guess of what follows now. For a request whose
 window) that also ends at an earlier position e < L, the latest such e, and proposes `t[e..e+k)`.
 
 Work per proposal is a few vectorized numpy passes over the request's tokens (no per-token Python),
-kept in a per-request buffer that grows by the new outputs only. Per request the draft length adapts:
-after a draft is verified, the next one may be at most one token longer than what was accepted, and a
-request whose drafts keep failing stops drafting for a while (exponential back-off), so a workload that
-copies nothing costs almost nothing.
+kept in a per-request buffer that grows by the new outputs only.
+
+How long a draft is worth verifying (`worth_length`): the j-th draft token is used only if the j - 1
+before it were accepted, so with a per-token acceptance chance `a` it is accepted with probability a^j.
+Verifying it costs one more query row of the step (its matmul rows, its logits, its attention), a
+fraction `draft_token_cost(B)` of a step of B decode rows: small at batch 1, where a decode step is
+bound by reading the weights, and growing with B, as the step becomes bound by arithmetic. A draft token
+pays when a^j exceeds that fraction, so the draft is cut at the last j where it does: long drafts for a
+request that keeps copying at batch 1, short or none at batch 16-32. `a` is each request's own
+acceptance history (recent drafts weigh most), and a request whose drafts keep failing outright stops
+drafting for a while (exponential back-off), so a workload that copies nothing costs almost nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,17 +35,54 @@ MAX_FAILED_DRAFTS = 3
 BACKOFF_START = 4
 BACKOFF_MAX = 256
 
+# The cost of one draft token as a fraction of a one-request decode step (DRAFT_TOKEN_STEP_COST), and what
+# each decode row adds to a step (DECODE_ROW_STEP_COST), both relative to a one-request step. Measured
+# on the project's CPU box with the default model, bf16 (`python scripts/bench_speculative.py --step-cost`,
+# two loaded runs): a draft token (its matmul rows, its lm_head row, one decode-kernel query) costs
+# 0.45-0.55 ms and a decode row 0.35-0.55 ms, against a 14-15 ms one-request step. Both scale with the
+# model as the step does, so the fractions carry over roughly; they are a policy, not an exact cost.
+DRAFT_TOKEN_STEP_COST = 0.035
+DECODE_ROW_STEP_COST = 0.03
+
+# Acceptance estimate: a Beta-like prior of PRIOR_ACCEPTED accepted out of PRIOR_TRIED tried draft tokens,
+# plus the request's own history, older drafts' counts multiplied by HISTORY_DECAY at each new draft.
+PRIOR_ACCEPTED = 1.0
+PRIOR_TRIED = 2.0
+HISTORY_DECAY = 0.5
+
+
+def draft_token_cost(batch_size: int) -> float:
+    """One draft token's verification cost as a fraction of a step of `batch_size` decode rows."""
+    return batch_size * DRAFT_TOKEN_STEP_COST / (1.0 + batch_size * DECODE_ROW_STEP_COST)
+
+
+def worth_length(accept_chance: float, batch_size: int, cap: int) -> int:
+    """The longest draft (at most `cap`) whose last token still pays for itself: largest j with
+    accept_chance ** j > draft_token_cost(batch_size); 0 when even the first does not."""
+    cost = draft_token_cost(batch_size)
+    if cost >= 1.0 or accept_chance <= cost:
+        return 0
+    if accept_chance >= 1.0:
+        return cap
+    return min(cap, math.ceil(math.log(cost) / math.log(accept_chance)) - 1)
+
 
 @dataclass
 class NgramState:
-    """A request's token buffer and its adaptive drafting state."""
+    """A request's token buffer and its drafting history."""
 
     tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     length: int = 0
-    max_draft: int = 0  # next draft's length cap (adapts to what was accepted)
+    accepted: float = 0.0  # decayed counts of accepted and of tried draft tokens
+    tried: float = 0.0
     failed_in_a_row: int = 0
     skip_steps: int = 0
     backoff: int = BACKOFF_START
+
+    @property
+    def accept_chance(self) -> float:
+        """Estimated chance that a draft token is accepted, given the ones before it were."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.tried + PRIOR_TRIED)
 
     def sync(self, req: Req) -> np.ndarray:
         """The request's prompt + output as an array (appending only what is new since the last call)."""
@@ -94,15 +139,16 @@ class NgramProposer:
         self.num_draft_tokens_total = 0
         self.num_accepted_total = 0
 
-    def propose(self, req: Req, limit: int) -> list[int]:
-        """Up to min(limit, the request's adaptive cap) draft tokens following `req`'s tokens, or []."""
+    def propose(self, req: Req, limit: int, batch_size: int = 1) -> list[int]:
+        """Draft tokens following `req`'s tokens (at most `limit`, and only as many as are worth
+        verifying in a step of `batch_size` decode rows), or []."""
         state: NgramState | None = req.spec_state
         if state is None:
-            state = req.spec_state = NgramState(max_draft=self.num_draft_tokens)
+            state = req.spec_state = NgramState()
         if state.skip_steps > 0:
             state.skip_steps -= 1
             return []
-        limit = min(limit, state.max_draft)
+        limit = min(limit, worth_length(state.accept_chance, batch_size, self.num_draft_tokens))
         if limit <= 0:
             return []
         tokens = state.sync(req)
@@ -112,14 +158,16 @@ class NgramProposer:
         return tokens[end : end + limit].tolist()
 
     def record(self, req: Req, num_drafted: int, num_accepted: int) -> None:
-        """Feed back a verified draft: `num_accepted` of its `num_drafted` tokens matched the model."""
+        """Feed back a verified draft: its first `num_accepted` of `num_drafted` tokens matched the model."""
         state: NgramState = req.spec_state
         self.num_drafts += 1
         self.num_draft_tokens_total += num_drafted
         self.num_accepted_total += num_accepted
         req.spec_draft_tokens += num_drafted
         req.spec_accepted_tokens += num_accepted
-        state.max_draft = min(self.num_draft_tokens, num_accepted + 1)
+        # Tokens after the first rejection were never tried on their own: they say nothing of the chance.
+        state.accepted = HISTORY_DECAY * state.accepted + num_accepted
+        state.tried = HISTORY_DECAY * state.tried + min(num_accepted + 1, num_drafted)
         if num_accepted:
             state.failed_in_a_row, state.backoff = 0, BACKOFF_START
             return
@@ -128,7 +176,6 @@ class NgramProposer:
             state.failed_in_a_row = 0
             state.skip_steps = state.backoff
             state.backoff = min(2 * state.backoff, BACKOFF_MAX)
-            state.max_draft = self.num_draft_tokens
 
     def stats(self) -> dict[str, float]:
         drafted = self.num_draft_tokens_total

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-DEFAULT_NUM_DRAFT_TOKENS = 4  # --speculative-num-draft-tokens when not given
+DEFAULT_NUM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens when not given
 
 
 class Scheduler(PrefillScheduling, DecodeScheduling):

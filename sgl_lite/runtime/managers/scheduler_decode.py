@@ -58,7 +58,7 @@ class DecodeScheduling(_Base):
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
             limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            drafts.append(self.proposer.propose(req, limit) if plain and limit > 0 else [])
+            drafts.append(self.proposer.propose(req, limit, len(self.running)) if plain and limit > 0 else [])
         if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
             return None
         return drafts

@@ -216,7 +216,8 @@ class ModelRunner(ModelRunnerBase):
             ids.extend(draft)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         meta = AttentionMetadata.build(
-            [r.req_pool_idx for r in reqs], batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self.req_to_token
+            [r.req_pool_idx for r in reqs], batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self.req_to_token,
+            verify_rows=[i for i, d in enumerate(drafts) if d],
         )
         positions = self._positions(meta)
         if self.tp is not None:

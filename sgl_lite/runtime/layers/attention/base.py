@@ -15,7 +15,7 @@ With page size 1 every "page" is one slot, so FlashInfer's paged_kv_last_page_le
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,10 @@ class AttentionMetadata:
     # kv_indices is exactly padded_kv_indices[i, :seq_lens[i]] concatenated over i.
     padded_kv_indices: torch.Tensor  # int64 [B, max_kv_len]
     seq_lens: torch.Tensor  # int64 [B]
+    # Requests whose new tokens each attend like a decode step's token (speculative verification
+    # rows: a few draft tokens over a long cached prefix). Backends with a decode path run them there,
+    # one query per new token, instead of as an extend.
+    verify_rows: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +68,7 @@ class AttentionMetadata:
         extend_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_to_token: ReqToTokenPool,
+        verify_rows: list[int] | None = None,
     ) -> AttentionMetadata:
         """Gather every request's slot row from the table with one indexing op (no per-token Python)."""
         device = req_to_token.table.device
@@ -92,7 +97,24 @@ class AttentionMetadata:
             extend_lens=list(extend_lens),
             padded_kv_indices=padded,
             seq_lens=seq,
+            verify_rows=list(verify_rows or []),
         )
+
+    def decode_queries(self, reqs: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Every new token of the requests `reqs` (batch indices, ascending) as an independent decode
+        query: its q row (None when they are all the batch's rows in order), its request, and how many
+        keys it sees (new token j of request i sees prefix_i + j + 1 positions)."""
+        device = self.padded_kv_indices.device
+        if len(reqs) == self.batch_size and self.is_decode:
+            return None, torch.arange(len(reqs), device=device), self.seq_lens
+        idx = torch.tensor(reqs, dtype=torch.int64, device=device)
+        extend = torch.tensor(self.extend_lens, dtype=torch.int64, device=device)[idx]
+        req_idx = torch.repeat_interleave(idx, extend)
+        offsets = torch.arange(int(extend.sum()), device=device) - torch.repeat_interleave(torch.cumsum(extend, 0) - extend, extend)
+        seq = torch.repeat_interleave(self.seq_lens[idx] - extend, extend) + offsets + 1
+        if len(reqs) == self.batch_size:
+            return None, req_idx, seq
+        return self.qo_indptr[:-1].to(torch.int64)[req_idx] + offsets, req_idx, seq
 
 
 class AttentionBackend(abc.ABC):

@@ -4,7 +4,8 @@ Decode (one new token per request) is where CPU serving spends its attention tim
 path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The kernel
 (csrc/paged_decode_attention.cpp, built by cpu_kernel_loader.py) reads each KV row once, straight from the
 pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts 8-bit pools
-in registers. Prefill and extend chunks keep the torch path (SDPA), which is already matmul-bound.
+in registers. Prefill and extend chunks keep the torch path (SDPA), which is already matmul-bound; the few
+tokens of a speculative verification row (meta.verify_rows) go through the kernel as one decode query each.
 """
 
 from __future__ import annotations
@@ -47,16 +48,15 @@ class CpuKernelBackend(TorchNativeBackend):
         self._op = op
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
-        if len(single) == meta.batch_size:
+        if len(single) == meta.batch_size and meta.is_decode:
             return _KernelDecodeGroup(rows=None, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices)
         device = meta.padded_kv_indices.device
-        idx = torch.tensor(single, dtype=torch.int64, device=device)
-        seq = meta.seq_lens[idx]
-        slots = meta.padded_kv_indices[idx, : int(seq.max())]
+        rows, req_idx, seq = meta.decode_queries(single)
+        slots = meta.padded_kv_indices[req_idx, : int(seq.max())]
         valid = torch.arange(slots.shape[1], device=device)[None, :] < seq[:, None]
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         return _KernelDecodeGroup(
-            rows=meta.qo_indptr[:-1].to(torch.int64)[idx],
+            rows=rows,
             kv_indptr=torch.cat((zero, torch.cumsum(seq, 0).to(torch.int32))),
             kv_indices=slots[valid],
         )

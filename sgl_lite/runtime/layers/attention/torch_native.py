@@ -55,14 +55,15 @@ class TorchNativeBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        single = [i for i, e in enumerate(meta.extend_lens) if e == 1]
+        verify = set(meta.verify_rows)
+        single = [i for i, e in enumerate(meta.extend_lens) if e == 1 or i in verify]
         self._decode = self._prepare_decode(meta, single) if single else None
         self._extends = []
         device = meta.padded_kv_indices.device
         qo = meta.qo_indptr.tolist()
         seq_lens = meta.seq_lens.tolist()
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
-            if extend <= 1:
+            if extend <= 1 or i in verify:
                 continue
             mask = None
             if prefix > 0:
@@ -74,15 +75,10 @@ class TorchNativeBackend(AttentionBackend):
             self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, mask=mask))
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _DecodeGroup:
-        """Index rows and padding mask of the single-token requests `single` (indices into the batch)."""
+        """Index rows and padding mask of the decode queries of requests `single` (batch indices)."""
         device = meta.padded_kv_indices.device
-        if len(single) == meta.batch_size:
-            rows, slots, seq = None, meta.padded_kv_indices, meta.seq_lens
-        else:
-            idx = torch.tensor(single, dtype=torch.int64, device=device)
-            rows = meta.qo_indptr[:-1].to(torch.int64)[idx]
-            seq = meta.seq_lens[idx]
-            slots = meta.padded_kv_indices[idx, : int(seq.max())]
+        rows, req_idx, seq = meta.decode_queries(single)
+        slots = meta.padded_kv_indices if rows is None and meta.is_decode else meta.padded_kv_indices[req_idx, : int(seq.max())]
         length = int(slots.shape[1])
         heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=device)
         pool_rows = (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).reshape(-1)
