@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the server's)")
+    parser.add_argument("--ngram-capacity", type=int, default=0, help="--speculative-ngram-capacity: the shared pool of recent outputs (0: none)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
     parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
     parser.add_argument("--step-cost", action="store_true", help="only measure what a draft token and a decode row add to a step")
@@ -164,7 +165,8 @@ def main() -> None:
 
     common = dict(model_path=args.model, dtype=args.dtype, max_running_requests=max(args.concurrency))
     systems = {"off": Engine(**common), "ngram": Engine(**common, speculative_algorithm="ngram",
-                                                         speculative_num_draft_tokens=args.num_draft_tokens)}
+                                                         speculative_num_draft_tokens=args.num_draft_tokens,
+                                                         speculative_ngram_capacity=args.ngram_capacity)}
     tokenizer = systems["off"].core.tokenizer
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": False}
     n = max(args.concurrency)
@@ -189,7 +191,7 @@ def main() -> None:
         engine.shutdown()
 
     print(f"\nload average {os.getloadavg()[0]:.2f}; model {args.model}, greedy, {args.max_new_tokens} new tokens, "
-          f"{args.num_draft_tokens or 'default'} draft tokens")
+          f"{args.num_draft_tokens or 'default'} draft tokens, shared pool {args.ngram_capacity} tokens")
     print("| workload | concurrency | off tok/s | ngram tok/s | speedup | accept rate | tokens/step off -> ngram | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -89,6 +89,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "Max draft tokens per request per step (default 8); each request drafts only as many as its acceptance history says are worth verifying at the current batch size."})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "Shortest suffix of a request's tokens looked up to draft."})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "Longest suffix looked up (the longest one found wins)."})
+    speculative_ngram_capacity: int = field(default=0, metadata={"help": "Tokens of recent requests' outputs kept in a shared pool that a request drafts from when its own context has no match (oldest outputs dropped first). 0 (sgl_lite's default): no pool."})
 
     # Server process.
     host: str = field(default="127.0.0.1", metadata={"help": "Bind address of the HTTP API and the ZeroMQ endpoint (loopback by default). An ipc:///path puts the ZeroMQ endpoint on an owner-only unix socket (HTTP then binds loopback)."})
@@ -136,6 +137,8 @@ class ServerArgs:
                 raise ValueError(f"--speculative-algorithm must be ngram (the only drafter without a draft model); got {self.speculative_algorithm!r}")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1; got {self.speculative_num_draft_tokens}")
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError(f"--speculative-ngram-capacity must be >= 0; got {self.speculative_ngram_capacity}")
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= --speculative-ngram-max-match-window-size")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

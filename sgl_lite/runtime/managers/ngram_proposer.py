@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
 from sgl_lite.runtime.managers.request import Req
 
 # Back-off when acceptance is poor: after this many consecutive fully rejected drafts, skip drafting for
@@ -127,7 +128,7 @@ def longest_suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -
 
 
 class NgramProposer:
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int) -> None:
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, pool_capacity: int = 0) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1; got {num_draft_tokens}")
         if not 1 <= min_window <= max_window:
@@ -138,6 +139,8 @@ class NgramProposer:
         self.num_drafts = 0
         self.num_draft_tokens_total = 0
         self.num_accepted_total = 0
+        self.pool = NgramPool(pool_capacity) if pool_capacity > 0 else None
+        self.num_pool_drafts = 0  # drafts that came from the pool
 
     def propose(self, req: Req, limit: int, batch_size: int = 1) -> list[int]:
         """Draft tokens following `req`'s tokens (at most `limit`, and only as many as are worth
@@ -153,9 +156,26 @@ class NgramProposer:
             return []
         tokens = state.sync(req)
         end = longest_suffix_match(tokens, self.min_window, self.max_window)
-        if end is None:
+        if end is not None:
+            return tokens[end : end + limit].tolist()
+        if self.pool is None or not self.pool.size:
             return []
-        return tokens[end : end + limit].tolist()
+        # Not in its own context: the pool followed by the request's last tokens. A match cannot lie
+        # in those last tokens (the own search would have found it), so it is in the pool.
+        pooled = self.pool.joined()
+        end = longest_suffix_match(np.concatenate((pooled, tokens[-self.max_window:])), self.min_window, self.max_window)
+        if end is None or end >= pooled.shape[0]:
+            return []
+        draft = pooled[end : end + limit]
+        cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
+        draft = draft[: cut[0]] if cut.size else draft
+        self.num_pool_drafts += bool(draft.size)
+        return draft.tolist()
+
+    def remember(self, req: Req) -> None:
+        """A finished request's output joins the shared pool (when there is one)."""
+        if self.pool is not None:
+            self.pool.add(req.output_ids)
 
     def record(self, req: Req, num_drafted: int, num_accepted: int) -> None:
         """Feed back a verified draft: its first `num_accepted` of `num_drafted` tokens matched the model."""
@@ -184,4 +204,5 @@ class NgramProposer:
             "spec_draft_tokens": drafted,
             "spec_accepted_tokens": self.num_accepted_total,
             "spec_accept_rate": self.num_accepted_total / drafted if drafted else 0.0,
+            "spec_pool_drafts": self.num_pool_drafts,
         }

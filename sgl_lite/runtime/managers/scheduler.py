@@ -76,7 +76,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
         self.proposer = NgramProposer(args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS,
                                       args.speculative_ngram_min_match_window_size,
-                                      args.speculative_ngram_max_match_window_size) \
+                                      args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity) \
             if args.speculative_algorithm == "ngram" else None
         self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
@@ -278,6 +278,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
+        if self.proposer is not None:
+            self.proposer.remember(req)
         self.kv.release(req)
         self._live.pop(req.rid, None)
         self.metrics.on_finish(req)
@@ -288,6 +290,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         if self.has_work():
             return False
         self.kv.flush()
+        if self.proposer is not None and self.proposer.pool is not None:
+            self.proposer.pool.clear()  # like the prefix cache: nothing of earlier requests is reused
         return True
 
     def check_invariant(self) -> None:
