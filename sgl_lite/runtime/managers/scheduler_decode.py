@@ -52,13 +52,17 @@ class DecodeScheduling(_Base):
         for req in self.running:
             params = req.sampling_params
             # Requests whose next-token distribution depends on the tokens before it in ways the
-            # verifier does not replay (grammar state, penalties, min_new_tokens) decode one token a step.
-            plain = (req.grammar is None and len(req.output_ids) >= params.min_new_tokens
+            # verifier does not replay (penalties, min_new_tokens) decode one token a step; a grammar's
+            # state it does replay (sampling/speculative.py).
+            plain = (len(req.output_ids) >= params.min_new_tokens
                      and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
             limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            drafts.append(self.proposer.propose(req, limit, len(self.running)) if plain and limit > 0 else [])
+            draft = self.proposer.propose(req, limit, len(self.running)) if plain and limit > 0 else []
+            if draft and req.grammar is not None:
+                draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
+            drafts.append(draft)
         if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
             return None
         return drafts

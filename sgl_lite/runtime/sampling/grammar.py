@@ -10,6 +10,9 @@ Life of a constrained request (what the scheduler and sampler do with this modul
   after sampling, `req.grammar.accept_token(tok)` (False only if the mask was not applied: abort);
   when `req.grammar.is_terminated()` the request finishes (FinishKind.STOP, matched=tok), even
   before min_new_tokens.
+- speculative decoding (runtime/sampling/speculative.py): a draft is cut at the first token the grammar
+  forbids (`allowed_prefix`), and verified with `apply_draft_grammar_masks`: each verified position is
+  masked with the state after the draft tokens before it; the matcher advances only by the tokens kept.
 - retraction keeps output_ids and so the matcher's state; a request whose output is dropped and
   recomputed needs `req.grammar.reset()` (or `rollback(n)` for n dropped tokens).
 
@@ -31,7 +34,7 @@ import xgrammar
 
 from sgl_lite.runtime.sampling.grammar_backend import GrammarBackend, GrammarKey, GrammarMatcher, grammar_key
 
-__all__ = ["GrammarBackend", "GrammarKey", "GrammarMatcher", "apply_grammar_masks", "grammar_key"]
+__all__ = ["GrammarBackend", "GrammarKey", "GrammarMatcher", "apply_draft_grammar_masks", "apply_grammar_masks", "grammar_key"]
 
 
 class _BitmaskBuffer(threading.local):
@@ -79,3 +82,18 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=masked_rows)
     if logits.shape[1] > vocab_size:
         logits[rows, vocab_size:] = float("-inf")
+
+
+def apply_draft_grammar_masks(logits: torch.Tensor, matcher: GrammarMatcher, draft: Sequence[int]) -> None:
+    """Speculative verification of a constrained request: row j of `logits` ([len(draft) + 1, V], in
+    place) gets the mask of the grammar state after the draft's first j tokens, as plain decoding
+    would have applied at that position. The draft must be one the grammar accepts (allowed_prefix)."""
+    if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match a draft of {len(draft)} tokens")
+    bitmask = xgrammar.allocate_token_bitmask(len(draft) + 1, matcher.vocab_size)
+    matcher.fill_draft_bitmasks(draft, bitmask)
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(matcher.vocab_size, logits.shape[1]))
+    if logits.shape[1] > matcher.vocab_size:
+        logits[:, matcher.vocab_size:] = float("-inf")

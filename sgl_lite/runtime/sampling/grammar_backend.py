@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,30 @@ class GrammarMatcher:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar accepts in a row (through a stop token that ends it);
+        the state is left unchanged. Speculative drafts are cut there."""
+        count = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            count += 1
+        self.rollback(count)
+        return count
+
+    def fill_draft_bitmasks(self, draft: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Row j of `bitmask` := the tokens allowed after the draft's first j tokens, j = 0..len(draft)
+        (a draft the grammar accepts: see allowed_prefix); the state is left unchanged."""
+        for j, token in enumerate(draft):
+            if not self.fill_bitmask(bitmask, j):
+                bitmask[j].fill_(-1)  # every token allowed
+            if not self._matcher.accept_token(int(token)):
+                self.rollback(j)
+                raise ValueError(f"grammar {self.key[0]}: draft token {token} at {j} is not allowed")
+        if not self.fill_bitmask(bitmask, len(draft)):
+            bitmask[len(draft)].fill_(-1)
+        self.rollback(len(draft))
 
     def reset(self) -> None:
         """Back to the start of the grammar (for a request whose output is recomputed from scratch)."""

@@ -82,13 +82,14 @@ class Sampler:
 
     def target_probs(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         """[B, V] float32: the distribution `sample` draws row i from, for requests that need no
-        logit processing (speculative verification: no grammar, penalties or pending min_new_tokens).
+        logit processing but their grammar mask, already applied by the caller (speculative
+        verification: no penalties or pending min_new_tokens).
 
         softmax(logits / temperature) with top-k, top-p and min-p applied and renormalized; a greedy
         row is one-hot on its argmax.
         """
-        if self._needs_processing(reqs):
-            raise ValueError("target_probs takes only requests without grammar, penalties or min_new_tokens")
+        if any(_has_penalty(r) or len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+            raise ValueError("target_probs takes only requests without penalties or pending min_new_tokens")
         raw = logits.float()
         probs = torch.zeros_like(raw)
         greedy = torch.tensor([r.sampling_params.is_greedy for r in reqs], device=raw.device)

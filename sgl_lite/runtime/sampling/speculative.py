@@ -13,6 +13,10 @@ is the one the request would sample from had d_0..d_{j-1} been its own outputs.
   fully accepted draft adds a token drawn from p_k.
 
 Either way a verified draft yields between 1 and k + 1 tokens.
+
+A request with a grammar drafts only tokens its grammar allows (the scheduler cuts the draft at the first
+one it forbids), and position j's logits are masked with the grammar's state after d_0..d_{j-1} before
+either rule: the distribution is then exactly what plain constrained decoding samples from there.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
     sizes = [len(d) + 1 for d in drafts]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"verification got {logits.shape[0]} logit rows for drafts needing {sum(sizes)}")
+    if any(r.grammar is not None for r in reqs):
+        logits = _grammar_masked(logits, reqs, drafts)
     if all(r.sampling_params.is_greedy for r in reqs):
         return _verify_greedy(logits.float().argmax(dim=-1).tolist(), drafts)
     row_reqs = [req for req, n in zip(reqs, sizes) for _ in range(n)]
@@ -42,6 +48,19 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
     offset = 0
     for req, draft in zip(reqs, drafts):
         out.append(_verify_one(sampler, req, draft, probs[offset : offset + len(draft) + 1]))
+        offset += len(draft) + 1
+    return out
+
+
+def _grammar_masked(logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """A float copy of `logits` where each constrained request's rows carry its grammar's mask at that position."""
+    from sgl_lite.runtime.sampling.grammar import apply_draft_grammar_masks  # lazy: xgrammar only when used
+
+    out = logits.float().clone()
+    offset = 0
+    for req, draft in zip(reqs, drafts):
+        if req.grammar is not None:
+            apply_draft_grammar_masks(out[offset : offset + len(draft) + 1], req.grammar, draft)
         offset += len(draft) + 1
     return out
 
