@@ -7,8 +7,9 @@ Two sources:
   the rest under "other": each label value is a time series kept forever, so a client choosing
   priorities freely must not be able to grow /metrics without bound);
 - the runtime's scheduler stats, fetched from server_info at scrape time and exported as gauges
-  (queue length, running requests, KV slots used/evictable, cache hit rate) and counters
-  (preemptions, retractions).
+  (queue length, running requests, KV slots used/evictable, cache hit rate; with speculative decoding,
+  accepted draft tokens per verification and acceptance rate) and counters (preemptions, retractions;
+  verifications, draft and accepted tokens).
 The same measurements are exported under SGLang's names by sglang_metrics.py.
 """
 
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sgl_lite.http.sglang_metrics import SglangMetrics
+from sgl_lite.http.sglang_metrics import SglangMetrics, spec_accept_length
 
 PREFIX = "sgl_lite_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,10 +37,14 @@ _RUNTIME_GAUGES = {
     "slots_evictable": ("kv_slots_evictable", "KV slots held only by the prefix cache (evictable)."),
     "slots_protected": ("kv_slots_protected", "KV slots of cached prefixes locked by running requests."),
     "slots_total": ("kv_slots_total", "KV slots in the pool."),
+    "spec_accept_rate": ("spec_accept_rate", "Speculative decoding: accepted / drafted tokens since start."),
 }
 _RUNTIME_COUNTERS = {
     "num_preemptions": ("preemptions", "Running requests preempted by more urgent ones."),
     "num_retractions": ("retractions", "Running requests retracted to the queue for lack of KV memory."),
+    "spec_num_drafts": ("spec_verifications", "Speculative decoding: drafts verified (one per request and step)."),
+    "spec_draft_tokens": ("spec_draft_tokens", "Speculative decoding: draft tokens verified."),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted."),
 }
 
 
@@ -91,12 +96,17 @@ class RuntimeStatsCollector(Collector):
         for key, (name, doc) in _RUNTIME_COUNTERS.items():
             if _is_number(stats.get(key)):
                 yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+        length = spec_accept_length(stats)
+        if length is not None:
+            yield GaugeMetricFamily(PREFIX + "spec_accept_length",
+                                    "Speculative decoding: accepted draft tokens per verification since start.", value=length)
         yield GaugeMetricFamily(PREFIX + "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
                                 value=_runtime_hit_rate(stats, self._local_hit_rate))
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 
 def _runtime_hit_rate(stats: dict[str, Any], fallback: float) -> float:

@@ -41,6 +41,7 @@ _SCHEDULER_GAUGES = {
     "cache_hit_rate": ("cache_hit_rate", "The prefix cache hit rate."),
     "slots_total": ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
     "new_token_ratio": ("new_token_ratio", "The new token ratio."),
+    "spec_accept_rate": ("spec_accept_rate", "The average acceptance rate of speculative decoding."),
 }
 # Runtime stats key -> (SGLang counter name without _total, help).
 _RUNTIME_COUNTERS = {
@@ -93,6 +94,12 @@ class SglangMetrics(Collector):
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=list(scheduler_labels))
                 gauge.add_metric(list(scheduler_labels.values()), stats[key])
                 yield gauge
+        length = spec_accept_length(stats)
+        if length is not None:  # SGLang's counts the model's own token too: tokens per verification, >= 1
+            gauge = GaugeMetricFamily(PREFIX + "spec_accept_length",
+                                      "The average acceptance length of speculative decoding.", labels=list(scheduler_labels))
+            gauge.add_metric(list(scheduler_labels.values()), length + 1.0)
+            yield gauge
         for key, (name, doc) in _RUNTIME_COUNTERS.items():
             if _is_number(stats.get(key)):
                 counter = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
@@ -102,3 +109,11 @@ class SglangMetrics(Collector):
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def spec_accept_length(stats: dict[str, Any]) -> float | None:
+    """Accepted draft tokens per verification; None when speculation is off (no spec stats)."""
+    verified, accepted = stats.get("spec_num_drafts"), stats.get("spec_accepted_tokens")
+    if not (_is_number(verified) and _is_number(accepted)):
+        return None
+    return accepted / verified if verified else 0.0
