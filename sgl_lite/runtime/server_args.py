@@ -86,7 +86,7 @@ class ServerArgs:
 
     # Speculative decoding (SGLang's flag names; only the n-gram drafter, which needs no draft model).
     speculative_algorithm: str | None = field(default=None, metadata={"help": "ngram: draft tokens by looking the last tokens up in the request's own prompt and output, and verify every draft in the decode forward (greedy output unchanged, sampled output keeps its distribution). Default: off."})
-    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "Max draft tokens per request per step (default 8); each request drafts only as many as its acceptance history says are worth verifying at the current batch size."})
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "Max draft tokens per request per step (default: --speculative-ngram-max-match-window-size, as in SGLang); each request drafts only as many as its acceptance history says are worth verifying at the current batch size."})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "Shortest suffix of a request's tokens looked up to draft."})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "Longest suffix looked up (the longest one found wins)."})
     speculative_ngram_capacity: int = field(default=0, metadata={"help": "Tokens of recent requests' outputs kept in a shared pool that a request drafts from when its own context has no match (oldest outputs dropped first). 0 (sgl_lite's default): no pool."})

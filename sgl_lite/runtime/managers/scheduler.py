@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-DEFAULT_NUM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens when not given
 
 
 class Scheduler(PrefillScheduling, DecodeScheduling):
@@ -74,7 +73,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else (8192 if on_cuda else 2048)
         self.chunk_size: int | None = None if chunk == -1 else chunk
         self.stop_checker = StopChecker(tokenizer, eos_token_ids, context_length)
-        self.proposer = NgramProposer(args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS,
+        # SGLang's default: as many draft tokens as the longest match window.
+        self.proposer = NgramProposer(args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size,
                                       args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity) \
             if args.speculative_algorithm == "ngram" else None
