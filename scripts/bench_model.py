@@ -35,10 +35,6 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_lite.runtime.openmp_env import prefer_passive_wait  # noqa: E402
-
-prefer_passive_wait()  # as `sgl-lite serve` does; must precede `import torch`
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
