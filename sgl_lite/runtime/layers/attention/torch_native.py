@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
