@@ -64,3 +64,15 @@ def test_a_new_group_starts_from_the_latest_verdict():
         assert governor.choose(300) == 1  # so the first large prefill runs on one thread too
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_sudden_slowdown_triggers_a_probe_at_once():
+    saved = torch.get_num_threads()
+    try:
+        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=128, probe_forwards=2)
+        _drive(governor, 8, {2: 0.004, 1: 0.005}, 300)  # a quiet box: probes have grown rare
+        assert governor.groups[4].probe_interval == 128
+        _drive(governor, 8, {2: 0.010, 1: 0.005}, 12)  # a neighbour takes a core
+        assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 128
+    finally:
+        torch.set_num_threads(saved)

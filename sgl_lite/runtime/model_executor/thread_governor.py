@@ -11,7 +11,9 @@ runs on its current thread count and now and then on the other for a few probe f
 group switches when the other count's median forward time is clearly lower. A group seen for the
 first time starts from the latest verdict of any group (a busy core slows every size alike, and rare
 sizes - large prefills - would otherwise run their first forwards on the wrong count). Probes of a count that
-keeps losing grow rarer (up to `max_probe_interval` forwards), so a steady box pays little for them.
+keeps losing grow rarer (up to `max_probe_interval` forwards), so a steady box pays little for them;
+but when the current count's recent forwards get clearly slower than when it was chosen (a neighbour
+just took a core), the group probes at once instead of waiting out the interval.
 
 Invariant: `choose` and `record` are called in pairs, from the one thread that runs forwards.
 """
@@ -29,6 +31,7 @@ import torch
 
 _WINDOW = 5  # forward times kept per (group, thread count): medians of 5 shrug off one outlier
 _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
+_SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Group:
     since_probe: int = 0
     probe_interval: int = 0
     probing: int = 0  # probe forwards still to run on the other count
+    verdict_seconds: float = 0.0  # the current count's median forward time when the latest probe chose it (0: none yet)
 
 
 @dataclass
@@ -48,7 +52,7 @@ class ThreadGovernor:
 
     max_threads: int
     min_probe_interval: int = 16
-    max_probe_interval: int = 256
+    max_probe_interval: int = 128
     probe_forwards: int = 3
     groups: dict[int, _Group] = field(default_factory=dict)
     latest_verdict: int = 0  # the thread count the latest finished probe chose (0: none yet, use max_threads)
@@ -83,6 +87,10 @@ class ThreadGovernor:
         self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
         if threads == group.current:
             group.since_probe += 1
+            window = group.times[threads]
+            if group.verdict_seconds and len(window) == window.maxlen and statistics.median(window) > _SLOWDOWN * group.verdict_seconds:
+                group.since_probe, group.probe_interval = self.min_probe_interval, self.min_probe_interval
+                group.verdict_seconds = 0.0  # one early probe per slowdown; the next verdict sets a new reference
             return
         group.probing -= 1
         if group.probing:
@@ -95,6 +103,7 @@ class ThreadGovernor:
             group.probe_interval = self.min_probe_interval
         else:
             group.probe_interval = min(group.probe_interval * 2, self.max_probe_interval)
+        group.verdict_seconds = min(mine, theirs)
         self.latest_verdict = group.current
 
     @contextmanager
