@@ -22,9 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime.openmp_env import prefer_passive_wait  # noqa: E402
-
-prefer_passive_wait()  # as `sgl-lite serve` does; must precede `import torch`
 
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402

@@ -8,9 +8,11 @@ Measures, in one run on the same weights and dtype:
   `backend+w8a16_int8` / `+w4a16_int4` also runs the matmuls as with that --quantization;
 next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
 two limits:
-- matmul limit: GFLOP/s measured with F.linear at the model's own weight shapes and the batch's row
-  count, divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
-- memory limit: the bytes a decode step must read (every matmul weight and the LM head once, plus each
+- matmul limit: GFLOP/s of the model's dense matmul kernel (oneDNN-packed bf16, else F.linear) at its
+  own weight shapes and the batch's row count, one layer's weights timed over and over (so they sit in
+  cache: an upper bound), divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
+- memory limit: the bytes a decode step must read (every matmul weight and the LM head once, in the form
+  the step's calls use - quantized bytes for a +quantization variant at up to 2 rows - plus each
   request's K and V over all layers at its mean context length during the timed steps, in the variant's
   KV dtype) divided by the read bandwidth measured here (sum over a 512 MiB float32 tensor with the same
   threads). Activations and caches are ignored, so both limits are upper bounds.
@@ -35,16 +37,12 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_lite.runtime.openmp_env import prefer_passive_wait  # noqa: E402
-
-prefer_passive_wait()  # as `sgl-lite serve` does; must precede `import torch`
-
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
+from sgl_lite.runtime.layers.linear import QuantizedLinear, cpu_packed_linear_supported, linear  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, SlotAllocator, kv_cache_dtype  # noqa: E402
@@ -64,12 +62,16 @@ def matmul_shapes(runner: ModelRunner) -> tuple[list[tuple[int, int]], tuple[int
 
 
 def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: int = 5) -> dict:
-    """Time F.linear at the model's shapes for `rows` tokens; return GFLOP/s and the implied tokens/s."""
+    """Time the dense matmul kernel at the model's shapes for `rows` tokens; return GFLOP/s and the implied tokens/s."""
     per_layer, lm_head = matmul_shapes(runner)
     num_layers = runner.config.num_hidden_layers
     x = torch.randn(rows, max(i for _, i in per_layer + [lm_head]), dtype=runner.dtype)
     weights = [torch.randn(shape, dtype=runner.dtype) for shape in per_layer]
     head = torch.randn(lm_head, dtype=runner.dtype)
+    # the dense kernel the model itself runs: oneDNN-packed bf16 where supported, else F.linear
+    pack = cpu_packed_linear_supported(runner.dtype, runner.device)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None for w in weights]
+    head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32) if pack else None
 
     def timed(fn) -> float:
         fn()  # warm-up (packing, allocation)
@@ -79,8 +81,8 @@ def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: in
         return (time.perf_counter() - start) / repeats
 
     # one set of layer weights timed, scaled to all layers (they share shapes)
-    layer_time = timed(lambda: [F.linear(x[:, : w.shape[1]], w) for w in weights])
-    head_time = timed(lambda: F.linear(x[:, : head.shape[1]], head)) if with_lm_head else 0.0
+    layer_time = timed(lambda: [linear(x[:, : w.shape[1]].contiguous(), w, None, p) for w, p in zip(weights, packed)])
+    head_time = timed(lambda: linear(x[:, : head.shape[1]].contiguous(), head, None, head_packed)) if with_lm_head else 0.0
     params_layer = sum(o * i for o, i in per_layer)
     head_params = lm_head[0] * lm_head[1] if with_lm_head else 0
     total_time = layer_time * num_layers + head_time
@@ -101,10 +103,22 @@ def read_bandwidth(repeats: int = 5) -> float:
     return best
 
 
-def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torch.dtype) -> float:
-    """Bytes one decode step reads at least: the matmul weights and LM head, and every request's K and V."""
-    per_layer, lm_head = matmul_shapes(runner)
-    weights = (sum(o * i for o, i in per_layer) * runner.config.num_hidden_layers + lm_head[0] * lm_head[1]) * runner.dtype.itemsize
+def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torch.dtype, packed: tuple[list[dict], object]) -> float:
+    """Bytes one decode step reads at least: the matmul weights and LM head in the form this batch's calls
+    use (a quantized weight's own bytes when `packed` quantizes it for calls of `batch` rows), and every
+    request's K and V."""
+    layers, head = packed
+    itemsize = runner.dtype.itemsize
+
+    def weight_bytes(dense: torch.Tensor, form: object) -> int:
+        if isinstance(form, QuantizedLinear) and batch <= form.max_rows:
+            return form.quantized.nbytes
+        return dense.numel() * itemsize
+
+    names = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
+    weights = sum(weight_bytes(getattr(layer, attr), forms.get(name))
+                  for layer, forms in zip(runner.model.layers, layers) for name, attr in names.items())
+    weights += weight_bytes(runner.model.lm_head, head)
     kv = batch * context * KVPool.bytes_per_slot(runner.config.num_hidden_layers, runner.model.num_kv_heads, runner.model.head_dim, kv_dtype)
     return weights + kv
 
@@ -289,7 +303,7 @@ def main() -> None:
             rows.append({"phase": "decode", "batch": batch, "variant": v.name, "sgl_lite": best[v.name], "transformers": hf,
                          "vs_first_variant": best[v.name] / best[variants[0].name],
                          "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"],
-                         "memory_limit": batch * bandwidth / decode_bytes(runner, batch, context, v.kv_dtype)})
+                         "memory_limit": batch * bandwidth / decode_bytes(runner, batch, context, v.kv_dtype, v.packed)})
 
     dtype_name = str(runner.dtype).removeprefix("torch.")
     load = os.getloadavg()[0]

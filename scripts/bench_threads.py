@@ -2,8 +2,10 @@
 
 Each measurement is a fresh process (OpenMP reads its environment once, at start-up) that loads the model
 and times `--steps` decode steps at batch `--batch` with the cpu_kernel backend (best of 2 windows).
-Settings: torch threads (1 or all cores) and OMP_WAIT_POLICY (OpenMP's default, which spins at every
-barrier before sleeping, vs passive, which sleeps at once). Neighbours: none, `python -c "while 1: pass"`
+Settings: the adaptive thread count `sgl-lite serve` uses by default (1 or all threads per batch size,
+chosen by timing both: model_executor/thread_governor.py), and fixed counts: all threads with OpenMP's
+default wait policy (spin at every barrier before sleeping) or OMP_WAIT_POLICY=passive (sleep at once),
+and 1 thread. Neighbours: none, `python -c "while 1: pass"`
 unpinned, and the same pinned to the last core. Every (neighbour, setting) pair is measured in each round,
 settings interleaved, so that other load on the box falls on all of them alike.
 
@@ -25,18 +27,19 @@ sys.path.insert(0, str(ROOT))
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 
-SETTINGS = {  # name -> (torch threads, extra environment)
-    "2 threads, OMP default": (2, {}),
-    "2 threads, OMP_WAIT_POLICY=passive": (2, {"OMP_WAIT_POLICY": "passive"}),
-    "1 thread": (1, {}),
+SETTINGS = {  # name -> (torch threads, extra environment, adaptive threads)
+    "adaptive (serve's default)": (2, {}, True),
+    "2 threads, OMP default": (2, {}, False),
+    "2 threads, OMP_WAIT_POLICY=passive": (2, {"OMP_WAIT_POLICY": "passive"}, False),
+    "1 thread": (1, {}, False),
 }
 NEIGHBOURS = ("none", "busy, unpinned", "busy, pinned to last core")
 
 
-def worker(batch: int, steps: int, prompt_len: int) -> None:
+def worker(batch: int, steps: int, prompt_len: int, adaptive: bool) -> None:
     import logging
 
-    import torch  # first: libgomp reads OMP_WAIT_POLICY now, before bench_model's passive default could apply
+    import torch  # libgomp reads OMP_WAIT_POLICY when torch loads it
 
     sys.path.insert(0, str(ROOT / "scripts"))
     sys.path.insert(0, str(ROOT))
@@ -49,7 +52,8 @@ def worker(batch: int, steps: int, prompt_len: int) -> None:
     logging.basicConfig(level=logging.WARNING)
     model_dir = resolve_model_path("smollm2-135m")
     runner = ModelRunner(ServerArgs(model_path=str(model_dir), device="cpu", attention_backend="cpu_kernel",
-                                    max_total_tokens=batch * (prompt_len + 2 * steps + 4) + 64, max_running_requests=batch + 1),
+                                    max_total_tokens=batch * (prompt_len + 2 * steps + 4) + 64, max_running_requests=batch + 1,
+                                    disable_adaptive_threads=not adaptive),
                          model_dir=model_dir)
     prompts = torch.randint(3, runner.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     print(json.dumps({"tokens_per_s": RunnerBench(runner).decode(prompts, steps, 2), "threads": torch.get_num_threads()}))
@@ -65,10 +69,10 @@ def start_neighbour(kind: str) -> subprocess.Popen | None:
 
 
 def measure(setting: str, args: argparse.Namespace) -> float:
-    threads, extra = SETTINGS[setting]
+    threads, extra, adaptive = SETTINGS[setting]
     env = {**os.environ, **extra, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run([sys.executable, __file__, "--worker", "--batch", str(args.batch), "--steps", str(args.steps),
-                          "--prompt-len", str(args.prompt_len)], env=env, capture_output=True, text=True, check=True)
+                          "--prompt-len", str(args.prompt_len)] + (["--adaptive"] if adaptive else []), env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
@@ -79,10 +83,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=artifact_path("bench_threads.json"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.batch, args.steps, args.prompt_len)
+        worker(args.batch, args.steps, args.prompt_len, args.adaptive)
         return
     best: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):

@@ -23,10 +23,10 @@ EOF
 }
 
 prebuild_kernel() {
-    # The CPU decode-attention kernel: built once per machine into $cache/kernels (a cache hit takes a
-    # second). A failed build is not an error: the runtime then uses the torch path and says so.
-    (cd / && python -m sgl_lite.runtime.layers.attention.cpu_kernel_loader) \
-        || echo "install.sh: the CPU decode-attention kernel did not build; attention uses the torch path" >&2
+    # The C++ CPU ops (decode attention, RMSNorm): built once per machine into $cache/kernels (a cache hit
+    # takes a second). A failed build is not an error: the runtime then uses the torch path and says so.
+    (cd / && python -m sgl_lite.runtime.layers.cpu_ops) \
+        || echo "install.sh: the C++ CPU ops did not build; the model uses the torch path" >&2
 }
 
 if [[ -f "$stamp" ]] && installed_here; then

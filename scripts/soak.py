@@ -13,12 +13,17 @@ protected == total, nothing running or waiting); and that the server's RSS grew 
 --rss-tolerance-mib from the first checkpoint (after the first --rss-every requests) to the last.
 `--fault-every N` sets the SGL_LITE_FAULT_INJECT=forward:N test hook in the server: every Nth forward
 pass fails, and only that batch's requests may end with the "forward pass failed" error.
+Unless --no-hostile, hostile and careless clients run beside the normal ones the whole time
+(sgl_lite/testing/hostile_clients.py: nested messages, over-long rids, a peer that never reads, over-limit
+stop strings and grammars on the wire; over-cap fan-out, over-limit bodies, slowloris headers and hang-ups
+before the first event over an HTTP front): each must get its error, and the checks above must still hold.
 Exit status 0 when every check passes; a JSON report goes to --output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +38,7 @@ from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
 from sgl_lite.lang.launcher import Runtime, _child_env  # noqa: E402
+from sgl_lite.testing.hostile_clients import HostileRun, hostile_server_args  # noqa: E402
 from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
@@ -62,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault-every", type=int, default=0, help="Inject a failing forward pass every N passes (0: off).")
     p.add_argument("--rss-every", type=int, default=1000, help="Sample the server's RSS after every N requests.")
     p.add_argument("--rss-tolerance-mib", type=float, default=16.0)
+    p.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run the hostile clients beside the normal ones (default: yes).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=artifact_path("soak_report.json"))
     return p.parse_args()
@@ -82,15 +90,18 @@ def main() -> int:
                        max_queued_requests=args.max_queued_requests, chunked_prefill_size=64,
                        schedule_conservativeness=args.schedule_conservativeness, schedule_policy=args.schedule_policy,
                        enable_priority_scheduling=True, priority_aging_rate=args.priority_aging_rate,
-                       log_level="warning")
+                       log_level="warning", **(hostile_server_args() if args.hostile else {}))
     with Runtime(model_path=model, startup_timeout=600, client_timeout=600, **server_args) as rt:
         os.environ.pop(ENV_VAR, None)
         print(f"server pid {rt.pid} at {rt.address}; {args.requests} requests ...", flush=True)
-        result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())
+        with HostileRun(rt.address, seed=args.seed) if args.hostile else contextlib.nullcontext() as hostile:
+            result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())
         info = rt.client.server_info()
     summary = result.summary()
     print("soak:", json.dumps(summary), flush=True)
     problems = list(result.problems) + check_records(result.records, config) + accounting_problems(info)
+    if hostile is not None:
+        problems += hostile.report.problems
     growth_mib = (result.rss_kib[-1] - result.rss_kib[0]) / 1024
     if growth_mib > args.rss_tolerance_mib:
         problems.append(f"server RSS grew {growth_mib:.1f} MiB (> {args.rss_tolerance_mib} MiB): {summary['rss_mib']}")
@@ -103,7 +114,8 @@ def main() -> int:
               "greedy_compared": sum(r.greedy and isinstance(r.final, protocol.Finished) for r in result.records),
               "num_retractions": info["num_retractions"], "num_preemptions": info["num_preemptions"],
               "cache_hit_rate": info["cache_hit_rate"], "num_problems": len(problems), "problems": problems[:50],
-              "server_args": server_args, "fault_every": args.fault_every}
+              "server_args": server_args, "fault_every": args.fault_every,
+              "hostile_attempts": hostile.report.attempts if hostile is not None else {}}
     output_file(args.output).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "server_args")}), flush=True)
     for problem in problems[:20]:

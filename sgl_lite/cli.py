@@ -18,7 +18,6 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
-from sgl_lite.runtime.openmp_env import prefer_passive_wait
 from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, field_base_type, flag_of
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
@@ -118,7 +117,6 @@ def serve(served_model_name: str | None, dp_size: int, router_policy: str, route
     args = build_server_args(values)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    prefer_passive_wait()  # before anything imports torch; replicas inherit it
     from sgl_lite.runtime.server.ports import PortUnavailableError
 
     try:

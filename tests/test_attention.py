@@ -26,7 +26,7 @@ def random_batch(
     pool = KVPool(num_layers=2, num_slots=num_slots, kv_heads=hkv, head_dim=d, dtype=dtype)
     for tensor in (*pool.k, *pool.v):
         tensor[1:] = float("nan")
-    table = ReqToTokenPool(max_requests=len(prefix_lens) + 2, max_context=128)
+    table = ReqToTokenPool(max_requests=len(prefix_lens) + 2, max_context=max(128, *(p + e for p, e in zip(prefix_lens, extend_lens))))
     alloc = SlotAllocator(num_slots)
     alloc._free = alloc._free[torch.randperm(num_slots, generator=g)]  # scattered slots, as after eviction
     rows, new_slots = [], []
@@ -69,6 +69,9 @@ CASES = {
     "prefill_only": ([0, 0], [9, 3], 4, 4),
     "mixed_extend_decode": ([0, 12, 30, 7, 0], [6, 1, 5, 1, 1], 6, 2),
     "mqa_chunk": ([20], [11], 8, 1),
+    # several query tiles per request: 128-row tiles, and shorter ones once the context is long
+    "extend_tiles": ([100, 0, 3], [300, 150, 1], 6, 2),
+    "extend_long_context": ([1500], [100], 8, 2),
 }
 
 

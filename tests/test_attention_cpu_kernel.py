@@ -13,7 +13,7 @@ import torch
 from test_attention import naive_attention, random_batch
 
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
-from sgl_lite.runtime.layers.attention import cpu_kernel_loader
+from sgl_lite.runtime.layers import cpu_ops
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
@@ -25,7 +25,7 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @pytest.fixture(scope="module")
 def op():
-    built = cpu_kernel_loader.load_paged_decode_op()
+    built = cpu_ops.load_paged_decode_op()
     assert built is not None, "the CPU decode kernel did not build on this machine"
     return built
 
@@ -158,11 +158,11 @@ def test_auto_picks_the_kernel_on_cpu_and_falls_back(op, monkeypatch, caplog):
 def test_build_failure_falls_back_with_one_line(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernel_loader, "SOURCE", broken)
+    monkeypatch.setattr(cpu_ops, "SOURCES", (broken,))
     monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert cpu_kernel_loader.load_paged_decode_op.__wrapped__() is None
-    warnings = [r for r in caplog.records if r.name == cpu_kernel_loader.logger.name and r.levelno >= logging.WARNING]
+        assert cpu_ops.load_cpu_ops.__wrapped__() is False
+    warnings = [r for r in caplog.records if r.name == cpu_ops.logger.name and r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "using the torch path" in warnings[0].getMessage()
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
 

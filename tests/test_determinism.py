@@ -6,13 +6,14 @@ linear layers' rows are checked here to be independent of the batch size on this
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend
+from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.server.engine import Engine
@@ -31,7 +32,7 @@ def test_batch_invariant_backend_matches_naive(case: str) -> None:
     torch.testing.assert_close(out, naive_attention(meta, 1, q, pool), atol=1e-5, rtol=1e-5)
 
 
-def _rows(backend_cls: type, seq: int, splits: list[tuple[int, int]], others: int = 0) -> torch.Tensor:
+def _rows(backend_cls: Callable[[int, int, int], AttentionBackend], seq: int, splits: list[tuple[int, int]], others: int = 0) -> torch.Tensor:
     """Output rows of one request of `seq` tokens computed as extends (prefix, extend) in turn, the
     request batched after `others` unrelated requests; K/V/Q of every position are fixed by seed."""
     g = torch.Generator().manual_seed(0)
@@ -64,8 +65,12 @@ def _rows(backend_cls: type, seq: int, splits: list[tuple[int, int]], others: in
     return torch.cat(outputs)
 
 
-@pytest.mark.parametrize("backend_cls", [BatchInvariantBackend, TorchNativeBackend])
-def test_rows_independent_of_cache_split_and_batch(backend_cls: type) -> None:
+def _default_cpu_backend(hq: int, hkv: int, d: int) -> AttentionBackend:
+    return create_backend("auto", torch.device("cpu"), hq, hkv, d)
+
+
+@pytest.mark.parametrize("backend_cls", [BatchInvariantBackend, _default_cpu_backend], ids=["batch_invariant", "cpu_default"])
+def test_rows_independent_of_cache_split_and_batch(backend_cls: Callable[[int, int, int], AttentionBackend]) -> None:
     full = _rows(backend_cls, 150, [(0, 150)])
     variants = {
         "cached prefix + suffix": _rows(backend_cls, 150, [(0, 100), (100, 50)]),
@@ -76,7 +81,7 @@ def test_rows_independent_of_cache_split_and_batch(backend_cls: type) -> None:
     same = {name: torch.equal(rows, full) for name, rows in variants.items()}
     if backend_cls is BatchInvariantBackend:
         assert all(same.values()), same
-    else:  # the default backend really does depend on the split in bf16: what the flag is for
+    else:  # the default backend (decode rows through the C++ kernel) depends on the split in bf16: what the flag is for
         assert not all(same.values()), same
 
 

@@ -45,7 +45,7 @@ LAYERS: dict[str, int] = {
 # `sgl.Engine`), which is a runtime class by nature.
 ALLOWED = {("sgl_lite", "sgl_lite.runtime.server.engine")}
 # Modules that must never import torch (directly): the frontend, the wire format and the client.
-TORCH_FREE = ("sgl_lite.lang", "sgl_lite.runtime.protocol", "sgl_lite.runtime.server_args", "sgl_lite.runtime.openmp_env",
+TORCH_FREE = ("sgl_lite.lang", "sgl_lite.runtime.protocol", "sgl_lite.runtime.server_args",
               "sgl_lite.runtime.client", "sgl_lite.http")
 
 

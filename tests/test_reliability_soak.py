@@ -15,6 +15,7 @@ import pytest
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.lang.launcher import Runtime, _child_env
+from sgl_lite.testing.hostile_clients import CASES, HostileRun, hostile_server_args
 from sgl_lite.testing.soak import SoakConfig, run_soak
 from sgl_lite.testing.kv_accounting import accounting_problems
 from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
@@ -72,3 +73,30 @@ def test_soak_many_clients_small_pool(tiny_model):
         burst_refs = {p: engine.generate(p, dict(BURST_PARAMS))["output_ids"] for p in BURST_PROMPTS}
     assert greedy_mismatches(result.records, refs) == []
     assert burst == burst_refs
+
+
+def test_soak_beside_hostile_clients(tiny_model):
+    """Issue 16's hostile cases run beside the normal clients (soak passes until every case has run): each
+    gets its error, and the normal clients' greedy outputs, the accounting and the server's memory are as
+    without them."""
+    results = []
+    with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=120,
+                 **SOAK_SERVER_ARGS, **hostile_server_args()) as rt:
+        with HostileRun(rt.address, seed=2, pause_s=0.05) as hostile:
+            while not results or hostile.rounds_done < 1:
+                config = SoakConfig(num_requests=240, killed_client_processes=0, seed=10 + len(results))
+                results.append((config, run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())))
+        info = rt.client.server_info()
+    print("hostile:", hostile.report.attempts, "soak passes:", [r.summary() for _, r in results])
+    assert hostile.report.problems == []
+    assert set(hostile.report.attempts) == set(CASES)
+    for config, result in results:
+        assert not result.problems, result.problems[:10]
+        assert check_records(result.records, config) == []
+    assert accounting_problems(info) == []
+    growth_mib = (results[-1][1].rss_kib[-1] - results[0][1].rss_kib[0]) / 1024
+    assert growth_mib <= RSS_TOLERANCE_MIB, f"server RSS grew {growth_mib:.1f} MiB"
+    records = [rec for _, result in results for rec in result.records]
+    with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
+        refs = reference_outputs(engine, records)
+    assert greedy_mismatches(records, refs) == []

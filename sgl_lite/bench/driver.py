@@ -179,9 +179,12 @@ def resolve_model(config: BenchConfig) -> tuple[str, Vocabulary]:
     return model_path, vocab
 
 
-def measure_system(name: str, config: BenchConfig, workload: Workload) -> dict[str, Any]:
+def measure_system(name: str, config: BenchConfig, workload: Workload,
+                   backend: GenerationBackend | None = None) -> dict[str, Any]:
+    """Serve `workload` on the system `name` (opened here, unless `backend` is given) and summarize;
+    the backend is closed afterwards."""
     logger.info("starting system %s", name)
-    backend = open_system(name, config)
+    backend = backend or open_system(name, config)
 
     replica_tokens: list[int] | None = None
 

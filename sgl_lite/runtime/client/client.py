@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Iterator
 
 import msgspec
@@ -48,6 +49,9 @@ class RuntimeClient:
         self.api_key = api_key
         self.timeout = timeout
         self._transport = ClientTransport(address, api_key, health_interval, health_timeout)
+        # A client dropped without close() would leave its I/O thread, sockets and context running for
+        # the life of the process (the thread holds the transport, not the client).
+        weakref.finalize(self, self._transport.close).atexit = False
 
     # ------------------------------------------------------------------ public API
 
@@ -63,11 +67,14 @@ class RuntimeClient:
                         sampling_params: dict[str, Any] | SamplingParams | None = None,
                         **options: Any) -> Iterator[TokenChunk]:
         """Sends the request now; the iterator yields TokenChunks, the last one with the full meta_info.
-        Closing the iterator early aborts the request."""
+        Closing the iterator early, or dropping it (even before its first chunk), aborts the request."""
         rid, request = self._generate_req(text, input_ids, sampling_params, stream=True, **options)
         replies: queue.Queue[Item] = queue.Queue()
         self._submit(rid, request, replies.put, is_generate=True)
-        return self._iterate_stream(rid, replies)
+        stream = self._iterate_stream(rid, replies)
+        # A generator never started runs no `finally`: its request would run to the end for nobody.
+        weakref.finalize(stream, self._transport.abandon, rid).atexit = False
+        return stream
 
     async def async_generate(self, text: str | None = None, input_ids: list[int] | None = None,
                              sampling_params: dict[str, Any] | SamplingParams | None = None,

@@ -15,10 +15,18 @@ and one step can take a long time). It comes from ZeroMQ itself:
 When an established connection is lost, every pending request fails at once with
 RuntimeUnavailableError: their replies will not come (a dead runtime sends none; a live one aborts the
 requests of a peer it cannot reach). The generate requests among them are aborted as well, so that a
-runtime that was only stopped stops working for nobody once it resumes and the DEALER reconnects.
+runtime that was only stopped stops working for nobody once it resumes and the client reconnects.
 While there is no connection (never made, or lost), pending requests fail once they have waited
 `health_timeout` s for one. A runtime whose process lives while its scheduler loop hangs keeps
 answering heartbeats: only the client's per-request `timeout` ends that wait.
+
+Nothing outlives the requests it was for. Whenever pending requests fail for want of a runtime, the
+DEALER (and whatever it still queued for them: requests nobody waits for, which a runtime coming back
+would otherwise run for nobody, and which pile up without bound while it stays away) is closed and a
+new one, with the same routing id, connects in its place; it carries only the aborts still owed
+(at most _MAX_OWED_ABORTS, until a connection takes them). close(), a RuntimeClient dropped without
+close(), or the I/O thread ending for any reason fail every waiter exactly once, and the thread closes
+every socket and the ZeroMQ context itself.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 200
 _CLOSE_LINGER_MS = 500
+# Aborts kept for requests failed while the runtime was unreachable, to deliver once it is back; the
+# oldest are dropped past this (the runtime also aborts the requests of a client that is gone).
+_MAX_OWED_ABORTS = 65_536
 # The monitor reports only what changes the link's state (not the TCP-level connects and retries).
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 Item = Union[protocol.Reply, BaseException]  # what a request's sink receives
@@ -70,6 +81,9 @@ class ClientTransport:
         self._health_interval = health_interval
         self._health_timeout = health_timeout
         self._context = zmq.Context()
+        # A fixed routing id, kept by every DEALER this client makes: after a reconnect the runtime's ROUTER
+        # hands it over to the new connection, so what this client sends then is still its own.
+        self._identity = uuid.uuid4().bytes
         # Made and connected here, so that an address ZeroMQ refuses raises in the caller at once; the I/O
         # thread owns the sockets from its start on (Thread.start is the memory barrier ZeroMQ asks for).
         try:
@@ -78,6 +92,7 @@ class ClientTransport:
             self._context.term()
             raise ValueError(f"cannot connect to runtime address {address!r}: {e.strerror}") from None
         self._pending: dict[str, tuple[Sink, bool]] = {}  # rid -> (sink, is a generate request)
+        self._owed_aborts: dict[str, None] = {}  # rids to abort once a connection takes them (I/O thread only)
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None = stop
         wake_address = f"inproc://sgl-lite-client-wake-{uuid.uuid4().hex}"
@@ -95,12 +110,12 @@ class ClientTransport:
 
     def submit(self, rid: str, msg: protocol.Request, sink: Sink, *, is_generate: bool) -> None:
         """Register `sink` for the replies to `rid`, then send `msg`."""
-        if self.closed:
-            raise RuntimeRequestError("client is closed", "closed")
         if len(rid) > protocol.MAX_RID_CHARS:
             raise RuntimeRequestError(f"request id of {len(rid)} characters is longer than {protocol.MAX_RID_CHARS}")
         data = _encode(msg)
-        with self._lock:
+        with self._lock:  # under the lock that close() takes: no entry can be added after it failed them all
+            if self.closed:
+                raise RuntimeRequestError("client is closed", "closed")
             if rid in self._pending:
                 raise RuntimeRequestError(f"request id {rid!r} is already in flight on this client")
             self._pending[rid] = (sink, is_generate)
@@ -110,6 +125,8 @@ class ClientTransport:
         self._send_encoded(_encode(msg))
 
     def _send_encoded(self, data: bytes) -> None:
+        if self.closed:
+            return  # close() failed and aborted everything in flight: nothing is sent after it
         self._outbox.put(data)
         self._wake()
 
@@ -121,15 +138,16 @@ class ClientTransport:
         """Stop waiting for `rid` (timeout, a stream closed early); a generate is aborted on the runtime."""
         with self._lock:
             entry = self._pending.pop(rid, None)
-        if entry is not None and entry[1] and not self.closed:
+        if entry is not None and entry[1]:
             self.send(protocol.AbortReq(rid, api_key=self._api_key))
 
     def close(self) -> None:
-        """Abort the in-flight generate requests, fail every waiter, stop the I/O thread."""
-        if self.closed:
-            return
-        self.closed = True
+        """Abort the in-flight generate requests, fail every waiter, stop the I/O thread (which closes
+        the sockets and the context)."""
         with self._lock:
+            if self.closed:
+                return
+            self.closed = True
             pending, self._pending = self._pending, {}
         for rid, (sink, is_generate) in pending.items():
             if is_generate:
@@ -137,13 +155,13 @@ class ClientTransport:
             sink(RuntimeRequestError("client closed", "closed"))
         self._outbox.put(None)
         self._wake()
-        self._thread.join(timeout=5.0)
-        self._wake_send.close(linger=0)
-        if not self._thread.is_alive():
-            self._context.term()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
 
     def _wake(self) -> None:
         with self._lock:
+            if self._wake_send.closed:
+                return  # the I/O thread has ended: nothing is sent any more
             try:
                 self._wake_send.send(b"", zmq.NOBLOCK)
             except zmq.Again:
@@ -153,9 +171,7 @@ class ClientTransport:
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         dealer = self._context.socket(zmq.DEALER)
-        # A fixed routing id: after a reconnect the runtime's ROUTER hands it over to the new connection,
-        # so what this client sends then (the aborts of failed requests, new requests) is still its own.
-        dealer.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        dealer.setsockopt(zmq.IDENTITY, self._identity)
         # Unbounded queue while the runtime is unreachable: sending never blocks this thread, so the
         # liveness check keeps running and fails the pending requests instead.
         dealer.setsockopt(zmq.SNDHWM, 0)
@@ -172,25 +188,24 @@ class ClientTransport:
         return dealer, monitor
 
     def _io_loop(self) -> None:
-        dealer, monitor = self._dealer, self._monitor
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller = self._poller()
         link_up = False  # a ZMTP handshake succeeded and the connection has not been lost since
         waiting_since: float | None = None  # since when pending requests wait for a connection
+        ended_by = "the client was closed"
         try:
             while True:
                 events = dict(poller.poll(_POLL_MS))
                 if self._wake_recv in events:
                     while self._wake_recv.poll(0):
                         self._wake_recv.recv()
-                if not self._flush_outbox(dealer):
+                if not self._flush_outbox(self._dealer):
                     return
                 # Replies before link events: what arrived before a disconnect is still delivered.
-                self._drain_replies(dealer)
-                if monitor in events:
-                    link_up = self._follow_link(monitor, dealer, link_up)
+                self._drain_replies(self._dealer)
+                if self._monitor in events:
+                    link_up, lost = self._follow_link(link_up)
+                    if lost:
+                        poller = self._reconnect()
                 with self._lock:
                     has_pending = bool(self._pending)
                 now = time.monotonic()
@@ -199,30 +214,75 @@ class ClientTransport:
                 elif waiting_since is None:
                     waiting_since = now
                 elif now - waiting_since > self._health_timeout:
-                    self._fail_all(dealer, f"no connection to it within {self._health_timeout:g} s")
+                    # Never sent on a connection, so nothing to abort: the new DEALER drops them unsent.
+                    self._fail_all(f"no connection to it within {self._health_timeout:g} s", owe_aborts=False)
+                    poller = self._reconnect()
                     waiting_since = None
+        except BaseException as e:
+            ended_by = f"its I/O thread failed: {e!r}"
+            logger.exception("the client of %s stopped", self.address)
+            raise
         finally:
-            dealer.disable_monitor()
-            monitor.close(linger=0)
-            dealer.close(linger=_CLOSE_LINGER_MS)
-            self._wake_recv.close(linger=0)
+            self._release(ended_by)
 
-    def _follow_link(self, monitor: zmq.Socket, dealer: zmq.Socket, link_up: bool) -> bool:
-        """Apply the monitor's events; returns whether the link is up afterwards."""
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        for sock in (self._dealer, self._monitor, self._wake_recv):
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _close_link(self, linger_ms: int) -> None:
+        if self._dealer.closed:
+            return  # _reconnect() closed it and failed to make the next one
+        self._dealer.disable_monitor()
+        self._monitor.close(linger=0)
+        self._dealer.close(linger=linger_ms)
+
+    def _reconnect(self) -> zmq.Poller:
+        """Replace the DEALER, dropping what it still queued for failed requests; the new one carries
+        the aborts still owed. Returns the poller over the new sockets."""
+        self._close_link(linger_ms=0)
+        self._dealer, self._monitor = self._connect()
+        for rid in self._owed_aborts:
+            self._dealer.send(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
+        return self._poller()
+
+    def _release(self, ended_by: str) -> None:
+        """The I/O thread's last act: fail whoever still waits, close every socket and the context."""
+        with self._lock:
+            self.closed = True
+            pending, self._pending = self._pending, {}
+        error = RuntimeRequestError(f"client closed: {ended_by}", "closed")
+        for sink, _ in pending.values():
+            sink(error)
+        self.link_up = False
+        self._close_link(linger_ms=_CLOSE_LINGER_MS)  # time to deliver close()'s aborts
+        self._wake_recv.close(linger=0)
+        with self._lock:
+            self._wake_send.close(linger=0)
+        self._context.term()
+
+    def _follow_link(self, link_up: bool) -> tuple[bool, bool]:
+        """Apply the monitor's events: (whether the link is up afterwards, whether an established
+        connection was lost, failing its requests)."""
+        lost = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link_up = True
+                self._owed_aborts.clear()  # queued on this DEALER before its handshake: they go out now
             elif event == zmq.EVENT_DISCONNECTED:
                 # Also reported for a handshake that failed (e.g. timed out against a stopped process);
                 # only losing an established connection strands requests already sent on it.
                 if link_up:
-                    self._drain_replies(dealer)
-                    self._fail_all(dealer, "the connection was lost (the process exited or dropped it, or sent "
-                                           f"no ZMTP heartbeat for {self._health_timeout:g} s)")
-                link_up = False
+                    self._drain_replies(self._dealer)
+                    self._fail_all("the connection was lost (the process exited or dropped it, or sent "
+                                   f"no ZMTP heartbeat for {self._health_timeout:g} s)", owe_aborts=True)
+                    lost = True
+                    link_up = False
+                    break  # the DEALER and its monitor are replaced: their further events do not matter
         self.link_up = link_up
-        return link_up
+        return link_up, lost
 
     def _drain_replies(self, dealer: zmq.Socket) -> None:
         while dealer.poll(0):
@@ -267,10 +327,10 @@ class ClientTransport:
         for sink, _ in pending.values():
             sink(reply)
 
-    def _fail_all(self, dealer: zmq.Socket, reason: str) -> None:
-        """Every pending request gets RuntimeUnavailableError; generate requests are also aborted, so
-        that a runtime which was stopped rather than dead does not finish them for nobody once it runs
-        again (the DEALER queues the aborts until it reconnects)."""
+    def _fail_all(self, reason: str, *, owe_aborts: bool) -> None:
+        """Every pending request gets RuntimeUnavailableError. With `owe_aborts` (they were sent on a
+        connection now lost) the generate requests among them are to be aborted too, so that a runtime
+        which was stopped rather than dead does not finish them for nobody once it runs again."""
         with self._lock:
             pending, self._pending = self._pending, {}
         if not pending:
@@ -279,9 +339,11 @@ class ClientTransport:
                        self.address, reason, len(pending))
         error = RuntimeUnavailableError(f"runtime at {self.address} is not responding: {reason}")
         for rid, (sink, is_generate) in pending.items():
-            if is_generate:
-                dealer.send(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
+            if is_generate and owe_aborts:
+                self._owed_aborts[rid] = None
             sink(error)
+        while len(self._owed_aborts) > _MAX_OWED_ABORTS:
+            del self._owed_aborts[next(iter(self._owed_aborts))]
 
 
 def _encode(msg: protocol.Request) -> bytes:

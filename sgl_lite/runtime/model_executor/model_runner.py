@@ -21,6 +21,7 @@ from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_ca
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
 from sgl_lite.runtime.model_executor.tp import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,10 @@ class ModelRunner(ModelRunnerBase):
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads,
                                    self.model.head_dim, deterministic=args.enable_deterministic_inference)
         self.sampler = self._make_sampler(eos_token_ids)
+        # One thread or all, chosen per batch size by measurement (thread_governor.py); not under TP (each
+        # rank's share is fixed), nor with deterministic inference (a matmul may split work by thread count).
+        adaptive = self.device.type == "cpu" and self.tp is None and not (args.disable_adaptive_threads or args.enable_deterministic_inference)
+        self.thread_governor = ThreadGovernor.for_this_process() if adaptive else None
         logger.info(
             "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",
             model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
@@ -196,8 +201,14 @@ class ModelRunner(ModelRunnerBase):
             "head_dim": self.model.head_dim,
         }
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if self.thread_governor is None or not batch.reqs:
+            return self._forward(batch)
+        with self.thread_governor.forward(sum(batch.extend_lens)):
+            return self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         reqs = batch.reqs
         num_reqs = len(reqs)
         if not num_reqs:

@@ -40,7 +40,7 @@ def create_backend(
 
 def _cpu_kernel_or_torch(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend, kernel_supports
-    from sgl_lite.runtime.layers.attention.cpu_kernel_loader import load_paged_decode_op
+    from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op
 
     if device.type != "cpu":
         raise ValueError(f"the cpu_kernel attention backend runs on CPU, not {device.type}")

@@ -2,10 +2,11 @@
 
 Decode (one new token per request) is where CPU serving spends its attention time, and there the torch
 path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The kernel
-(csrc/paged_decode_attention.cpp, built by cpu_kernel_loader.py) reads each KV row once, straight from the
+(layers/csrc/paged_decode_attention.cpp, built by layers/cpu_ops.py) reads each KV row once, straight from the
 pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts 8-bit pools
-in registers. Prefill and extend chunks keep the torch path (SDPA), which is already matmul-bound; the few
-tokens of a speculative verification row (meta.verify_rows) go through the kernel as one decode query each.
+in registers. Prefill and extend chunks keep the torch path (tiled matmuls), which is already matmul-bound;
+the few tokens of a speculative verification row (meta.verify_rows) go through the kernel as one decode
+query each.
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ one or more tokens. Requests are split once per forward (in `prepare`) into two 
   head h is s * Hkv + h, precomputed once per forward). Contiguous operands matter: bf16 matmul on
   CPU is ~5x slower on strided views, and per-head gathers of strided pool views cost ~10x a
   row gather. Scores and softmax are float32, padding is masked with an additive -inf bias.
-- multi-token requests (prefill chunks): one SDPA call each, causal with the prefix offset.
+- multi-token requests (prefill chunks): per request, query tiles of at most 128 rows, each two
+  matmuls against the request's contiguous K/V (keys cut at the tile's last position) with an additive
+  causal bias built once per forward. Measured against SDPA with a mask (the prefix offset keeps it off
+  the causal fast path; is_causal without a prefix) on SmolLM2's heads in bf16: 2.1x faster for 8 requests
+  of 90 tokens on 450-token prefixes, 1.3x for 2048 tokens from scratch (`python scripts/bench_extend_attention.py`). Tiles shrink as the
+  context grows so that one tile's float32 scores stay around 4 MiB (cache-resident).
 
 GQA never materializes repeated KV: queries are viewed as [G, Hkv, group, D], so each KV head is
 read once for its whole query group.
@@ -23,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
@@ -37,12 +41,38 @@ class _DecodeGroup:
     mask_bias: torch.Tensor  # float32 [G, 1, 1, L]: 0 where attended, -inf on padding
 
 
+_MAX_TILE_ROWS = 128
+_TILE_SCORES = 1 << 20  # float32 scores of one tile (rows x keys x query heads): ~4 MiB
+
+
+@dataclass
+class _QueryTile:
+    first: int  # rows [first, last) of the request's new tokens
+    last: int
+    bias: torch.Tensor  # float32 [last - first, prefix + last]: 0 where attended, -inf after each row's position
+
+
 @dataclass
 class _ExtendReq:
     start: int  # first q row
     end: int
     kv_slots: torch.Tensor  # int64 [prefix + extend]
-    mask: torch.Tensor | None  # bool [extend, prefix + extend]; None => no prefix (plain causal on the new k/v)
+    prefix: int
+    tiles: list[_QueryTile]
+
+
+def query_tiles(prefix: int, extend: int, num_q_heads: int, device: torch.device) -> list[_QueryTile]:
+    """Even tiles of at most 128 rows, fewer when the context is long, each with its causal bias."""
+    rows = max(16, min(_MAX_TILE_ROWS, _TILE_SCORES // (num_q_heads * (prefix + extend))))
+    count = -(-extend // rows)
+    bounds = [extend * i // count for i in range(count + 1)]
+    tiles = []
+    for first, last in zip(bounds, bounds[1:]):
+        # new token j sits at position prefix + j and sees positions 0..prefix + j
+        later = torch.arange(prefix + last, device=device)[None, :] > (prefix + torch.arange(first, last, device=device)[:, None])
+        bias = torch.zeros(later.shape, dtype=torch.float32, device=device).masked_fill_(later, float("-inf"))
+        tiles.append(_QueryTile(first=first, last=last, bias=bias))
+    return tiles
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -65,14 +95,9 @@ class TorchNativeBackend(AttentionBackend):
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
             if extend <= 1 or i in verify:
                 continue
-            mask = None
-            if prefix > 0:
-                # new token j sits at position prefix + j and sees positions 0..prefix + j
-                mask = torch.arange(prefix + extend, device=device)[None, :] <= (
-                    prefix + torch.arange(extend, device=device)[:, None]
-                )
             slots = meta.padded_kv_indices[i, : seq_lens[i]]
-            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, mask=mask))
+            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, prefix=prefix,
+                                            tiles=query_tiles(prefix, extend, self.num_q_heads, device)))
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _DecodeGroup:
         """Index rows and padding mask of the decode queries of requests `single` (batch indices)."""
@@ -98,7 +123,7 @@ class TorchNativeBackend(AttentionBackend):
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(q[self._decode.rows], k_cache, v_cache, self._decode)
         for req in self._extends:
-            out[req.start : req.end] = self._extend_attention(q, k, v, k_cache, v_cache, req)
+            self._extend_attention(q, k, v, k_cache, v_cache, req, out)
         return out
 
     def _decode_attention(
@@ -121,20 +146,23 @@ class TorchNativeBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         req: _ExtendReq,
-    ) -> torch.Tensor:
-        qr = q[req.start : req.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
-        if req.mask is None:
+        out: torch.Tensor,
+    ) -> None:
+        """Write the attention of one request's new rows into `out` (rows req.start..req.end)."""
+        hkv, dim = self.num_kv_heads, self.head_dim
+        if req.prefix == 0:  # the whole context is new: this forward's own k/v rows
             keys, values = k[req.start : req.end], v[req.start : req.end]
         else:
             keys = k_cache.index_select(0, req.kv_slots).to(q.dtype)
             values = v_cache.index_select(0, req.kv_slots).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            qr,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=req.mask,
-            is_causal=req.mask is None,
-            scale=self.scale,
-            enable_gqa=self.group > 1,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        # head-major and contiguous: bf16 matmul on CPU is several times slower on strided operands
+        keys, values = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()  # [Hkv, L, D]
+        for tile in req.tiles:
+            rows, context = tile.last - tile.first, req.prefix + tile.last
+            qt = q[req.start + tile.first : req.start + tile.last].transpose(0, 1)  # [Hq, rows, D]
+            qt = qt.reshape(hkv, self.group * rows, dim)  # query heads h*group..h*group+group-1 share KV head h
+            scores = torch.matmul(qt, keys[:, :context].transpose(-1, -2)).float().mul_(self.scale)
+            scores = scores.view(hkv, self.group, rows, context).add_(tile.bias)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, self.group * rows, context)
+            result = torch.matmul(probs, values[:, :context]).view(self.num_q_heads, rows, dim)
+            out[req.start + tile.first : req.start + tile.last] = result.transpose(0, 1)

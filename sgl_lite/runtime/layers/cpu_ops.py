@@ -1,4 +1,4 @@
-"""Builds and loads the C++ paged decode-attention op (csrc/paged_decode_attention.cpp), once per machine.
+"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm), once per machine.
 
 Built with torch's extension tooling (g++ and ninja) on first use and cached as one shared library under
 $SGL_LITE_CACHE/kernels (default ~/.cache/sgl_lite/kernels, the same root as the model cache), named by a
@@ -6,10 +6,10 @@ hash of the source, torch's version, the compiler flags and this CPU's identity:
 host CPU (-march=native), so a cache folder shared between different machines must never hand one
 machine's build to another. Each build runs in a private temporary folder and is published with an atomic
 rename, so processes that start together neither wait on a lock another one may never release nor load a
-half-written file. `scripts/install.sh` prebuilds it: `python -m sgl_lite.runtime.layers.attention.cpu_kernel_loader`.
+half-written file. `scripts/install.sh` prebuilds it: `python -m sgl_lite.runtime.layers.cpu_ops`.
 
-When the build fails (no compiler, an old one), `load_paged_decode_op` logs one line and returns None;
-the caller falls back to the torch path.
+All sources go into one library under the `sgl_lite` op namespace. When the build fails (no compiler, an
+old one), `load_cpu_ops` logs one line and returns False, and every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP code; the library links libgomp.so.1, which resolves to the
 # copy torch already loaded, so the process keeps one OpenMP thread pool.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -55,10 +55,11 @@ def _cache_dir() -> Path:
 
 def _library_name(flags: list[str]) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(flags).encode(), _cpu_identity().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(flags).encode(),
+                 _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
-    return f"sgl_lite_paged_decode_{digest.hexdigest()[:16]}"
+    return f"sgl_lite_cpu_ops_{digest.hexdigest()[:16]}"
 
 
 def _build(name: str, flags: list[str], target: Path) -> None:
@@ -67,20 +68,16 @@ def _build(name: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(workdir), is_python_module=False, verbose=False)
         os.replace(workdir / f"{name}.so", target)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _op() -> Callable[..., torch.Tensor]:
-    return torch.ops.sgl_lite.paged_decode_attention
-
-
 @functools.cache
-def load_paged_decode_op() -> Callable[..., torch.Tensor] | None:
-    """The op `paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)`, or None if it cannot be built."""
+def load_cpu_ops() -> bool:
+    """Whether the ops are loaded in this process (building them first if this machine has no build yet)."""
     errors = []
     for target_flags in _TARGET_FLAGS:
         flags = _COMMON_FLAGS + target_flags
@@ -89,17 +86,22 @@ def load_paged_decode_op() -> Callable[..., torch.Tensor] | None:
         try:
             if library.exists():
                 torch.ops.load_library(str(library))
-                return _op()
+                return True
             start = time.perf_counter()
             _build(name, flags, library)  # also loads it into this process
-            logger.info("built the CPU paged decode-attention kernel in %.0f s: %s", time.perf_counter() - start, library)
-            return _op()
+            logger.info("built the CPU ops (decode attention, RMSNorm) in %.0f s: %s", time.perf_counter() - start, library)
+            return True
         except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
             errors.append(f"{' '.join(flags)}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
-    logger.warning("the CPU decode-attention kernel could not be built, using the torch path (%s)", "; ".join(errors))
-    return None
+    logger.warning("the CPU ops (decode attention, RMSNorm) could not be built, using the torch path (%s)", "; ".join(errors))
+    return False
+
+
+def load_paged_decode_op() -> Callable[..., torch.Tensor] | None:
+    """The op `paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)`, or None if it cannot be built."""
+    return torch.ops.sgl_lite.paged_decode_attention if load_cpu_ops() else None
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if load_paged_decode_op() is not None else 1)
+    raise SystemExit(0 if load_cpu_ops() else 1)

@@ -1,0 +1,139 @@
+"""How many CPU threads each forward runs on: chosen per batch size by measuring both counts.
+
+On a small CPU box the best intra-op thread count is not fixed. A decode step is hundreds of short
+parallel regions (every matmul, norm and attention call of every layer): with all cores free, two
+threads beat one (measured on a 2-core EPYC, batch 8: 456 vs 368 tok/s), but when any other process
+holds a core - a neighbour, or this server's own HTTP front and its clients - the thread that lost its
+core stalls every region's barrier and two threads fall far below one (134-192 vs 348-364 tok/s; at
+batch 1, 11-33 vs 65-71; with some neighbours a two-thread forward took 50x its one-thread time). Which
+side of that line a step is on changes with the load, so the governor measures instead of guessing:
+forwards are grouped by their token count (powers of two), each group runs on its current thread count
+and now and then on the other for a few probe forwards, and switches when the other count's median
+forward time is clearly lower.
+
+What probing may cost is bounded: after a probe that lost, the next one waits until the time the lost
+probe wasted is at most `probe_budget` (2%) of the forward time in between, so a count that loses
+badly is tried rarely; a probe forward more than twice the current median ends the probe at once.
+When the current count's recent forwards get clearly slower than when it was chosen (a neighbour just
+took a core), the group probes at once. A group seen for the first time starts from the latest verdict
+of any group (a busy core slows every size alike, and rare sizes - large prefills - would otherwise run
+their first forwards on the wrong count).
+
+Invariant: `choose` and `record` are called in pairs, from the one thread that runs forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_WINDOW = 5  # forward times kept per (group, thread count): medians of 5 shrug off one outlier
+_SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
+_SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
+_HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
+
+
+@dataclass
+class _Group:
+    """The forwards of one token-count group: the current thread count and recent times of each count."""
+
+    current: int
+    times: dict[int, deque[float]] = field(default_factory=dict)
+    since_probe: int = 0
+    probe_interval: int = 0
+    probing: int = 0  # probe forwards still to run on the other count
+    verdict_seconds: float = 0.0  # the current count's median forward time when the latest probe chose it (0: none yet)
+
+
+@dataclass
+class ThreadGovernor:
+    """Picks 1 or `max_threads` intra-op threads for each forward, per token-count group, by measurement."""
+
+    max_threads: int
+    min_probe_interval: int = 16
+    max_probe_interval: int = 4096
+    probe_forwards: int = 3
+    probe_budget: float = 0.02  # lost probe time / forward time between probes
+    groups: dict[int, _Group] = field(default_factory=dict)
+    latest_verdict: int = 0  # the thread count the latest finished probe chose (0: none yet, use max_threads)
+    forwards_by_threads: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_this_process(cls) -> ThreadGovernor | None:
+        """A governor over torch's current thread count; None when there is nothing to choose (1 thread)."""
+        threads = torch.get_num_threads()
+        return cls(max_threads=threads) if threads > 1 else None
+
+    def _other(self, threads: int) -> int:
+        return 1 if threads == self.max_threads else self.max_threads
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count for the next forward over `num_tokens` tokens (set in torch as well)."""
+        group = self.groups.get(num_tokens.bit_length())
+        if group is None:
+            group = self.groups[num_tokens.bit_length()] = _Group(current=self.latest_verdict or self.max_threads,
+                                                                  probe_interval=self.min_probe_interval)
+        if group.probing == 0 and group.since_probe >= group.probe_interval:
+            group.probing = self.probe_forwards
+            group.times.pop(self._other(group.current), None)  # judge the other count by fresh forwards only
+        threads = self._other(group.current) if group.probing else group.current
+        torch.set_num_threads(threads)
+        return threads
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """Account one forward of `num_tokens` tokens that took `seconds` on `threads` threads."""
+        group = self.groups[num_tokens.bit_length()]
+        group.times.setdefault(threads, deque(maxlen=_WINDOW)).append(seconds)
+        self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
+        mine_window = group.times.get(group.current)
+        if threads == group.current:
+            group.since_probe += 1
+            if (group.verdict_seconds and len(mine_window) == _WINDOW
+                    and statistics.median(mine_window) > _SLOWDOWN * group.verdict_seconds):
+                group.since_probe, group.probe_interval = self.min_probe_interval, self.min_probe_interval
+                group.verdict_seconds = 0.0  # one early probe per slowdown; the next verdict sets a new reference
+            return
+        mine = statistics.median(mine_window) if mine_window else seconds
+        group.probing = 0 if seconds > _HOPELESS * mine else group.probing - 1
+        if group.probing:
+            return
+        group.since_probe = 0
+        theirs = statistics.median(group.times[threads])
+        if theirs < mine * _SWITCH_MARGIN:
+            low = 1 << (num_tokens.bit_length() - 1)
+            logger.info("threads: forwards of %d-%d tokens now run on %d thread(s) (median %.1f ms against %.1f ms on %d)",
+                        low, 2 * low - 1, threads, theirs * 1e3, mine * 1e3, group.current)
+            group.current = threads
+            group.probe_interval = self.min_probe_interval
+        else:  # wait until this probe's lost time is probe_budget of the forwards in between
+            lost = sum(group.times[threads]) - len(group.times[threads]) * mine
+            interval = math.ceil(lost / (self.probe_budget * mine))
+            group.probe_interval = max(self.min_probe_interval, min(interval, self.max_probe_interval))
+        group.verdict_seconds = min(mine, theirs)
+        self.latest_verdict = group.current
+
+    @contextmanager
+    def forward(self, num_tokens: int) -> Iterator[int]:
+        """Run the body on the chosen thread count and record how long it took."""
+        threads = self.choose(num_tokens)
+        start = time.perf_counter()
+        yield threads
+        self.record(num_tokens, threads, time.perf_counter() - start)
+
+    def summary(self) -> dict[str, object]:
+        """Current thread count per group (keyed by the group's smallest token count) and forwards per count."""
+        return {
+            "max_threads": self.max_threads,
+            "threads_by_min_tokens": {1 << (bits - 1) if bits else 0: g.current for bits, g in sorted(self.groups.items())},
+            "forwards_by_threads": dict(self.forwards_by_threads),
+        }
