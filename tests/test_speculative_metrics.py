@@ -33,9 +33,12 @@ def engine(tiny_llama_dir: Path):
 
 
 def test_accepted_tokens_per_step_and_acceptance_rate_are_exported(engine) -> None:
-    engine.generate("one two three four five one two three four five one two three",
-                    {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+    before = engine.core.scheduler.stats()["generated_tokens_total"]
+    out = engine.generate("one two three four five one two three four five one two three",
+                          {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
     stats = engine.core.scheduler.stats()
+    # Generated tokens count every accepted draft token, not one per verification.
+    assert stats["generated_tokens_total"] - before == len(out["output_ids"]) == 40
     verified, drafted, accepted = stats["spec_num_drafts"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
     assert verified > 0 and accepted > 0
     got = scrape(stats)

@@ -127,6 +127,7 @@ class DecodeScheduling(_Base):
         # Position start + j holds the KV of the j-th input of this row, valid while that input is
         # the request's: its last token and the accepted draft tokens before the last one kept.
         req.kv_len = start + kept
+        self.metrics.on_accepted_drafts(kept - 1)
         if kept < extend:
             row = self.req_to_token.table[req.req_pool_idx]
             self.kv.allocator.free(row[start + kept : start + extend].clone())

@@ -49,7 +49,7 @@ class SchedulerMetrics:
         tokens = sum(batch.sample)
         self.generated_tokens_total += tokens
         self._interval_tokens += tokens
-        if not batch.is_decode:
+        if not batch.is_decode and not batch.draft_ids:  # a speculative verification step is a decode step
             if logger.isEnabledFor(logging.INFO):
                 logger.info(self._prefill_line(scheduler, batch, num_prefill))
             return
@@ -75,6 +75,11 @@ class SchedulerMetrics:
         return (f"Prefill batch, #new-seq: {num_prefill}, #new-token: {new_tokens}, #cached-token: {cached}, "
                 f"token usage: {usage:.2f}, #running-req: {len(scheduler.running)}, "
                 f"#queue-req: {scheduler.num_waiting()}, ")
+
+    def on_accepted_drafts(self, num_tokens: int) -> None:
+        """Draft tokens a verification step added beyond its one token per row (counted by on_batch)."""
+        self.generated_tokens_total += num_tokens
+        self._interval_tokens += num_tokens
 
     def on_finish(self, req: Req) -> None:
         self.finished_requests_total += 1
