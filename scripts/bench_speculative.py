@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the server's)")
+    parser.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference on both systems")
     parser.add_argument("--ngram-capacity", type=int, default=0, help="--speculative-ngram-capacity: the shared pool of recent outputs (0: none)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
     parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
@@ -163,7 +164,8 @@ def main() -> None:
         step_cost(args.model, args.dtype)
         return
 
-    common = dict(model_path=args.model, dtype=args.dtype, max_running_requests=max(args.concurrency))
+    common = dict(model_path=args.model, dtype=args.dtype, max_running_requests=max(args.concurrency),
+                  enable_deterministic_inference=args.deterministic)
     systems = {"off": Engine(**common), "ngram": Engine(**common, speculative_algorithm="ngram",
                                                          speculative_num_draft_tokens=args.num_draft_tokens,
                                                          speculative_ngram_capacity=args.ngram_capacity)}
