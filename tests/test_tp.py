@@ -71,6 +71,25 @@ def test_tp2_matches_one_process_with_and_without_cache_hits(tiny_llama_dir: Pat
     assert_same_results(single, again)
 
 
+def test_tp2_with_speculative_decoding_matches_one_process(tiny_llama_dir: Path) -> None:
+    """Verification rows (several query tokens each) reach the other ranks with their decode-path flag."""
+    prompt = "one two three four five one two three four five one two three"
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    single = Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=4096)
+    try:
+        want = single.generate(prompt, params, return_logprob=True)
+    finally:
+        single.shutdown()
+    sharded = Engine(str(tiny_llama_dir), dtype="float32", tp_size=2, max_total_tokens=4096, speculative_algorithm="ngram")
+    try:
+        got = sharded.generate(prompt, params, return_logprob=True)
+        assert got["meta_info"]["spec_verify_ct"] > 0
+        assert_same_results([want], [got])
+    finally:
+        sharded.shutdown()
+        sharded.core.scheduler.check_invariant()
+
+
 def test_tp2_matches_one_process_on_qwen2_with_sharded_qkv_biases(tiny_qwen2_dir: Path) -> None:
     # Qwen2 has q/k/v biases: each rank must keep the bias rows of its own heads.
     weights = load_file(tiny_qwen2_dir / "model.safetensors")

@@ -181,6 +181,7 @@ class TensorParallel:
         payload = torch.cat([input_ids.to(torch.int64).cpu(), positions.to(torch.int64).cpu(),
                              meta.out_cache_loc.to(torch.int64).cpu(), torch.tensor(meta.prefix_lens, dtype=torch.int64),
                              torch.tensor(meta.extend_lens, dtype=torch.int64),
+                             torch.tensor([i in meta.verify_rows for i in range(b)], dtype=torch.int64),
                              meta.padded_kv_indices.to(torch.int64).cpu().reshape(-1)])
         self._broadcast(payload)
 
@@ -190,12 +191,13 @@ class TensorParallel:
         kind, b, n, max_kv = (int(x) for x in header.tolist())
         if kind == _STOP:
             return None
-        payload = self._broadcast(torch.zeros(3 * n + 2 * b + b * max_kv, dtype=torch.int64)).to(device)
+        payload = self._broadcast(torch.zeros(3 * n + 3 * b + b * max_kv, dtype=torch.int64)).to(device)
         input_ids, positions, out_cache_loc = payload[:n], payload[n:2 * n], payload[2 * n:3 * n]
         prefix_lens = payload[3 * n:3 * n + b].tolist()
         extend_lens = payload[3 * n + b:3 * n + 2 * b].tolist()
-        padded = payload[3 * n + 2 * b:].reshape(b, max_kv)
-        return input_ids, positions, metadata_from_padded(padded, prefix_lens, extend_lens, out_cache_loc)
+        verify_rows = payload[3 * n + 2 * b:3 * n + 3 * b].nonzero().flatten().tolist()
+        padded = payload[3 * n + 3 * b:].reshape(b, max_kv)
+        return input_ids, positions, metadata_from_padded(padded, prefix_lens, extend_lens, out_cache_loc, verify_rows)
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.comm_device)
@@ -226,7 +228,7 @@ class TensorParallel:
 
 
 def metadata_from_padded(padded: torch.Tensor, prefix_lens: list[int], extend_lens: list[int],
-                         out_cache_loc: torch.Tensor) -> AttentionMetadata:
+                         out_cache_loc: torch.Tensor, verify_rows: list[int] | None = None) -> AttentionMetadata:
     """AttentionMetadata from the padded slot rows (what AttentionMetadata.build derives from the table)."""
     device = padded.device
     extend = torch.tensor(extend_lens, dtype=torch.int64, device=device)
@@ -237,7 +239,7 @@ def metadata_from_padded(padded: torch.Tensor, prefix_lens: list[int], extend_le
         qo_indptr=torch.cat((zero, torch.cumsum(extend, 0).to(torch.int32))),
         kv_indptr=torch.cat((zero, torch.cumsum(seq, 0).to(torch.int32))),
         kv_indices=padded[valid], out_cache_loc=out_cache_loc, prefix_lens=list(prefix_lens),
-        extend_lens=list(extend_lens), padded_kv_indices=padded, seq_lens=seq,
+        extend_lens=list(extend_lens), padded_kv_indices=padded, seq_lens=seq, verify_rows=list(verify_rows or []),
     )
 
 
