@@ -44,7 +44,11 @@ def test_a_request_without_its_own_match_drafts_from_other_requests_outputs() ->
     assert without_pool.propose(req, limit=10) == []
     assert proposer.propose(req, limit=10) == [52, 53, 54]  # cut where that output ended
     own = req_with([7, 8, 60, 61, 7, 8], [])
-    assert proposer.propose(own, limit=2) == [60, 61]  # its own context still comes first
+    assert proposer.propose(own, limit=2) == [60, 61]  # its own (longer) match first
+    # Its own context matches only the last token (51); the pool matches "50 51": the pool wins.
+    longer = req_with([51, 99, 3], [50, 51])
+    assert without_pool.propose(longer, limit=2) == [99, 3]
+    assert proposer.propose(longer, limit=2) == [52, 53]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """A bounded pool of recent requests' outputs that n-gram drafts may come from (SGLang's n-gram cache).
 
-A request whose own prompt and output hold no earlier occurrence of its last tokens may still be
-writing what another request wrote: the same tool-call skeleton, the same closing sentence, the same
-JSON keys. Finished outputs are kept, newest last, in one token array of at most `capacity` tokens
+A request whose own prompt and output hold no earlier occurrence of its last tokens, or only a short
+one (a single common token), may still be writing what another request wrote: the same tool-call
+skeleton, the same closing sentence, the same JSON keys. Finished outputs are kept, newest last, in one token array of at most `capacity` tokens
 (`--speculative-ngram-capacity`; the oldest outputs are dropped whole, and one longer than the pool
 keeps its tail), separated by a token id no model has (-1) so that no match spans two outputs. A
 lookup is the proposer's own suffix match run over the pool followed by the request's last tokens:
-the latest occurrence of the longest suffix, and the tokens that followed it there.
+the latest occurrence of the longest suffix, and the tokens that followed it there; the proposer takes
+it when it is longer than the request's own match.
 """
 
 from __future__ import annotations

@@ -108,17 +108,23 @@ def longest_suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -
 
     `tokens[e - n : e] == tokens[L - n : L]` for the n found, and `tokens[e:]` is what followed it.
     """
+    match = suffix_match(tokens, min_window, max_window)
+    return None if match is None else match[0]
+
+
+def suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -> tuple[int, int] | None:
+    """(e, n) of longest_suffix_match: the end position and the number of tokens matched."""
     length = tokens.shape[0]
     if length < min_window + 1:
         return None
     # Candidate ends e in [min_window, L): tokens[e - 1] equals the last token.
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) + 1
     ends = ends[ends >= min_window]
-    best: int | None = None
+    best: tuple[int, int] | None = None
     n = 1
     while ends.size and n <= max_window:
         if n >= min_window:
-            best = int(ends[-1])  # latest end matching n tokens
+            best = int(ends[-1]), n  # latest end matching n tokens
         if n == max_window:
             break
         ends = ends[ends - n - 1 >= 0]
@@ -155,17 +161,17 @@ class NgramProposer:
         if limit <= 0:
             return []
         tokens = state.sync(req)
-        end = longest_suffix_match(tokens, self.min_window, self.max_window)
-        if end is not None:
-            return tokens[end : end + limit].tolist()
-        if self.pool is None or not self.pool.size:
-            return []
-        # Not in its own context: the pool followed by the request's last tokens. A match cannot lie
-        # in those last tokens (the own search would have found it), so it is in the pool.
+        own = suffix_match(tokens, self.min_window, self.max_window)
+        if self.pool is None or not self.pool.size or (own is not None and own[1] == self.max_window):
+            return [] if own is None else tokens[own[0] : own[0] + limit].tolist()
+        # The pool's match wins only when longer than the request's own: the pool followed by the
+        # request's last tokens. A match within those last tokens is one the own search found already.
         pooled = self.pool.joined()
-        end = longest_suffix_match(np.concatenate((pooled, tokens[-self.max_window:])), self.min_window, self.max_window)
-        if end is None or end >= pooled.shape[0]:
-            return []
+        shortest = self.min_window if own is None else own[1] + 1
+        pool = suffix_match(np.concatenate((pooled, tokens[-self.max_window:])), shortest, self.max_window)
+        if pool is None or pool[0] >= pooled.shape[0]:
+            return [] if own is None else tokens[own[0] : own[0] + limit].tolist()
+        end = pool[0]
         draft = pooled[end : end + limit]
         cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
         draft = draft[: cut[0]] if cut.size else draft
