@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads() -> Iterator[None]:
+    """The governor sets torch's thread count; later tests get the count they started with."""
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
 
 
 def _drive(governor: ThreadGovernor, num_tokens: int, seconds_by_threads: dict[int, float], forwards: int) -> list[int]:
@@ -19,70 +30,46 @@ def _drive(governor: ThreadGovernor, num_tokens: int, seconds_by_threads: dict[i
 
 
 def test_switches_to_one_thread_when_it_is_faster_and_back_when_it_is_not():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-        chosen = _drive(governor, 8, {2: 0.010, 1: 0.004}, 40)  # a busy core: one thread wins
-        assert chosen[0] == 2 and chosen[-20:].count(1) >= 16  # the rest are probes of 2 threads
-        chosen = _drive(governor, 8, {2: 0.004, 1: 0.010}, 60)  # the core is free again
-        assert chosen[-20:].count(2) >= 16
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
+    chosen = _drive(governor, 8, {2: 0.010, 1: 0.004}, 40)  # a busy core: one thread wins
+    assert chosen[0] == 2 and chosen[-20:].count(1) >= 16  # the rest are probes of 2 threads
+    chosen = _drive(governor, 8, {2: 0.004, 1: 0.010}, 60)  # the core is free again
+    assert chosen[-20:].count(2) >= 16
 
 
 def test_keeps_the_faster_count_and_probes_within_budget():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=3, probe_budget=0.02)
-        chosen = _drive(governor, 1, {2: 0.004, 1: 0.005}, 2000)
-        assert governor.summary()["threads_by_min_tokens"] == {1: 2}
-        lost = chosen.count(1) * 0.001  # each probe forward on one thread costs 1 ms more
-        assert lost / (chosen.count(2) * 0.004 + chosen.count(1) * 0.005) < 0.03
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=3, probe_budget=0.02)
+    chosen = _drive(governor, 1, {2: 0.004, 1: 0.005}, 2000)
+    assert governor.summary()["threads_by_min_tokens"] == {1: 2}
+    lost = chosen.count(1) * 0.001  # each probe forward on one thread costs 1 ms more
+    assert lost / (chosen.count(2) * 0.004 + chosen.count(1) * 0.005) < 0.03
 
 
 def test_a_hopeless_probe_ends_at_once_and_is_rarely_repeated():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=3, probe_budget=0.02)
-        _drive(governor, 1, {2: 0.700, 1: 0.013}, 30)  # two threads stall badly: one thread wins
-        assert governor.groups[1].current == 1
-        chosen = _drive(governor, 1, {2: 0.700, 1: 0.013}, 3000)
-        assert chosen.count(2) <= 2  # one-forward probes, ~2,600 forwards apart (2% of the time they cost)
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=3, probe_budget=0.02)
+    _drive(governor, 1, {2: 0.700, 1: 0.013}, 30)  # two threads stall badly: one thread wins
+    assert governor.groups[1].current == 1
+    chosen = _drive(governor, 1, {2: 0.700, 1: 0.013}, 3000)
+    assert chosen.count(2) <= 2  # one-forward probes, ~2,600 forwards apart (2% of the time they cost)
 
 
 def test_groups_by_token_count_decide_separately():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-        for _ in range(40):  # small decode steps prefer one thread, big prefills both
-            _drive(governor, 1, {2: 0.010, 1: 0.004}, 1)
-            _drive(governor, 512, {2: 0.050, 1: 0.090}, 1)
-        assert governor.summary()["threads_by_min_tokens"] == {1: 1, 512: 2}
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
+    for _ in range(40):  # small decode steps prefer one thread, big prefills both
+        _drive(governor, 1, {2: 0.010, 1: 0.004}, 1)
+        _drive(governor, 512, {2: 0.050, 1: 0.090}, 1)
+    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 512: 2}
 
 
 def test_a_new_group_starts_from_the_latest_verdict():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-        _drive(governor, 8, {2: 0.010, 1: 0.004}, 20)  # decode steps found one thread faster
-        assert governor.choose(300) == 1  # so the first large prefill runs on one thread too
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
+    _drive(governor, 8, {2: 0.010, 1: 0.004}, 20)  # decode steps found one thread faster
+    assert governor.choose(300) == 1  # so the first large prefill runs on one thread too
 
 
 def test_a_sudden_slowdown_triggers_a_probe_at_once():
-    saved = torch.get_num_threads()
-    try:
-        governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
-        _drive(governor, 8, {2: 0.004, 1: 0.005}, 300)  # a quiet box: probes ~38 forwards apart
-        assert governor.groups[4].probe_interval > 12
-        _drive(governor, 8, {2: 0.010, 1: 0.005}, 12)  # a neighbour takes a core
-        assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 128
-    finally:
-        torch.set_num_threads(saved)
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    _drive(governor, 8, {2: 0.004, 1: 0.005}, 300)  # a quiet box: probes ~38 forwards apart
+    assert governor.groups[4].probe_interval > 12
+    _drive(governor, 8, {2: 0.010, 1: 0.005}, 12)  # a neighbour takes a core
+    assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 128

