@@ -308,7 +308,9 @@ def main() -> None:
     dtype_name = str(runner.dtype).removeprefix("torch.")
     load = os.getloadavg()[0]
     print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"model {model_dir.name}, dtype {dtype_name}, threads {torch.get_num_threads()}, decode prompt "
+    governor = runner.thread_governor  # torch's count now is whatever the governor chose last
+    threads = f"1-{governor.max_threads} (adaptive)" if governor else str(torch.get_num_threads())
+    print(f"model {model_dir.name}, dtype {dtype_name}, threads {threads}, decode prompt "
           f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
     print("| phase | batch | attention | sgl_lite | vs " + variants[0].name + " | transformers | matmul limit | memory limit "
           "| / matmul limit | / memory limit | matmul GFLOP/s |")
