@@ -73,3 +73,14 @@ def test_a_sudden_slowdown_triggers_a_probe_at_once():
     assert governor.groups[4].probe_interval > 12
     _drive(governor, 8, {2: 0.010, 1: 0.005}, 12)  # a neighbour takes a core
     assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 128
+
+
+def test_a_switch_in_one_group_moves_the_others():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    for _ in range(40):  # a free box: every size on two threads
+        _drive(governor, 8, {2: 0.004, 1: 0.005}, 1)
+        _drive(governor, 300, {2: 0.040, 1: 0.070}, 1)
+    assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
+    _drive(governor, 8, {2: 0.500, 1: 0.005}, 6)  # a neighbour: one catastrophic decode forward is enough
+    assert governor.groups[4].current == 1
+    assert governor.groups[9].current == 1  # the prefill size follows before paying for its own discovery

@@ -15,9 +15,10 @@ What probing may cost is bounded: after a probe that lost, the next one waits un
 probe wasted is at most `probe_budget` (2%) of the forward time in between, so a count that loses
 badly is tried rarely; a probe forward more than twice the current median ends the probe at once.
 When the current count's recent forwards get clearly slower than when it was chosen (a neighbour just
-took a core), the group probes at once. A group seen for the first time starts from the latest verdict
-of any group (a busy core slows every size alike, and rare sizes - large prefills - would otherwise run
-their first forwards on the wrong count).
+took a core), the group probes at once - after a single forward if that one took over twice the time.
+A busy core slows every size alike, so a switch in one group moves every other group to the same count
+(each then confirms it with a probe of its own), and a group seen for the first time starts from the
+latest verdict: rare sizes - large prefills - would otherwise each pay for the discovery.
 
 Invariant: `choose` and `record` are called in pairs, from the one thread that runs forwards.
 """
@@ -98,8 +99,12 @@ class ThreadGovernor:
         mine_window = group.times.get(group.current)
         if threads == group.current:
             group.since_probe += 1
-            if (group.verdict_seconds and len(mine_window) == _WINDOW
-                    and statistics.median(mine_window) > _SLOWDOWN * group.verdict_seconds):
+            hopeless = group.verdict_seconds and seconds > _HOPELESS * group.verdict_seconds
+            if hopeless or (group.verdict_seconds and len(mine_window) == _WINDOW
+                            and statistics.median(mine_window) > _SLOWDOWN * group.verdict_seconds):
+                # judge the current count by the forwards that slowed down, not by the times before
+                recent = [seconds] if hopeless else list(mine_window)[-(_WINDOW // 2 + 1):]
+                group.times[threads] = deque(recent, maxlen=_WINDOW)
                 group.since_probe, group.probe_interval = self.min_probe_interval, self.min_probe_interval
                 group.verdict_seconds = 0.0  # one early probe per slowdown; the next verdict sets a new reference
             return
@@ -115,6 +120,10 @@ class ThreadGovernor:
                         low, 2 * low - 1, threads, theirs * 1e3, mine * 1e3, group.current)
             group.current = threads
             group.probe_interval = self.min_probe_interval
+            for other in self.groups.values():
+                if other is not group and other.current != threads and not other.probing:
+                    other.current, other.since_probe, other.probe_interval = threads, 0, self.min_probe_interval
+                    other.verdict_seconds = 0.0
         else:  # wait until this probe's lost time is probe_budget of the forwards in between
             lost = sum(group.times[threads]) - len(group.times[threads]) * mine
             interval = math.ceil(lost / (self.probe_budget * mine))
