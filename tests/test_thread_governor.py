@@ -84,3 +84,13 @@ def test_a_switch_in_one_group_moves_the_others():
     _drive(governor, 8, {2: 0.500, 1: 0.005}, 6)  # a neighbour: one catastrophic decode forward is enough
     assert governor.groups[4].current == 1
     assert governor.groups[9].current == 1  # the prefill size follows before paying for its own discovery
+
+
+def test_a_hopeless_probe_postpones_the_count_everywhere():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    for _ in range(10):  # both sizes settle on one thread, which a neighbour makes much faster
+        _drive(governor, 8, {2: 0.900, 1: 0.020}, 1)
+        _drive(governor, 300, {2: 3.000, 1: 0.200}, 1)
+    chosen = [_drive(governor, n, {2: 0.900 if n == 8 else 3.0, 1: 0.020 if n == 8 else 0.2}, 1)[0]
+              for _ in range(400) for n in (8, 300)]
+    assert chosen.count(2) <= 2  # after the first hopeless probe, neither size probes two threads again soon

@@ -16,9 +16,11 @@ probe wasted is at most `probe_budget` (2%) of the forward time in between, so a
 badly is tried rarely; a probe forward more than twice the current median ends the probe at once.
 When the current count's recent forwards get clearly slower than when it was chosen (a neighbour just
 took a core), the group probes at once - after a single forward if that one took over twice the time.
-A busy core slows every size alike, so a switch in one group moves every other group to the same count
-(each then confirms it with a probe of its own), and a group seen for the first time starts from the
-latest verdict: rare sizes - large prefills - would otherwise each pay for the discovery.
+A busy core slows every size alike, so a switch to fewer threads in one group moves every other group
+there too (each then confirms it with a probe of its own; a switch up stays local, so sizes that differ
+on a free box do not drag each other back and forth), a hopeless probe postpones that count's probes in
+every group on the same count, and a group seen for the first time starts from the latest verdict:
+rare sizes - large prefills - would otherwise each pay for the discovery.
 
 Invariant: `choose` and `record` are called in pairs, from the one thread that runs forwards.
 """
@@ -120,14 +122,19 @@ class ThreadGovernor:
                         low, 2 * low - 1, threads, theirs * 1e3, mine * 1e3, group.current)
             group.current = threads
             group.probe_interval = self.min_probe_interval
-            for other in self.groups.values():
-                if other is not group and other.current != threads and not other.probing:
-                    other.current, other.since_probe, other.probe_interval = threads, 0, self.min_probe_interval
-                    other.verdict_seconds = 0.0
+            if threads < self.max_threads:  # a busy core: every size moves to fewer threads (a move up stays local)
+                for other in self.groups.values():
+                    if other is not group and other.current != threads and not other.probing:
+                        other.current, other.since_probe, other.probe_interval = threads, 0, self.min_probe_interval
+                        other.verdict_seconds = 0.0
         else:  # wait until this probe's lost time is probe_budget of the forwards in between
             lost = sum(group.times[threads]) - len(group.times[threads]) * mine
-            interval = math.ceil(lost / (self.probe_budget * mine))
-            group.probe_interval = max(self.min_probe_interval, min(interval, self.max_probe_interval))
+            interval = max(self.min_probe_interval, min(math.ceil(lost / (self.probe_budget * mine)), self.max_probe_interval))
+            group.probe_interval = interval
+            if seconds > _HOPELESS * mine:  # the other count stalls: no size tries it again soon
+                for other in self.groups.values():
+                    if other.current == group.current and not other.probing:
+                        other.since_probe, other.probe_interval = 0, max(other.probe_interval, interval)
         group.verdict_seconds = min(mine, theirs)
         self.latest_verdict = group.current
 
