@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
@@ -118,9 +118,7 @@ def main() -> None:
     ax.set_ylabel("ms per layer")
     ax.set_xlabel("prefix + new tokens x requests")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_png(fig, out)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.layers.linear import QuantizedLinear, cpu_packed_linear_supported, linear  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
@@ -343,9 +343,7 @@ def main() -> None:
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_png(fig, out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 
 PEERS = ROOT.parent / "shared" / "peers"
 SGL_PORT = 30190
@@ -187,9 +187,7 @@ def main() -> None:
     ax.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(kinds))], [label for _, label in kinds])
     ax.set_ylabel("output tok/s")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_png(fig, out)
 
 
 if __name__ == "__main__":

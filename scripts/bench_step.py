@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.model_executor import loader  # noqa: E402
 from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -224,9 +224,7 @@ def main() -> None:
     ax.scatter(labels, [r["baseline"] * 1e3 for r in rows], color="black", marker="_", s=400, label="baseline", zorder=3)
     ax.set_ylabel("ms per decode step (median)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_png(fig, out)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ leaves files in the working directory or the repository.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 ARTIFACTS_DIR = "artifacts"
 
@@ -22,3 +23,12 @@ def output_file(path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def save_png(fig: Any, report: str | Path) -> Path:
+    """Lay out a matplotlib figure and save it beside a JSON report (same name, .png); returns the path."""
+    path = Path(report).with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+    return path
