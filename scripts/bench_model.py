@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
-from sgl_lite.runtime.layers.linear import QuantizedLinear, cpu_packed_linear_supported, linear  # noqa: E402
+from sgl_lite.runtime.layers.linear import GemvLinear, QuantizedLinear, cpu_packed_linear_supported, linear  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, SlotAllocator, kv_cache_dtype  # noqa: E402
@@ -123,8 +123,13 @@ def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torc
     return weights + kv
 
 
+def _without_gemv(form: object) -> object:
+    return form.packed_dense if isinstance(form, GemvLinear) else form
+
+
 class Variant:
-    """One way to run decode attention: a backend (torch_native or cpu_kernel) and the KV pool's dtype."""
+    """One way to run a decode step: an attention backend (torch_native or cpu_kernel), the KV pool's
+    dtype, and the matmul forms (the runner's own, a --quantization's, or oneDNN's alone)."""
 
     def __init__(self, runner: ModelRunner, spec: str) -> None:
         attention, _, quantization = spec.partition("+")
@@ -136,10 +141,16 @@ class Variant:
             raise SystemExit("the cpu_kernel variant fell back to torch_native (see the log line above)")
         self.pool = KVPool(runner.config.num_hidden_layers, runner.num_slots, runner.model.num_kv_heads, runner.model.head_dim,
                            self.kv_dtype, runner.device)
-        # +quantization: the matmul forms of a runner started with that --quantization (same weights)
+        # +quantization: the matmul forms of a runner started with that --quantization (same weights);
+        # +onednn: oneDNN's matmuls at every row count (no small-row bf16 kernel), the path before it existed
+        matmul = quantization
+        quantization = None if matmul == "onednn" else matmul
         source = ModelRunner(runner.args.replace(quantization=quantization), model_dir=runner.model_dir).model \
             if quantization else runner.model
         self.packed = [dict(layer.packed) for layer in source.layers], source.packed_lm_head
+        if matmul == "onednn":
+            self.packed = [{name: _without_gemv(form) for name, form in forms.items()} for forms in self.packed[0]], \
+                _without_gemv(self.packed[1])
 
     def install(self, runner: ModelRunner) -> None:
         runner.attn, runner.kv_pool = self.attn, self.pool

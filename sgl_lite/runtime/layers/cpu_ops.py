@@ -1,4 +1,4 @@
-"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm), once per machine.
+"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm, the small-row bf16 matmul), once per machine.
 
 Built with torch's extension tooling (g++ and ninja) on first use and cached as one shared library under
 $SGL_LITE_CACHE/kernels (default ~/.cache/sgl_lite/kernels, the same root as the model cache), named by a
@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "bf16_gemv.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP code; the library links libgomp.so.1, which resolves to the
 # copy torch already loaded, so the process keeps one OpenMP thread pool.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -89,11 +89,11 @@ def load_cpu_ops() -> bool:
                 return True
             start = time.perf_counter()
             _build(name, flags, library)  # also loads it into this process
-            logger.info("built the CPU ops (decode attention, RMSNorm) in %.0f s: %s", time.perf_counter() - start, library)
+            logger.info("built the CPU ops (decode attention, RMSNorm, bf16 matmul) in %.0f s: %s", time.perf_counter() - start, library)
             return True
         except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
             errors.append(f"{' '.join(flags)}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
-    logger.warning("the CPU ops (decode attention, RMSNorm) could not be built, using the torch path (%s)", "; ".join(errors))
+    logger.warning("the CPU ops (decode attention, RMSNorm, bf16 matmul) could not be built, using the torch path (%s)", "; ".join(errors))
     return False
 
 

@@ -1,4 +1,10 @@
-"""The model's matmuls: plain F.linear, oneDNN-prepacked bf16, or weight-only int8/int4 by row count.
+"""The model's matmuls: plain F.linear, oneDNN-prepacked bf16, the small-row bf16 kernel, or weight-only
+int8/int4, chosen per call by row count.
+
+A decode step with few rows reads every weight once and does little else, so it wants the kernel that
+streams weights fastest: csrc/bf16_gemv.cpp on AVX512-BF16, up to GEMV_MAX_ROWS rows; oneDNN above.
+Measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads: 1.2-1.3x
+oneDNN's packed matmuls at 1 to 32 rows, 1.1x on the LM head, even at 64 rows.
 
 Weight-only kernels read 2-4x fewer weight bytes, which is what a step with few rows is bound by; with
 many rows the matmul is compute bound and the dense (prepacked) kernel wins (measured at SmolLM2-135M's
@@ -19,6 +25,9 @@ from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4Wei
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
+# Calls with at most this many rows use the small-row bf16 kernel (see the module docstring).
+GEMV_MAX_ROWS = 32
+GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -28,12 +37,43 @@ def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> boo
     )
 
 
+def bf16_gemv_supported(weight: torch.Tensor) -> bool:
+    """Whether the small-row kernel serves `weight` [N, K]: bf16 on a CPU with AVX512-BF16 and the ops built."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    if weight.shape[0] % GEMV_COLUMNS or weight.shape[1] % 2:
+        return False
+    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() and bool(torch.ops.sgl_lite.bf16_gemv_supported())
+
+
+@dataclass
+class GemvLinear:
+    """A bf16 weight packed for the small-row kernel, with the form calls of more rows use."""
+
+    gemv_weight: torch.Tensor  # [N/16, K/2, 16, 2]: 16 output columns x one pair along K per 64-byte vector
+    packed_dense: torch.Tensor | None  # oneDNN-packed weight, or None for F.linear on the weight
+    max_rows: int = GEMV_MAX_ROWS
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, packed_dense: torch.Tensor | None) -> GemvLinear:
+        n, k = weight.shape
+        gemv = weight.detach().reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return cls(gemv, packed_dense)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return linear(x, weight, bias, self.packed_dense)
+        return torch.ops.sgl_lite.bf16_gemv(x.contiguous(), self.gemv_weight, bias)
+
+
 @dataclass
 class QuantizedLinear:
     """A weight-only quantized matmul with the dense weight kept for calls of many rows."""
 
     quantized: QuantizedWeight
-    packed_dense: torch.Tensor | None  # oneDNN-packed dense weight, or None for F.linear on the weight
+    packed_dense: torch.Tensor | GemvLinear | None  # a packed dense form (see `linear`), or None for F.linear
     max_rows: int = QUANTIZED_MAX_ROWS
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,16 +84,17 @@ class QuantizedLinear:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | QuantizedLinear | None) -> torch.Tensor:
-    """x @ weight.T + bias through `packed` when given: a oneDNN-packed copy of weight or a QuantizedLinear."""
-    if isinstance(packed, QuantizedLinear):
+           packed: torch.Tensor | GemvLinear | QuantizedLinear | None) -> torch.Tensor:
+    """x @ weight.T + bias through `packed` when given: a oneDNN-packed copy of weight, a GemvLinear or a
+    QuantizedLinear."""
+    if isinstance(packed, (GemvLinear, QuantizedLinear)):
         return packed(x, weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tensor | None,
+def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tensor | GemvLinear | None,
                     int4_values: Int4Values | None = None) -> QuantizedLinear:
     """`weight` [N, K] quantized by `method` (one of QUANTIZATION_METHODS); int4 takes `int4_values`
     (a GGUF file's own blocks) when given instead of quantizing the dense weight."""

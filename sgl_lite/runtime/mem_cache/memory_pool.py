@@ -6,7 +6,7 @@
   model's, or an 8-bit float (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`, scale 1.0 as SGLang's default):
   values are rounded to it on write, saturated at its largest finite value, and readers convert back.
 - `SlotAllocator`: the free list. `alloc(n)` returns n slot indices or None (never a partial
-  allocation); `free(slots)` returns them.
+  allocation); `free(slots)` returns them, to be handed out first (last freed, first reused).
 - `ReqToTokenPool`: a table [max_requests, max_context] of slot indices; row i holds request i's
   slots in token order. Rows are handed out with `alloc()` and returned with `free(row)`.
 """
@@ -48,8 +48,12 @@ class SlotAllocator:
         return out
 
     def free(self, slots: torch.Tensor) -> None:
+        # Freed slots go to the front: the next allocation reuses them (LIFO), so serving keeps touching
+        # the same few pages of the pool. A FIFO list walked through every never-written page first, and
+        # each first write to a page of the (uninitialized) pool is a page fault: measured 0.9 ms instead
+        # of 0.04 ms to store one layer's K of an 8 x 85-token extend.
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to(self._free.device, torch.int64)))
+            self._free = torch.cat((slots.to(self._free.device, torch.int64), self._free))
 
 
 _FP8 = tuple(FP8_KV_DTYPES.values())

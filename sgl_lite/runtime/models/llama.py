@@ -19,7 +19,14 @@ from torch import nn
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend
 from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
-from sgl_lite.runtime.layers.linear import QuantizedLinear, cpu_packed_linear_supported, linear, quantize_linear
+from sgl_lite.runtime.layers.linear import (
+    GemvLinear,
+    QuantizedLinear,
+    bf16_gemv_supported,
+    cpu_packed_linear_supported,
+    linear,
+    quantize_linear,
+)
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
@@ -277,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
         own 4-bit blocks, used instead of quantizing those weights (they must dequantize to the loaded ones).
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
-        final. Costs one extra copy of the matmul weights in memory. Returns whether it packed for oneDNN.
+        final. Each packed form is one more copy of the matmul weights in memory: oneDNN's, and on
+        AVX512-BF16 the small-row kernel's (layers/linear.py). Returns whether it packed for oneDNN.
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -292,6 +300,13 @@ class LlamaForCausalLM(nn.Module):
                 layer.packed = dict.fromkeys(layer.packed)
             self.packed_lm_head = None
             packed = False
+        for layer in self.layers:
+            for name, form in layer.packed.items():
+                weight = getattr(layer, f"{name}_weight")
+                if bf16_gemv_supported(weight):
+                    layer.packed[name] = GemvLinear.pack(weight, form)
+        if bf16_gemv_supported(self.lm_head):
+            self.packed_lm_head = GemvLinear.pack(self.lm_head, self.packed_lm_head)
         if quantization is not None:
             self._quantize(quantization, int4_values or {})
         return packed
