@@ -1,4 +1,5 @@
-"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm, the small-row bf16 matmul), once per machine.
+"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm, the small-row bf16 matmul,
+a decode step's whole decoder layer), once per machine.
 
 Built with torch's extension tooling (g++ and ninja) on first use and cached as one shared library under
 $SGL_LITE_CACHE/kernels (default ~/.cache/sgl_lite/kernels, the same root as the model cache), named by a
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "bf16_gemv.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "bf16_gemv.cpp", "decode_layer.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP code; the library links libgomp.so.1, which resolves to the
 # copy torch already loaded, so the process keeps one OpenMP thread pool.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_lite.runtime.layers.attention.base import AttentionBackend
+from sgl_lite.runtime.layers.attention.base import AttentionBackend, DecodeKernelInputs
 from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 from sgl_lite.runtime.layers.linear import (
     GemvLinear,
@@ -128,13 +128,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        attn: AttentionBackend, kv_pool: KVPool,
+        attn: AttentionBackend, kv_pool: KVPool, kernel: DecodeKernelInputs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it); their sum is the layer's hidden state.
 
-        The residual add is left to the next norm, which fuses it (None: `hidden` is the embedding)."""
+        The residual add is left to the next norm, which fuses it (None: `hidden` is the embedding).
+        `kernel` (a decode batch the paged decode kernel attends) lets a layer whose matmuls all take the
+        small-row kernel run as one C++ op, bit-identical to the ops below (layers/csrc/decode_layer.cpp)."""
         n = hidden.shape[0]
         packed = self.packed
+        if kernel is not None and n <= self.fused_decode_max_rows and self.tp_reduce is None:
+            return self._fused_decode(hidden, residual, cos, sin, kv_pool, kernel)
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -154,6 +158,26 @@ class LlamaDecoderLayer(nn.Module):
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         down = linear(act, self.down_weight, None, packed["down"])
         return (down if self.tp_reduce is None else self.tp_reduce(down)), residual
+
+
+    def _fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_pool: KVPool, kernel: DecodeKernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        forms = self.packed
+        return torch.ops.sgl_lite.decode_layer(
+            hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+            forms["qkv"].gemv_weight, self.qkv_bias, forms["o"].gemv_weight, self.o_bias, forms["gate_up"].gemv_weight,
+            forms["down"].gemv_weight, cos, sin, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], kernel.out_cache_loc,
+            kernel.kv_indptr, kernel.kv_indices, self.num_heads, self.num_kv_heads, kernel.scale,
+        )
+
+    @property
+    def fused_decode_max_rows(self) -> int:
+        """Most rows the fused decode op takes: the small-row kernel's limit when it serves all four matmuls
+        and RMSNorm has its C++ op; 0 otherwise."""
+        forms = list(self.packed.values())
+        if not all(isinstance(form, GemvLinear) for form in forms) or not self.input_layernorm.cpu_op:
+            return 0
+        return min(form.max_rows for form in forms)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -228,8 +252,9 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         residual = None
+        kernel = attn.decode_kernel_inputs(kv_pool) if kv_pool.dtype == hidden.dtype else None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool)
+            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool, kernel)
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
     @torch.inference_mode()

@@ -117,6 +117,17 @@ class AttentionMetadata:
         return self.qo_indptr[:-1].to(torch.int64)[req_idx] + offsets, req_idx, seq
 
 
+@dataclass
+class DecodeKernelInputs:
+    """What a fused decode layer (layers/csrc/decode_layer.cpp) needs to run this batch's attention itself:
+    every row is one decode query, attended by the paged decode kernel over the pool in the model's dtype."""
+
+    out_cache_loc: torch.Tensor  # int64 [B]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int64 [total_kv]
+    scale: float
+
+
 class AttentionBackend(abc.ABC):
     """Computes paged attention for one forward batch.
 
@@ -144,3 +155,8 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> torch.Tensor: ...
+
+    def decode_kernel_inputs(self, kv_pool: KVPool) -> DecodeKernelInputs | None:
+        """After `prepare`: the inputs with which a fused decode layer computes exactly what `forward`
+        would for this batch, or None when this backend or batch has no such path (the default)."""
+        return None

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_lite.runtime.layers.attention.base import AttentionMetadata
+from sgl_lite.runtime.layers.attention.base import AttentionMetadata, DecodeKernelInputs
 from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
+from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
 
 # The kernel's compile-time limits (kMaxHeadDim, kLanes, kMaxGroup in the C++ source).
 MAX_HEAD_DIM = 256
@@ -66,3 +67,12 @@ class CpuKernelBackend(TorchNativeBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _KernelDecodeGroup
     ) -> torch.Tensor:
         return self._op(q.contiguous(), k_cache, v_cache, group.kv_indptr, group.kv_indices, self.scale)
+
+    def decode_kernel_inputs(self, kv_pool: KVPool) -> DecodeKernelInputs | None:
+        group, meta = self._decode, self._meta
+        # the whole batch one decode query per row, and a pool the fused layer stores into without conversion
+        if meta is None or not isinstance(group, _KernelDecodeGroup) or group.rows is not None or self._extends:
+            return None
+        if kv_pool.dtype in FP8_KV_DTYPES.values():
+            return None
+        return DecodeKernelInputs(meta.out_cache_loc, group.kv_indptr, group.kv_indices, self.scale)

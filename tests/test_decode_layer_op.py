@@ -1,0 +1,83 @@
+"""The fused decode layer (layers/csrc/decode_layer.cpp) against the Python layer it replaces, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_lite.runtime.layers.attention.base import AttentionMetadata
+from sgl_lite.runtime.layers.linear import bf16_gemv_supported
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner
+from test_model import Driver, make_runner, prompts
+
+pytestmark = pytest.mark.skipif(
+    not bf16_gemv_supported(torch.empty(16, 2, dtype=torch.bfloat16)), reason="no AVX512-BF16 build of the CPU ops here"
+)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def runner(request, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> ModelRunner:
+    return make_runner(tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir, dtype="bfloat16")
+
+
+def without_fusion(runner: ModelRunner) -> None:
+    runner.attn.decode_kernel_inputs = lambda kv_pool: None  # the per-op Python path
+
+
+def prepare_decode(runner: ModelRunner, reqs, slots: torch.Tensor) -> None:
+    for req, slot in zip(reqs, slots.tolist()):
+        runner.req_to_token.table[req.req_pool_idx, req.kv_len] = slot
+    runner.attn.prepare(AttentionMetadata.build([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], [1] * len(reqs),
+                                                slots, runner.req_to_token))
+
+
+def decode_hidden(runner: ModelRunner, reqs, slots: torch.Tensor) -> torch.Tensor:
+    """Hidden states of one decode step over `reqs`, their new K/V written at `slots`."""
+    prepare_decode(runner, reqs, slots)
+    ids = torch.tensor([r.output_ids[-1] for r in reqs])
+    positions = torch.tensor([r.kv_len for r in reqs])
+    return runner.model(ids, positions, runner.attn, runner.kv_pool)
+
+
+def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRunner) -> None:
+    driver = Driver(runner)
+    reqs = [driver.new_req(str(i), ids) for i, ids in enumerate(prompts(runner.vocab_size, [5, 17, 33], seed=3))]
+    driver.generate(reqs, 1)
+    slots = torch.arange(1000, 1003)
+    prepare_decode(runner, reqs, slots)
+    assert runner.attn.decode_kernel_inputs(runner.kv_pool) is not None
+    assert all(layer.fused_decode_max_rows >= len(reqs) for layer in runner.model.layers)
+    fused = decode_hidden(runner, reqs, slots)
+    k_fused = runner.kv_pool.k[1][slots].clone()
+    without_fusion(runner)
+    runner.kv_pool.k[1][slots] = 0
+    reference = decode_hidden(runner, reqs, slots)
+    assert torch.equal(fused, reference)
+    assert torch.equal(runner.kv_pool.k[1][slots], k_fused)  # the fused op stored the same K
+
+
+def test_greedy_decoding_is_the_same_with_and_without_fusion(tiny_llama_dir: Path) -> None:
+    outputs = []
+    for fused in (True, False):
+        runner = make_runner(tiny_llama_dir, dtype="bfloat16")
+        if not fused:
+            without_fusion(runner)
+        driver = Driver(runner)
+        reqs = [driver.new_req(str(i), ids) for i, ids in enumerate(prompts(runner.vocab_size, [4, 9, 23, 40], seed=8))]
+        outputs.append(driver.generate(reqs, 12))
+    assert outputs[0] == outputs[1]
+
+
+def test_fp8_pools_and_extend_batches_take_the_python_path(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, dtype="bfloat16")
+    driver = Driver(runner)
+    req = driver.new_req("a", prompts(runner.vocab_size, [6], seed=1)[0])
+    meta = AttentionMetadata.build([req.req_pool_idx], [0], [6], torch.arange(1, 7), runner.req_to_token)
+    runner.attn.prepare(meta)
+    assert runner.attn.decode_kernel_inputs(runner.kv_pool) is None  # an extend row
+    fp8 = ModelRunner(runner.args.replace(kv_cache_dtype="fp8_e4m3"), model_dir=runner.model_dir)
+    meta = AttentionMetadata.build([req.req_pool_idx], [5], [1], torch.arange(6, 7), fp8.req_to_token)
+    fp8.attn.prepare(meta)
+    assert fp8.attn.decode_kernel_inputs(fp8.kv_pool) is None
