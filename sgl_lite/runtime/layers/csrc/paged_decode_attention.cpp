@@ -125,6 +125,33 @@ inline float hsum(vfloat v) {
   return v[0];
 }
 
+// Lane i of the result is the sum of v[i]'s lanes: kLanes horizontal sums in 4 rounds of pairwise
+// shuffle-adds (15 shuffles' worth per vector of results, not kLanes separate reductions).
+inline vfloat reduce_lanes(const vfloat* v) {
+  static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
+  vfloat r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: 8 partials of v[2i]; lanes 8-15: of v[2i+1]
+    const vfloat a = v[2 * i], b = v[2 * i + 1];
+    r1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 partials each of v[4i], v[4i+2], v[4i+1], v[4i+3]
+    const vfloat a = r1[2 * i], b = r1[2 * i + 1];
+    r2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 partials each of v[8i + 0, 4, 2, 6, 1, 5, 3, 7]
+    const vfloat a = r2[2 * i], b = r2[2 * i + 1];
+    r3[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  // the sums of v[0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15] (bit-reversed order) ...
+  const vfloat w = __builtin_shufflevector(r3[0], r3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                   __builtin_shufflevector(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // ... put back in order (bit reversal is its own inverse)
+  return __builtin_shufflevector(w, w, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 // exp(x) for x <= 0 (softmax arguments after subtracting the max), kLanes at a time: Cody-Waite range
 // reduction and Cephes' degree-6 polynomial, ~1 ulp. Arguments below -87 give exp(-87) ~ 1.6e-38, not 0.
 inline vfloat exp_nonpositive(vfloat x) {
@@ -160,10 +187,12 @@ struct Shape {
 };
 
 // One chunk: q_scaled [G, D/kLanes] (already times the softmax scale) against `n` slots of one kv head.
-template <class Kv>
+// kC: the vectors per row (D / kLanes) when known at compile time (0: read from `shape`); with it the
+// compiler keeps a row and each head's accumulator in registers instead of memory (~2x at D = 64).
+template <class Kv, int64_t kC>
 void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const typename Kv::T* v_head,
                   const int64_t* slots, int64_t n, const Shape& shape, Partial out) {
-  const int64_t G = shape.group, C = shape.dim / kLanes, stride = shape.row_stride;
+  const int64_t G = shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride;
   const int64_t row_bytes = shape.dim * int64_t(sizeof(typename Kv::T));
   vfloat acc[kMaxGroup * kMaxChunksPerRow];
   vfloat row[kMaxChunksPerRow];
@@ -176,20 +205,29 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
   for (int64_t j = 0; j < G * C; ++j) acc[j] = vfloat{};
   std::fill(run_max, run_max + G, kNegInf);
   std::fill(run_sum, run_sum + G, 0.f);
+  vfloat dots[kMaxGroup][kLanes];  // per query head, kLanes tokens' unreduced q.k products
+  vfloat values[kBlock * kMaxChunksPerRow];  // the block's V rows in fp32
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t nb = std::min(kBlock, n - start);
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t t = start + i;
-      if (t + kPrefetchAhead < n) prefetch_row(k_head + slots[t + kPrefetchAhead] * stride, row_bytes);
-      prefetch_row(v_head + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
-      const typename Kv::T* k_row = k_head + slots[t] * stride;
-      for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
-      for (int64_t g = 0; g < G; ++g) {
-        const vfloat* qg = q_scaled + g * C;
-        vfloat dot = qg[0] * row[0];
-        for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
-        scores[g].at[i] = hsum(dot);
+    for (int64_t v = 0; v < kBlock / kLanes; ++v) {
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t t = start + v * kLanes + i;
+        if (t >= n) {  // past the end: any finite value, masked to -inf below
+          for (int64_t g = 0; g < G; ++g) dots[g][i] = vfloat{};
+          continue;
+        }
+        if (t + kPrefetchAhead < n) prefetch_row(k_head + slots[t + kPrefetchAhead] * stride, row_bytes);
+        prefetch_row(v_head + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
+        const typename Kv::T* k_row = k_head + slots[t] * stride;
+        for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
+        for (int64_t g = 0; g < G; ++g) {
+          const vfloat* qg = q_scaled + g * C;
+          vfloat dot = qg[0] * row[0];
+          for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
+          dots[g][i] = dot;
+        }
       }
+      for (int64_t g = 0; g < G; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
     }
     for (int64_t g = 0; g < G; ++g) {
       float block_max = kNegInf;
@@ -212,13 +250,19 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
       for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
       run_sum[g] += hsum(sum);
     }
+    // P.V: the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
     for (int64_t i = 0; i < nb; ++i) {
       const typename Kv::T* v_row = v_head + slots[start + i] * stride;
-      for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(v_row + c * kLanes);
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      vfloat a[kMaxChunksPerRow];
+      for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
+      for (int64_t i = 0; i < nb; ++i) {
         const float p = scores[g].at[i];
-        for (int64_t c = 0; c < C; ++c) acc[g * C + c] += p * row[c];
+        for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
       }
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
     }
   }
   std::memcpy(out.acc, acc, G * C * sizeof(vfloat));
@@ -289,6 +333,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto* out_ptr = out.data_ptr<QT>();
   const int64_t num_items = int64_t(items.size());
 
+  // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) compiled for their size
+  const auto attend = D == 64 ? attend_chunk<Kv, 4> : D == 128 ? attend_chunk<Kv, 8> : attend_chunk<Kv, 0>;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
     for (;;) {
@@ -297,8 +343,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const Item& it = items[i];
       const QT* qh = q_ptr + (it.request * Hq + it.head * G) * D;
       for (int64_t j = 0; j < G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
-      attend_chunk<Kv>(q_scaled, k_ptr + it.head * D, v_ptr + it.head * D, indices + it.chunk_begin,
-                       it.chunk_end - it.chunk_begin, shape, parts[it.part]);
+      attend(q_scaled, k_ptr + it.head * D, v_ptr + it.head * D, indices + it.chunk_begin, it.chunk_end - it.chunk_begin,
+             shape, parts[it.part]);
       const int64_t bh = it.request * Hkv + it.head;
       // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
       if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
