@@ -217,3 +217,43 @@ def test_bad_speculative_flags_are_refused() -> None:
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="window"):
         ServerArgs(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2)
+
+
+
+BF16_PROMPTS = [
+    "Repeat after me: the tool returned status ok, id 42, name alpha. Repeat after me: the tool returned",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "The capital of France is",
+    "List three colors:",
+    "Write a haiku about the sea.",
+    "Translate to French: good morning, my friend.",
+    "What is 17 times 3?",
+    "Explain what a hash table is in one sentence.",
+    '{"name": "alpha", "id": 42, "status": "ok"} Copy this JSON exactly: {"name":',
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.mark.default_model
+def test_bf16_greedy_output_is_identical_with_speculation_on_the_default_model(default_model_dir: Path) -> None:
+    """In bf16 too: up to GEMV_MAX_ROWS rows a matmul row and a decode-attention row are computed the same way
+    in any batch (layers/csrc/bf16_gemv.cpp, fixed-length chunks in the decode kernel), so a verification
+    row gives a decode step's bits. The tiny model's wide logit margins hide such last-bit differences,
+    hence the real weights."""
+    from sgl_lite.runtime.layers.linear import bf16_gemv_supported
+
+    if not bf16_gemv_supported(torch.empty(16, 2, dtype=torch.bfloat16)):
+        pytest.skip("no AVX512-BF16 build of the CPU ops here")
+    params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    outputs = {}
+    for name, extra in (("plain", {}), ("spec", dict(speculative_algorithm="NGRAM"))):
+        engine = Engine(model_path=str(default_model_dir), dtype="bfloat16", max_total_tokens=4096, **extra)
+        try:
+            outputs[name, "batched"] = [g["output_ids"] for g in engine.generate(BF16_PROMPTS, params)]
+            outputs[name, "alone"] = [engine.generate(p, params)["output_ids"] for p in BF16_PROMPTS[:4]]
+            if name == "spec":
+                assert engine.core.scheduler.stats()["spec_accepted_tokens"] > 0
+        finally:
+            engine.shutdown()
+    assert outputs["spec", "batched"] == outputs["plain", "batched"]
+    assert outputs["spec", "alone"] == outputs["plain", "alone"]  # failed before: prompt 1 differed

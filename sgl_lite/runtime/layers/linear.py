@@ -3,8 +3,10 @@ int8/int4, chosen per call by row count.
 
 A decode step with few rows reads every weight once and does little else, so it wants the kernel that
 streams weights fastest: csrc/bf16_gemv.cpp on AVX512-BF16, up to GEMV_MAX_ROWS rows; oneDNN above.
-Measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads: 1.2-1.3x
-oneDNN's packed matmuls at 1 to 32 rows, 1.1x on the LM head, even at 64 rows.
+Measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads: 1.1-1.3x
+oneDNN's packed matmuls from 1 to 128 rows; 1.1x on the LM head up to 32 rows, even at 64. The kernel's
+rows are independent of each other, so up to GEMV_MAX_ROWS a token's matmuls give the same bits in any
+batch: a request decoded alone, batched, or verified as a speculative draft row.
 
 Weight-only kernels read 2-4x fewer weight bytes, which is what a step with few rows is bound by; with
 many rows the matmul is compute bound and the dense (prepacked) kernel wins (measured at SmolLM2-135M's
@@ -26,7 +28,7 @@ from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4Wei
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
 # Calls with at most this many rows use the small-row bf16 kernel (see the module docstring).
-GEMV_MAX_ROWS = 32
+GEMV_MAX_ROWS = 128
 GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 

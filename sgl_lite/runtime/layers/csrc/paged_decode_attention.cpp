@@ -6,10 +6,11 @@
 // e4m3fn / e5m2 storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows.
 // Scores, the online softmax and the P.V accumulation are fp32.
 //
-// Work items are (request, kv head, chunk of the context); long contexts are cut into chunks so that
-// there are several items per thread. Threads take items from a shared counter (a thread that loses its
-// core to another process does not hold up the others), and the last chunk of a (request, kv head) to
-// finish merges the chunks' partial softmax states.
+// Work items are (request, kv head, chunk of the context); contexts are cut into chunks of a fixed length
+// (so that long ones make several items, and a row's arithmetic never depends on its batch). Threads take
+// items from a shared counter (a thread that loses its core to another process does not hold up the
+// others), and the last chunk of a (request, kv head) to finish merges the chunks' partial softmax states
+// in chunk order.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,8 +40,10 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxChunksPerRow = kMaxHeadDim / kLanes;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kBlock = 32;  // tokens scored between two online-softmax updates
-constexpr int64_t kMinChunk = 256;  // contexts are never cut into chunks shorter than this
-constexpr int64_t kItemsPerThread = 8;  // enough items per thread to balance uneven lengths
+// Contexts are cut into chunks of about this many tokens, whatever the batch and the thread count, so that
+// a request's result does not depend on either (the same sums in the same order): decoding alone, in a
+// batch, or as a speculative verification row gives the same bits.
+constexpr int64_t kChunk = 256;
 constexpr int64_t kPrefetchAhead = 48;  // tokens: slots are scattered, so the hardware prefetcher cannot follow (16 and 96: slower)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -205,6 +208,8 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
   for (int64_t j = 0; j < G * C; ++j) acc[j] = vfloat{};
   std::fill(run_max, run_max + G, kNegInf);
   std::fill(run_sum, run_sum + G, 0.f);
+  // the chunk's first rows, which the loop's look-ahead prefetch never covers
+  for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_head + slots[t] * stride, row_bytes);
   vfloat dots[kMaxGroup][kLanes];  // per query head, kLanes tokens' unreduced q.k products
   vfloat values[kBlock * kMaxChunksPerRow];  // the block's V rows in fp32
   for (int64_t start = 0; start < n; start += kBlock) {
@@ -302,15 +307,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const Shape shape{Hq / Hkv, D, Hkv * D};
   const int64_t G = shape.group;
-  const int64_t threads = at::get_num_threads();
-  const int64_t total = indptr[B] - indptr[0];
-  const int64_t chunk = std::max(kMinChunk, (total * Hkv + threads * kItemsPerThread - 1) / (threads * kItemsPerThread));
 
   std::vector<Item> items;
   std::vector<int64_t> first_part(B * Hkv + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = indptr[b + 1] - indptr[b];
-    const int64_t chunks = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+    const int64_t chunks = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t bh = b * Hkv + h;
       first_part[bh + 1] = first_part[bh] + chunks;
@@ -335,7 +337,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
   // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) compiled for their size
   const auto attend = D == 64 ? attend_chunk<Kv, 4> : D == 128 ? attend_chunk<Kv, 8> : attend_chunk<Kv, 0>;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
     for (;;) {
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
