@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "bf16_gemv.cpp", "decode_layer.cpp"))
+SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
 # -fopenmp: at::parallel_for is inline OpenMP code; the library links libgomp.so.1, which resolves to the
 # copy torch already loaded, so the process keeps one OpenMP thread pool.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
