@@ -3,6 +3,7 @@ one run, one with every limit at its default and one with every limit raised to 
 
     python scripts/bench_limits.py                         # smollm2-135m, under 2 minutes on a quiet box
     python scripts/bench_limits.py --model-path /path/to/model --agent-sessions 32 --burst-requests 800
+    python scripts/bench_limits.py --no-limits-first       # the same with the servers in the other order
 
 Each server is a `sgl-lite serve` (sgl.Runtime: the runtime and its HTTP front). On each, after a
 warm-up and a cache flush (sgl_lite.bench.driver.measure_system): the multiturn-agent workload over
@@ -57,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst-requests", type=int, default=400, help="Short completions sent at once.")
     p.add_argument("--burst-input-len", type=int, default=32)
     p.add_argument("--burst-output-len", type=int, default=8)
+    p.add_argument("--no-limits-first", action="store_true",
+                   help="Start the no-limits server first (a server started second can find the box warmer or busier).")
     p.add_argument("--output-dir", default=artifact_path("bench_limits"))
     return p.parse_args()
 
@@ -101,7 +104,8 @@ def main() -> int:
     workloads = {name: make_workload(config, vocab) for name, config in configs.items()}
     summaries: dict[tuple[str, str], dict[str, Any]] = {}
     bar = tqdm(total=len(SERVERS) * len(workloads), desc="bench_limits")
-    for server, limits in SERVERS.items():
+    order = list(SERVERS.items())[::-1] if args.no_limits_first else list(SERVERS.items())
+    for server, limits in order:
         with Runtime(model_path, startup_timeout=900, **limits) as rt:
             for name, workload in workloads.items():
                 bar.set_postfix_str(f"{server}: {name}")

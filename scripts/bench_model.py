@@ -5,10 +5,12 @@ Measures, in one run on the same weights and dtype:
 - decode tokens/s at several batch sizes (default 1, 8, 32), once per attention variant (default: the
   torch_native reference, the cpu_kernel C++ decode kernel, and that kernel over an fp8_e4m3 KV pool),
   the variants interleaved round by round so that load on a shared box hits them alike; a variant
-  `backend+w8a16_int8` / `+w4a16_int4` also runs the matmuls as with that --quantization;
+  `backend+w8a16_int8` / `+w4a16_int4` also runs the matmuls as with that --quantization, and
+  `backend+onednn` runs every matmul through oneDNN (without the small-row bf16 kernel, as before it);
 next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
 two limits:
-- matmul limit: GFLOP/s of the model's dense matmul kernel (oneDNN-packed bf16, else F.linear) at its
+- matmul limit: GFLOP/s of the model's dense matmul kernels (by row count as the model picks them: the
+  small-row bf16 kernel, oneDNN-packed bf16, else F.linear) at its
   own weight shapes and the batch's row count, one layer's weights timed over and over (so they sit in
   cache: an upper bound), divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
 - memory limit: the bytes a decode step must read (every matmul weight and the LM head once, in the form
@@ -42,7 +44,13 @@ from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
-from sgl_lite.runtime.layers.linear import GemvLinear, QuantizedLinear, cpu_packed_linear_supported, linear  # noqa: E402
+from sgl_lite.runtime.layers.linear import (  # noqa: E402
+    GemvLinear,
+    QuantizedLinear,
+    bf16_gemv_supported,
+    cpu_packed_linear_supported,
+    linear,
+)
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, SlotAllocator, kv_cache_dtype  # noqa: E402
@@ -68,10 +76,16 @@ def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: in
     x = torch.randn(rows, max(i for _, i in per_layer + [lm_head]), dtype=runner.dtype)
     weights = [torch.randn(shape, dtype=runner.dtype) for shape in per_layer]
     head = torch.randn(lm_head, dtype=runner.dtype)
-    # the dense kernel the model itself runs: oneDNN-packed bf16 where supported, else F.linear
+    # the dense kernels the model itself runs, chosen by row count as it does: the small-row bf16 kernel,
+    # oneDNN-packed bf16, else F.linear
     pack = cpu_packed_linear_supported(runner.dtype, runner.device)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None for w in weights]
-    head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32) if pack else None
+
+    def packed_form(w: torch.Tensor) -> object:
+        dense = torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None
+        return GemvLinear.pack(w, dense) if bf16_gemv_supported(w) else dense
+
+    packed = [packed_form(w) for w in weights]
+    head_packed = packed_form(head)
 
     def timed(fn) -> float:
         fn()  # warm-up (packing, allocation)
@@ -263,9 +277,9 @@ def main() -> None:
     parser.add_argument("--decode-prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--variants", default="torch_native,cpu_kernel,cpu_kernel/fp8_e4m3,cpu_kernel+w8a16_int8,"
-                        "cpu_kernel+w4a16_int4",
-                        help="decode variants, backend[/kv-cache-dtype][+quantization], measured interleaved")
+    parser.add_argument("--variants", default="torch_native,cpu_kernel+onednn,cpu_kernel,cpu_kernel/fp8_e4m3,"
+                        "cpu_kernel+w8a16_int8,cpu_kernel+w4a16_int4",
+                        help="decode variants, backend[/kv-cache-dtype][+quantization or +onednn], measured interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="each number is the best of this many runs")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true")
