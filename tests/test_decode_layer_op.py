@@ -17,9 +17,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "llama-int4"])
 def runner(request, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> ModelRunner:
-    return make_runner(tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir, dtype="bfloat16")
+    runner = make_runner(tiny_llama_dir if request.param != "qwen2" else tiny_qwen2_dir, dtype="bfloat16")
+    if request.param == "llama-int4":  # int4 matmuls up to 2 rows; the batch of 3 below goes to the small-row kernel
+        runner = ModelRunner(runner.args.replace(quantization="w4a16_int4"), model_dir=runner.model_dir)
+        assert all(layer.fused_decode_weights(2) is None for layer in runner.model.layers)
+    return runner
 
 
 def without_fusion(runner: ModelRunner) -> None:
@@ -48,7 +52,7 @@ def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRu
     slots = torch.arange(1000, 1003)
     prepare_decode(runner, reqs, slots)
     assert runner.attn.decode_kernel_inputs(runner.kv_pool) is not None
-    assert all(layer.fused_decode_max_rows >= len(reqs) for layer in runner.model.layers)
+    assert all(layer.fused_decode_weights(len(reqs)) is not None for layer in runner.model.layers)
     fused = decode_hidden(runner, reqs, slots)
     k_fused = runner.kv_pool.k[1][slots].clone()
     without_fusion(runner)

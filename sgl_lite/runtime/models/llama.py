@@ -137,8 +137,10 @@ class LlamaDecoderLayer(nn.Module):
         small-row kernel run as one C++ op, bit-identical to the ops below (layers/csrc/decode_layer.cpp)."""
         n = hidden.shape[0]
         packed = self.packed
-        if kernel is not None and n <= self.fused_decode_max_rows and self.tp_reduce is None:
-            return self._fused_decode(hidden, residual, cos, sin, kv_pool, kernel)
+        if kernel is not None and self.tp_reduce is None:
+            weights = self.fused_decode_weights(n)
+            if weights is not None:
+                return self._fused_decode(hidden, residual, cos, sin, kv_pool, kernel, weights)
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -161,23 +163,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
     def _fused_decode(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_pool: KVPool, kernel: DecodeKernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        forms = self.packed
+                      kv_pool: KVPool, kernel: DecodeKernelInputs, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, o, gate_up, down = weights
         return torch.ops.sgl_lite.decode_layer(
             hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-            forms["qkv"].gemv_weight, self.qkv_bias, forms["o"].gemv_weight, self.o_bias, forms["gate_up"].gemv_weight,
-            forms["down"].gemv_weight, cos, sin, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], kernel.out_cache_loc,
-            kernel.kv_indptr, kernel.kv_indices, self.num_heads, self.num_kv_heads, kernel.scale,
+            qkv, self.qkv_bias, o, self.o_bias, gate_up, down, cos, sin, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id],
+            kernel.out_cache_loc, kernel.kv_indptr, kernel.kv_indices, self.num_heads, self.num_kv_heads, kernel.scale,
         )
 
-    @property
-    def fused_decode_max_rows(self) -> int:
-        """Most rows the fused decode op takes: the small-row kernel's limit when it serves all four matmuls
-        and RMSNorm has its C++ op; 0 otherwise."""
-        forms = list(self.packed.values())
-        if not all(isinstance(form, GemvLinear) for form in forms) or not self.input_layernorm.cpu_op:
-            return 0
-        return min(form.max_rows for form in forms)
+    def fused_decode_weights(self, rows: int) -> list[torch.Tensor] | None:
+        """The small-row kernel's qkv, o, gate_up and down weights when that kernel is what all four matmuls
+        of a `rows`-row call run (a quantized form hands calls above its own row limit to it too) and RMSNorm
+        has its C++ op; else None, and the layer runs op by op."""
+        if not self.input_layernorm.cpu_op:
+            return None
+        weights = []
+        for form in self.packed.values():
+            if isinstance(form, QuantizedLinear) and rows > form.max_rows:
+                form = form.packed_dense
+            if not isinstance(form, GemvLinear) or rows > form.max_rows:
+                return None
+            weights.append(form.gemv_weight)
+        return weights
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
