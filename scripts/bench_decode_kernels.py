@@ -1,0 +1,168 @@
+"""The decode step's C++ kernels against what they replaced, on the default model's shapes, in one run.
+
+- matmuls: the small-row bf16 kernel (`layers/csrc/bf16_gemv.cpp`) against oneDNN's packed matmuls (the
+  path before it) over 30 layers of SmolLM2-135M-shaped random weights (qkv, o, gate_up, down), so that
+  the weights stream from memory as in a real step; 1 to 128 rows;
+- decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
+  bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
+  GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model);
+- the decoder layer of a decode step as one C++ op (`layers/csrc/decode_layer.cpp`) against the same
+  layer called op by op from Python, on the default model (ms per decode step, 480-token contexts).
+
+Each figure is the best of --repeats; the pairs are interleaved. Prints markdown tables, writes JSON and a PNG.
+Usage: python scripts/bench_decode_kernels.py [--repeats 5] [--out artifacts/bench_decode_kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op  # noqa: E402
+from sgl_lite.runtime.layers.linear import GemvLinear, bf16_gemv_supported, linear  # noqa: E402
+
+LAYERS = 30
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down [N, K]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
+ATTENTION = [(1, 480), (8, 480), (8, 2000), (32, 480)]  # (requests, context)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_matmuls(repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
+    gemv = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
+    total_bytes = sum(w.numel() * 2 for layer in weights for w in layer)
+    rows_out = []
+    for rows in tqdm(ROWS, desc="matmuls"):
+        x = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {k for _, k in SHAPES}}
+        times = {}
+        for name, forms in (("bf16_gemv", gemv), ("oneDNN", onednn)):
+            def step(forms=forms) -> None:
+                for layer, packed in zip(weights, forms):
+                    for w, form in zip(layer, packed):
+                        linear(x[w.shape[1]], w, None, form)
+            times[name] = best_seconds(step, repeats)
+        rows_out.append({"rows": rows, **{f"{n}_ms": t * 1e3 for n, t in times.items()},
+                         "bf16_gemv_GBps": total_bytes / times["bf16_gemv"] / 1e9, "speedup": times["oneDNN"] / times["bf16_gemv"]})
+    return rows_out
+
+
+def read_bandwidth(repeats: int) -> float:
+    x = torch.ones(128 << 20)
+    return x.numel() * 4 / best_seconds(x.sum, repeats)
+
+
+def bench_attention(repeats: int) -> list[dict]:
+    op = load_paged_decode_op()
+    g = torch.Generator().manual_seed(1)
+    slots = 20000
+    pools = [(torch.randn(slots, 3, 64, generator=g).bfloat16(), torch.randn(slots, 3, 64, generator=g).bfloat16()) for _ in range(LAYERS)]
+    out = []
+    for requests, context in tqdm(ATTENTION, desc="attention"):
+        q = torch.randn(requests, 9, 64, generator=g).bfloat16()
+        starts = torch.randperm(slots // (context + 8), generator=g)[:requests] * (context + 8) + 1
+        indices = torch.cat([torch.arange(s, s + context) for s in starts.tolist()])
+        indptr = torch.arange(0, requests * context + 1, context, dtype=torch.int32)
+        seconds = best_seconds(lambda: [op(q, k, v, indptr, indices, 0.125) for k, v in pools], repeats) / LAYERS
+        kv_bytes = requests * context * 3 * 64 * 2 * 2
+        out.append({"requests": requests, "context": context, "us_per_layer": seconds * 1e6, "kv_GBps": kv_bytes / seconds / 1e9})
+    return out
+
+
+def bench_fused_layer(repeats: int) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_model import RunnerBench
+
+    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
+    from sgl_lite.runtime.server_args import ServerArgs
+
+    runner = ModelRunner(ServerArgs(model_path="smollm2-135m", disable_adaptive_threads=True))
+    bench = RunnerBench(runner)
+    fused = runner.attn.decode_kernel_inputs
+    rng = random.Random(0)
+    out = []
+    for batch in tqdm((1, 8), desc="decode layer"):
+        reqs = bench._reqs([[rng.randrange(1000, 40000) for _ in range(480)] for _ in range(batch)])
+        bench._step(reqs, [480] * batch)
+        times: dict[str, float] = {}
+        for _ in range(repeats):  # interleaved, 8 steps each
+            for name, inputs in (("one op per layer", fused), ("op by op", lambda kv_pool: None)):
+                runner.attn.decode_kernel_inputs = inputs
+                start = time.perf_counter()
+                for _ in range(8):
+                    bench._step(reqs, [1] * batch)
+                times[name] = min(times.get(name, float("inf")), (time.perf_counter() - start) / 8)
+        runner.attn.decode_kernel_inputs = fused
+        bench._release(reqs)
+        out.append({"batch": batch, **{f"{n} ms": t * 1e3 for n, t in times.items()},
+                    "speedup": times["op by op"] / times["one op per layer"]})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=artifact_path("bench_decode_kernels.json"))
+    args = parser.parse_args()
+    if not bf16_gemv_supported(torch.empty(16, 2, dtype=torch.bfloat16)):
+        raise SystemExit("no AVX512-BF16 build of the CPU ops on this machine: nothing to compare")
+    matmuls = bench_matmuls(args.repeats)
+    bandwidth = read_bandwidth(args.repeats)
+    attention = bench_attention(args.repeats)
+    layer = bench_fused_layer(args.repeats)
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {torch.get_num_threads()} threads, best of {args.repeats}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
+    print("| rows | bf16_gemv ms (30 layers) | oneDNN ms | speedup | bf16_gemv weight GB/s |\n|---:|---:|---:|---:|---:|")
+    for r in matmuls:
+        print(f"| {r['rows']} | {r['bf16_gemv_ms']:.2f} | {r['oneDNN_ms']:.2f} | {r['speedup']:.2f}x | {r['bf16_gemv_GBps']:.1f} |")
+    print("\n| requests x context | decode attention us per layer | K/V GB/s |\n|---|---:|---:|")
+    for r in attention:
+        print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} |")
+    print("\n| batch | decode step, one op per layer (ms) | op by op (ms) | speedup |\n|---:|---:|---:|---:|")
+    for r in layer:
+        print(f"| {r['batch']} | {r['one op per layer ms']:.2f} | {r['op by op ms']:.2f} | {r['speedup']:.2f}x |")
+    out = output_file(args.out)
+    out.write_text(json.dumps({"time": time.time(), "read_bandwidth_GBps": bandwidth / 1e9, "matmuls": matmuls,
+                               "attention": attention, "decode_layer": layer}, indent=2))
+    print(f"\nwrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in ("bf16_gemv", "oneDNN"):
+        ax.plot([r["rows"] for r in matmuls], [r[f"{name}_ms"] for r in matmuls], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows")
+    ax.set_ylabel("ms for 30 layers of matmuls")
+    ax.legend()
+    save_png(fig, out)
+
+
+if __name__ == "__main__":
+    main()
