@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
+from sgl_lite.runtime.layers.linear import cpu_packed_linear_supported
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.server.engine import Engine
 from test_attention import CASES, naive_attention, random_batch
@@ -93,7 +94,7 @@ def test_linear_rows_independent_of_batch_size(k_dim: int, n_dim: int) -> None:
     weight = torch.randn(n_dim, k_dim, generator=g).bfloat16()
     x = torch.randn(300, k_dim, generator=g).bfloat16()
     linears = [lambda a: F.linear(a, weight)]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):  # not on AVX2-only CPUs
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         linears.append(lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     for linear in linears:

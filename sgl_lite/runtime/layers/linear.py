@@ -17,6 +17,7 @@ QuantizedLinear keeps the dense weight too and picks per call: the quantized ker
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,20 @@ GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): ~10-25% faster matmuls here."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT and
+    refuses elsewhere (an AVX2-only EPYC, say), which only trying tells."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def bf16_gemv_supported(weight: torch.Tensor) -> bool:

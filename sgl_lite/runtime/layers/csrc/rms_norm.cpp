@@ -59,23 +59,19 @@ void rms_norm_rows(const typename Elem<T>::Raw* x, const typename Elem<T>::Raw* 
       const R* xr = x + r * n;
       R* yr = out + r * n;
       R* sr = sum_out ? sum_out + r * n : nullptr;
-      float squares = 0.f;
       if (residual) {
         const R* rr = residual + r * n;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; ++i) {
-          const R s = E::store(E::load(xr[i]) + E::load(rr[i]));
-          sr[i] = s;
-          const float f = E::load(s);
-          squares += f * f;
-        }
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) sr[i] = E::store(E::load(xr[i]) + E::load(rr[i]));
         xr = sr;
-      } else {
+      }
+      // One loop for both forms, so the fused norm sums its squares in the same order as the plain one
+      // (folding the sum into the add loop vectorized differently on AVX2 and changed bf16 roundings).
+      float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; ++i) {
-          const float f = E::load(xr[i]);
-          squares += f * f;
-        }
+      for (int64_t i = 0; i < n; ++i) {
+        const float f = E::load(xr[i]);
+        squares += f * f;
       }
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
 #pragma omp simd
