@@ -1,8 +1,10 @@
 """The decode step's C++ kernels against what they replaced, on the default model's shapes, in one run.
 
-- matmuls: the small-row bf16 kernel (`layers/csrc/bf16_gemv.cpp`) against oneDNN's packed matmuls (the
-  path before it) over 30 layers of SmolLM2-135M-shaped random weights (qkv, o, gate_up, down), so that
-  the weights stream from memory as in a real step; 1 to 128 rows;
+- matmuls: the small-row kernel of each dtype it serves here (`layers/csrc/bf16_gemv.cpp` for bf16 on
+  AVX512-BF16, `avx2_gemv.cpp` for float32 and bf16 on AVX2) against the path before it (oneDNN's packed
+  bf16 matmuls where oneDNN has bf16, else torch's F.linear: MKL's sgemm in float32) over 30 layers of
+  SmolLM2-135M-shaped random weights (qkv, o, gate_up, down), so that the weights stream from memory as
+  in a real step; 1 to 128 rows;
 - decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model);
@@ -30,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op  # noqa: E402
-from sgl_lite.runtime.layers.linear import GemvLinear, bf16_gemv_supported, linear  # noqa: E402
+from sgl_lite.runtime.layers.linear import GemvLinear, cpu_packed_linear_supported, gemv_kernel, linear  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down [N, K]
@@ -48,24 +50,35 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def matmul_dtypes() -> list[torch.dtype]:
+    """The dtypes a small-row kernel serves on this CPU (bf16 on AVX512-BF16; bf16 and float32 on AVX2)."""
+    return [d for d in (torch.bfloat16, torch.float32) if gemv_kernel(torch.empty(16, 2, dtype=d)) is not None]
+
+
 def bench_matmuls(repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
-    gemv = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
-    total_bytes = sum(w.numel() * 2 for layer in weights for w in layer)
     rows_out = []
-    for rows in tqdm(ROWS, desc="matmuls"):
-        x = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {k for _, k in SHAPES}}
-        times = {}
-        for name, forms in (("bf16_gemv", gemv), ("oneDNN", onednn)):
-            def step(forms=forms) -> None:
-                for layer, packed in zip(weights, forms):
-                    for w, form in zip(layer, packed):
-                        linear(x[w.shape[1]], w, None, form)
-            times[name] = best_seconds(step, repeats)
-        rows_out.append({"rows": rows, **{f"{n}_ms": t * 1e3 for n, t in times.items()},
-                         "bf16_gemv_GBps": total_bytes / times["bf16_gemv"] / 1e9, "speedup": times["oneDNN"] / times["bf16_gemv"]})
+    for dtype in matmul_dtypes():
+        weights = [[(torch.randn(shape, generator=g) * 0.05).to(dtype) for shape in SHAPES] for _ in range(LAYERS)]
+        kernel = gemv_kernel(weights[0][0])
+        gemv = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
+        # the path before the kernel: oneDNN's packed bf16 matmul where it exists, else torch's F.linear
+        onednn = cpu_packed_linear_supported(dtype, torch.device("cpu"))
+        baseline_name = "oneDNN packed" if onednn else "F.linear"
+        baseline = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) if onednn else None for w in layer] for layer in weights]
+        total_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+        for rows in tqdm(ROWS, desc=f"matmuls {dtype}"):
+            x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {k for _, k in SHAPES}}
+            times = {}
+            for name, forms in (("kernel", gemv), ("baseline", baseline)):
+                def step(forms=forms) -> None:
+                    for layer, packed in zip(weights, forms):
+                        for w, form in zip(layer, packed):
+                            linear(x[w.shape[1]], w, None, form)
+                times[name] = best_seconds(step, repeats)
+            rows_out.append({"dtype": str(dtype).removeprefix("torch."), "kernel": kernel, "baseline": baseline_name,
+                             "rows": rows, "kernel_ms": times["kernel"] * 1e3, "baseline_ms": times["baseline"] * 1e3,
+                             "kernel_GBps": total_bytes / times["kernel"] / 1e9, "speedup": times["baseline"] / times["kernel"]})
     return rows_out
 
 
@@ -126,17 +139,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=artifact_path("bench_decode_kernels.json"))
     args = parser.parse_args()
-    if not bf16_gemv_supported(torch.empty(16, 2, dtype=torch.bfloat16)):
-        raise SystemExit("no AVX512-BF16 build of the CPU ops on this machine: nothing to compare")
+    if not matmul_dtypes():
+        raise SystemExit("no small-row matmul kernel on this machine (it needs AVX512-BF16 or AVX2 + FMA): nothing to compare")
     matmuls = bench_matmuls(args.repeats)
     bandwidth = read_bandwidth(args.repeats)
     attention = bench_attention(args.repeats)
     layer = bench_fused_layer(args.repeats)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {torch.get_num_threads()} threads, best of {args.repeats}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
-    print("| rows | bf16_gemv ms (30 layers) | oneDNN ms | speedup | bf16_gemv weight GB/s |\n|---:|---:|---:|---:|---:|")
+    print("| dtype | rows | kernel | kernel ms (30 layers) | baseline | baseline ms | speedup | kernel weight GB/s |\n"
+          "|---|---:|---|---:|---|---:|---:|---:|")
     for r in matmuls:
-        print(f"| {r['rows']} | {r['bf16_gemv_ms']:.2f} | {r['oneDNN_ms']:.2f} | {r['speedup']:.2f}x | {r['bf16_gemv_GBps']:.1f} |")
+        print(f"| {r['dtype']} | {r['rows']} | {r['kernel']} | {r['kernel_ms']:.2f} | {r['baseline']} | {r['baseline_ms']:.2f} "
+              f"| {r['speedup']:.2f}x | {r['kernel_GBps']:.1f} |")
     print("\n| requests x context | decode attention us per layer | K/V GB/s |\n|---|---:|---:|")
     for r in attention:
         print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} |")
@@ -155,8 +170,10 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("bf16_gemv", "oneDNN"):
-        ax.plot([r["rows"] for r in matmuls], [r[f"{name}_ms"] for r in matmuls], marker="o", label=name)
+    for dtype in sorted({r["dtype"] for r in matmuls}):
+        mine = [r for r in matmuls if r["dtype"] == dtype]
+        for key in ("kernel", "baseline"):
+            ax.plot([r["rows"] for r in mine], [r[f"{key}_ms"] for r in mine], marker="o", label=f"{dtype} {mine[0][key]}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows")
     ax.set_ylabel("ms for 30 layers of matmuls")

@@ -47,7 +47,7 @@ from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
 from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
     QuantizedLinear,
-    bf16_gemv_supported,
+    gemv_supported,
     cpu_packed_linear_supported,
     linear,
 )
@@ -82,7 +82,7 @@ def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: in
 
     def packed_form(w: torch.Tensor) -> object:
         dense = torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None
-        return GemvLinear.pack(w, dense) if bf16_gemv_supported(w) else dense
+        return GemvLinear.pack(w, dense) if gemv_supported(w) else dense
 
     packed = [packed_form(w) for w in weights]
     head_packed = packed_form(head)

@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata
-from sgl_lite.runtime.layers.linear import bf16_gemv_supported
+from sgl_lite.runtime.layers.linear import gemv_supported
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 from test_model import Driver, make_runner, prompts
 
-pytestmark = pytest.mark.skipif(
-    not bf16_gemv_supported(torch.empty(16, 2, dtype=torch.bfloat16)), reason="no AVX512-BF16 build of the CPU ops here"
-)
+# The fused layer runs in the dtype whose small-row kernel this CPU has: bf16 on AVX512-BF16, else
+# float32 on AVX2 + FMA.
+KERNEL_DTYPE = next((name for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+                     if gemv_supported(torch.empty(16, 2, dtype=dtype))), None)
+pytestmark = pytest.mark.skipif(KERNEL_DTYPE is None, reason="no small-row matmul kernel on this CPU")
 
 
 @pytest.fixture(params=["llama", "qwen2", "llama-int4"])
 def runner(request, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> ModelRunner:
-    runner = make_runner(tiny_llama_dir if request.param != "qwen2" else tiny_qwen2_dir, dtype="bfloat16")
+    runner = make_runner(tiny_llama_dir if request.param != "qwen2" else tiny_qwen2_dir, dtype=KERNEL_DTYPE)
     if request.param == "llama-int4":  # int4 matmuls up to 2 rows; the batch of 3 below goes to the small-row kernel
         runner = ModelRunner(runner.args.replace(quantization="w4a16_int4"), model_dir=runner.model_dir)
         assert all(layer.fused_decode_weights(2) is None for layer in runner.model.layers)
@@ -65,7 +67,7 @@ def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRu
 def test_greedy_decoding_is_the_same_with_and_without_fusion(tiny_llama_dir: Path) -> None:
     outputs = []
     for fused in (True, False):
-        runner = make_runner(tiny_llama_dir, dtype="bfloat16")
+        runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
         if not fused:
             without_fusion(runner)
         driver = Driver(runner)
@@ -75,7 +77,7 @@ def test_greedy_decoding_is_the_same_with_and_without_fusion(tiny_llama_dir: Pat
 
 
 def test_fp8_pools_and_extend_batches_take_the_python_path(tiny_llama_dir: Path) -> None:
-    runner = make_runner(tiny_llama_dir, dtype="bfloat16")
+    runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
     driver = Driver(runner)
     req = driver.new_req("a", prompts(runner.vocab_size, [6], seed=1)[0])
     meta = AttentionMetadata.build([req.req_pool_idx], [0], [6], torch.arange(1, 7), runner.req_to_token)

@@ -7,6 +7,8 @@ req_to_token row, run, append the sampled token.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
-from sgl_lite.runtime.model_executor.model_runner import ModelRunner, choose_dtype
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner, choose_dtype, cpu_has_bf16_kernels
 from sgl_lite.runtime.models.llama import LlamaForCausalLM
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
@@ -160,8 +162,12 @@ def test_choose_dtype():
     assert choose_dtype("float32", torch.device("cpu")) == torch.float32
     assert choose_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     flags = open("/proc/cpuinfo").read()
-    fast = "avx512_bf16" in flags or "amx_bf16" in flags
-    assert choose_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    ours = cpu_has_bf16_kernels()  # sgl_lite's AVX2 kernels make bf16 the fast path without native bf16
+    assert ours == bool(re.search(r"\bavx2\b", flags) and re.search(r"\bfma\b", flags))
+    assert choose_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native or ours else torch.float32)
+    # a model on torch's kernels alone (the transformers baseline) gets bf16 only from native instructions
+    assert choose_dtype("auto", torch.device("cpu"), own_kernels=False) == (torch.bfloat16 if native else torch.float32)
 
 
 def test_kv_pool_sized_from_memory(tiny_llama_dir):

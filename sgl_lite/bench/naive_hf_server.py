@@ -69,7 +69,7 @@ class NaiveHFServer:
         if batch_size < 1:
             raise ValueError(f"--naive-batch-size must be positive; got {batch_size}")
         self.batch_size = batch_size
-        self.dtype = choose_dtype(dtype, torch.device("cpu"))
+        self.dtype = choose_dtype(dtype, torch.device("cpu"), own_kernels=False)  # transformers: torch's kernels
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).eval()
         # generate() merges the model's generation config into any it is given, so ignore_eos needs
         # the model's own EOS unset; greedy needs sampling off.

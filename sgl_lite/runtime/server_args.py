@@ -34,7 +34,7 @@ class ServerArgs:
     # Model and device.
     model_path: str = field(default="smollm2-135m", metadata={"help": "HF folder, .gguf file, or the alias smollm2-135m (default).", "aliases": ("--model",)})
     tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model's."})
-    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA or where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo), else float32.", "choices": DTYPES})
+    dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA, where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo) or where sgl_lite's AVX2 kernels serve bf16 (AVX2 + FMA and the C++ ops built), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})

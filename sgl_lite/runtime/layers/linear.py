@@ -1,12 +1,16 @@
-"""The model's matmuls: plain F.linear, oneDNN-prepacked bf16, the small-row bf16 kernel, or weight-only
+"""The model's matmuls: plain F.linear, oneDNN-prepacked bf16, the small-row kernels, or weight-only
 int8/int4, chosen per call by row count.
 
 A decode step with few rows reads every weight once and does little else, so it wants the kernel that
-streams weights fastest: csrc/bf16_gemv.cpp on AVX512-BF16, up to GEMV_MAX_ROWS rows; oneDNN above.
-Measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads: 1.1-1.3x
-oneDNN's packed matmuls from 1 to 128 rows; 1.1x on the LM head up to 32 rows, even at 64. The kernel's
-rows are independent of each other, so up to GEMV_MAX_ROWS a token's matmuls give the same bits in any
-batch: a request decoded alone, batched, or verified as a speculative draft row.
+streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp, up to GEMV_MAX_ROWS rows,
+oneDNN above: measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads,
+1.1-1.3x oneDNN's packed matmuls from 1 to 128 rows; 1.1x on the LM head up to 32 rows, even at 64.
+Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
+a 2-core AVX2-only EPYC, in float32, 1.8x MKL's sgemm at 1 row (21 GB/s of weights, the machine's read
+rate), 2.6x at 8, 1.4x at 128 and still 1.1-1.2x at 256-1024 rows, so on such a CPU it takes every call
+(prefill too); on a CPU with AVX512, where MKL's sgemm is wider, only calls up to GEMV_MAX_ROWS rows.
+The kernels' rows are independent of each other, so within the kernel's row limit a token's matmuls
+give the same bits in any batch: a request decoded alone, batched, or verified as a speculative draft row.
 
 Weight-only kernels read 2-4x fewer weight bytes, which is what a step with few rows is bound by; with
 many rows the matmul is compute bound and the dense (prepacked) kernel wins (measured at SmolLM2-135M's
@@ -28,18 +32,18 @@ from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4Wei
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
-# Calls with at most this many rows use the small-row bf16 kernel (see the module docstring).
+# Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
 GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): ~10-25% faster matmuls here."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
 @functools.cache
-def _onednn_packs_bf16() -> bool:
+def onednn_bf16_supported() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT and
     refuses elsewhere (an AVX2-only EPYC, say), which only trying tells."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -51,35 +55,69 @@ def _onednn_packs_bf16() -> bool:
     return True
 
 
-def bf16_gemv_supported(weight: torch.Tensor) -> bool:
-    """Whether the small-row kernel serves `weight` [N, K]: bf16 on a CPU with AVX512-BF16 and the ops built."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return False
-    if weight.shape[0] % GEMV_COLUMNS or weight.shape[1] % 2:
-        return False
+def gemv_kernel(weight: torch.Tensor) -> str | None:
+    """Which small-row kernel serves `weight` [N, K]: "avx512_bf16" (bf16 on a CPU with AVX512-BF16),
+    "avx2" (float32, or bf16 elsewhere, on a CPU with AVX2 and FMA), or None; the ops must be built."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % GEMV_COLUMNS:
+        return None
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
     from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 
-    return load_cpu_ops() and bool(torch.ops.sgl_lite.bf16_gemv_supported())
+    if not load_cpu_ops():
+        return None
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and torch.ops.sgl_lite.bf16_gemv_supported():
+        return "avx512_bf16"
+    return "avx2" if torch.ops.sgl_lite.avx2_gemv_supported() else None
+
+
+def gemv_supported(weight: torch.Tensor) -> bool:
+    """Whether a small-row kernel serves `weight` [N, K] (see gemv_kernel)."""
+    return gemv_kernel(weight) is not None
+
+
+def gemv_max_rows(kernel: str) -> int | None:
+    """The most rows a call of `kernel` takes (None: any). The AVX2 kernel takes every call on a CPU
+    whose widest vectors are AVX2 (MKL's sgemm is no wider there, and torch has no fast bf16 matmul),
+    see the module docstring; elsewhere the vendor kernels win above GEMV_MAX_ROWS."""
+    if kernel == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return None
+    return GEMV_MAX_ROWS
 
 
 @dataclass
 class GemvLinear:
-    """A bf16 weight packed for the small-row kernel, with the form calls of more rows use."""
+    """A weight packed for the small-row kernel that serves it, with the form calls of more rows use."""
 
-    gemv_weight: torch.Tensor  # [N/16, K/2, 16, 2]: 16 output columns x one pair along K per 64-byte vector
+    # avx512_bf16: [N/16, K/2, 16, 2], 16 output columns x one pair along K per 64-byte vector
+    # (bf16_gemv.cpp); avx2: [N/16, K, 16], 16 output columns of one k in a run (avx2_gemv.cpp)
+    gemv_weight: torch.Tensor
     packed_dense: torch.Tensor | None  # oneDNN-packed weight, or None for F.linear on the weight
-    max_rows: int = GEMV_MAX_ROWS
+    max_rows: int | None = GEMV_MAX_ROWS  # None: every call takes the kernel
 
     @classmethod
     def pack(cls, weight: torch.Tensor, packed_dense: torch.Tensor | None) -> GemvLinear:
+        kernel = gemv_kernel(weight)
+        if kernel is None:
+            raise ValueError(f"no small-row kernel for a {weight.dtype} weight of shape {tuple(weight.shape)} on this CPU")
         n, k = weight.shape
-        gemv = weight.detach().reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        return cls(gemv, packed_dense)
+        w = weight.detach()
+        if kernel == "avx512_bf16":
+            gemv = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            gemv = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k).permute(0, 2, 1).contiguous()
+        return cls(gemv, packed_dense, gemv_max_rows(kernel))
+
+    def takes(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the small-row kernel."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if not self.takes(x.shape[0]):
             return linear(x, weight, bias, self.packed_dense)
-        return torch.ops.sgl_lite.bf16_gemv(x.contiguous(), self.gemv_weight, bias)
+        if self.gemv_weight.dim() == 4:
+            return torch.ops.sgl_lite.bf16_gemv(x.contiguous(), self.gemv_weight, bias)
+        return torch.ops.sgl_lite.avx2_gemv(x.contiguous(), self.gemv_weight, bias)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
+from sgl_lite.runtime.layers.linear import gemv_kernel
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.models import build_model
@@ -56,10 +57,21 @@ def choose_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def choose_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA or on CPUs with native bf16 matmul (amx_bf16 / avx512_bf16), else float32."""
+def cpu_has_bf16_kernels() -> bool:
+    """Whether sgl_lite's own CPU kernels serve bf16 matmuls here (AVX2 + FMA with the C++ ops built:
+    layers/csrc/avx2_gemv.cpp widens bf16 weights in registers), so that bf16 is the fast path even
+    without native bf16 instructions: half the bytes per decode step of float32, as fast in prefill."""
+    return gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is not None
+
+
+def choose_dtype(name: str, device: torch.device, own_kernels: bool = True) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, on CPUs with native bf16 matmul (amx_bf16 / avx512_bf16) and, when
+    `own_kernels` (False: for a model that runs on torch's kernels alone), on CPUs where sgl_lite's AVX2
+    kernels serve bf16; else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+        ours = own_kernels and device.type == "cpu" and cpu_has_bf16_kernels()
+        fast = device.type == "cuda" or cpu_has_fast_bf16() or ours
+        return torch.bfloat16 if fast else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]

@@ -22,8 +22,8 @@ from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 from sgl_lite.runtime.layers.linear import (
     GemvLinear,
     QuantizedLinear,
-    bf16_gemv_supported,
     cpu_packed_linear_supported,
+    gemv_supported,
     linear,
     quantize_linear,
 )
@@ -181,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
         for form in self.packed.values():
             if isinstance(form, QuantizedLinear) and rows > form.max_rows:
                 form = form.packed_dense
-            if not isinstance(form, GemvLinear) or rows > form.max_rows:
+            if not isinstance(form, GemvLinear) or not form.takes(rows):
                 return None
             weights.append(form.gemv_weight)
         return weights
@@ -316,8 +316,8 @@ class LlamaForCausalLM(nn.Module):
         own 4-bit blocks, used instead of quantizing those weights (they must dequantize to the loaded ones).
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
-        final. Each packed form is one more copy of the matmul weights in memory: oneDNN's, and on
-        AVX512-BF16 the small-row kernel's (layers/linear.py). Returns whether it packed for oneDNN.
+        final. Each packed form is one more copy of the matmul weights in memory: oneDNN's, and the
+        small-row kernel's (bf16 on AVX512-BF16, float32 on AVX2; layers/linear.py). Returns whether it packed for oneDNN.
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -335,9 +335,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for name, form in layer.packed.items():
                 weight = getattr(layer, f"{name}_weight")
-                if bf16_gemv_supported(weight):
+                if gemv_supported(weight):
                     layer.packed[name] = GemvLinear.pack(weight, form)
-        if bf16_gemv_supported(self.lm_head):
+        if gemv_supported(self.lm_head):
             self.packed_lm_head = GemvLinear.pack(self.lm_head, self.packed_lm_head)
         if quantization is not None:
             self._quantize(quantization, int4_values or {})

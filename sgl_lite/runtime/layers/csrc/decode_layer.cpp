@@ -1,6 +1,7 @@
 // One Llama decoder layer for a decode step on CPU, as one op: the same ATen calls and sgl_lite ops, in the
-// same order, as LlamaDecoderLayer.forward takes on its decode path (bf16 small-row matmuls, the paged
-// decode kernel), so the result is bit-identical to it.
+// same order, as LlamaDecoderLayer.forward takes on its decode path (the small-row matmuls, bf16_gemv.cpp
+// or avx2_gemv.cpp by the packed weights' layout, and the paged decode kernel), so the result is
+// bit-identical to it.
 //
 // Why: at batch 1-32 a decode step is ~35 small ops per layer, and each call from Python costs a few
 // microseconds of interpreter and dispatcher time on top of its work - about a quarter of a batch-1 step
@@ -8,10 +9,10 @@
 //
 // Steps (hidden and residual [n, hidden]; the layer's output and the residual before it, as in Python):
 //   normed, residual = rms_norm(hidden) or add_rms_norm(hidden, residual)
-//   qkv = bf16_gemv(normed, qkv_weight, qkv_bias); rotate-half RoPE on the q and k heads
+//   qkv = gemv(normed, qkv_weight, qkv_bias); rotate-half RoPE on the q and k heads
 //   k, v -> k_cache, v_cache at out_cache_loc; attention = paged_decode_attention(q, ...)
-//   normed, residual = add_rms_norm(bf16_gemv(attention, o_weight, o_bias), residual)
-//   gate_up = bf16_gemv(normed, gate_up_weight); out = bf16_gemv(silu(gate) * up, down_weight)
+//   normed, residual = add_rms_norm(gemv(attention, o_weight, o_bias), residual)
+//   gate_up = gemv(normed, gate_up_weight); out = gemv(silu(gate) * up, down_weight)
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,7 +39,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& out_cache_loc, const at::Tensor& kv_indptr, const at::Tensor& kv_indices, int64_t num_heads,
     int64_t num_kv_heads, double scale) {
-  static const auto gemv = op<Gemv>("sgl_lite::bf16_gemv");
+  static const auto bf16_gemv = op<Gemv>("sgl_lite::bf16_gemv");
+  static const auto avx2_gemv = op<Gemv>("sgl_lite::avx2_gemv");
+  // AVX512-BF16's weights are packed in pairs along K ([N/16, K/2, 16, 2]), AVX2's are not ([N/16, K, 16])
+  const auto& gemv = qkv_weight.dim() == 4 ? bf16_gemv : avx2_gemv;
   static const auto norm = op<Norm>("sgl_lite::rms_norm");
   static const auto add_norm = op<AddNorm>("sgl_lite::add_rms_norm");
   static const auto attention = op<Attention>("sgl_lite::paged_decode_attention");
