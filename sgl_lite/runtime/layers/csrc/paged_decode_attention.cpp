@@ -35,7 +35,14 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats per vector (one AVX-512 register; two AVX2 or four SSE ones)
+// Floats per vector: one AVX-512 register, else one AVX2 register (two SSE ones). Sixteen lanes on AVX2
+// made every vector two registers and the shuffles of the lane reductions cross-register permutes: about
+// 3x slower there than eight.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxChunksPerRow = kMaxHeadDim / kLanes;
 constexpr int64_t kMaxGroup = 16;
@@ -84,9 +91,7 @@ inline vfloat half_to_float(vu16 bits) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vfloat>(_mm512_cvtph_ps(reinterpret_cast<__m256i>(bits)));
 #elif defined(__F16C__)
-  const __m256i both = reinterpret_cast<__m256i>(bits);
-  const __m256 halves[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(both)), _mm256_cvtph_ps(_mm256_extractf128_si256(both, 1))};
-  return load_vec<vfloat>(reinterpret_cast<const float*>(halves));
+  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(reinterpret_cast<__m128i>(bits)));
 #else
   vfloat f;
   for (int64_t i = 0; i < kLanes; ++i) f[i] = c10::detail::fp16_ieee_to_fp32_value(bits[i]);
@@ -120,6 +125,8 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+#if defined(__AVX512F__)
+
 inline float hsum(vfloat v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -131,7 +138,6 @@ inline float hsum(vfloat v) {
 // Lane i of the result is the sum of v[i]'s lanes: kLanes horizontal sums in 4 rounds of pairwise
 // shuffle-adds (15 shuffles' worth per vector of results, not kLanes separate reductions).
 inline vfloat reduce_lanes(const vfloat* v) {
-  static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
   vfloat r1[8], r2[4], r3[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: 8 partials of v[2i]; lanes 8-15: of v[2i+1]
     const vfloat a = v[2 * i], b = v[2 * i + 1];
@@ -154,6 +160,33 @@ inline vfloat reduce_lanes(const vfloat* v) {
   // ... put back in order (bit reversal is its own inverse)
   return __builtin_shufflevector(w, w, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+
+#else  // eight lanes: the same reductions in 3 rounds
+
+inline float hsum(vfloat v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+inline vfloat reduce_lanes(const vfloat* v) {
+  vfloat r1[4], r2[2];
+  for (int i = 0; i < 4; ++i) {  // lanes 0-3: 4 partials of v[2i]; lanes 4-7: of v[2i+1]
+    const vfloat a = v[2 * i], b = v[2 * i + 1];
+    r1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 partials each of v[4i], v[4i+2], v[4i+1], v[4i+3]
+    const vfloat a = r1[2 * i], b = r1[2 * i + 1];
+    r2[i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  // the sums of v[0, 4, 2, 6, 1, 5, 3, 7] (bit-reversed order), put back in order
+  const vfloat w = __builtin_shufflevector(r2[0], r2[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(r2[0], r2[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return __builtin_shufflevector(w, w, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+
+#endif
 
 // exp(x) for x <= 0 (softmax arguments after subtracting the max), kLanes at a time: Cody-Waite range
 // reduction and Cephes' degree-6 polynomial, ~1 ulp. Arguments below -87 give exp(-87) ~ 1.6e-38, not 0.
@@ -336,7 +369,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_items = int64_t(items.size());
 
   // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) compiled for their size
-  const auto attend = D == 64 ? attend_chunk<Kv, 4> : D == 128 ? attend_chunk<Kv, 8> : attend_chunk<Kv, 0>;
+  const auto attend = D == 64 ? attend_chunk<Kv, 64 / kLanes> : D == 128 ? attend_chunk<Kv, 128 / kLanes> : attend_chunk<Kv, 0>;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
     for (;;) {
