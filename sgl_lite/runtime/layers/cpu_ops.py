@@ -1,4 +1,4 @@
-"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm, the small-row bf16 matmul,
+"""Builds and loads sgl_lite's C++ CPU ops (csrc/: paged decode attention, RMSNorm, the small-row matmuls (AVX512-BF16, AVX2),
 a decode step's whole decoder layer), once per machine.
 
 Built with torch's extension tooling (g++ and ninja) on first use and cached as one shared library under
@@ -90,11 +90,11 @@ def load_cpu_ops() -> bool:
                 return True
             start = time.perf_counter()
             _build(name, flags, library)  # also loads it into this process
-            logger.info("built the CPU ops (decode attention, RMSNorm, bf16 matmul) in %.0f s: %s", time.perf_counter() - start, library)
+            logger.info("built the CPU ops (decode attention, RMSNorm, small-row matmuls) in %.0f s: %s", time.perf_counter() - start, library)
             return True
         except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
             errors.append(f"{' '.join(flags)}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
-    logger.warning("the CPU ops (decode attention, RMSNorm, bf16 matmul) could not be built, using the torch path (%s)", "; ".join(errors))
+    logger.warning("the CPU ops (decode attention, RMSNorm, small-row matmuls) could not be built, using the torch path (%s)", "; ".join(errors))
     return False
 
 
