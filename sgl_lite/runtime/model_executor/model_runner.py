@@ -69,8 +69,7 @@ def choose_dtype(name: str, device: torch.device, own_kernels: bool = True) -> t
     `own_kernels` (False: for a model that runs on torch's kernels alone), on CPUs where sgl_lite's AVX2
     kernels serve bf16; else float32."""
     if name == "auto":
-        ours = own_kernels and device.type == "cpu" and cpu_has_bf16_kernels()
-        fast = device.type == "cuda" or cpu_has_fast_bf16() or ours
+        fast = device.type == "cuda" or cpu_has_fast_bf16() or (own_kernels and device.type == "cpu" and cpu_has_bf16_kernels())
         return torch.bfloat16 if fast else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")

@@ -317,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
         final. Each packed form is one more copy of the matmul weights in memory: oneDNN's, and the
-        small-row kernel's (bf16 on AVX512-BF16, float32 on AVX2; layers/linear.py). Returns whether it packed for oneDNN.
+        small-row kernel's (layers/linear.py). Returns whether it packed for oneDNN.
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight

@@ -141,17 +141,18 @@ void gemv(const float* x, int64_t m, int64_t k, const W* w, int64_t n, const flo
       for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
         const W* tile_w = w + t * k * kCols;
         const float* tile_bias = bias == nullptr ? nullptr : bias + t * kCols;
+        const auto every_row_tile = [&](const auto* weights) {
+          for (int64_t r0 = 0; r0 < m; r0 += kMaxTileRows) {
+            rows_tile(std::min(kMaxTileRows, m - r0), x + r0 * k, k, weights, k, tile_bias, out + r0 * n + t * kCols, n);
+          }
+        };
         if (std::is_same_v<W, uint16_t> && m > 2 * kMaxTileRows) {
           // Three or more row tiles meet this weight tile: widen it to float32 once (exactly: the same products
           // and sums as widening in registers) instead of once per row tile.
           widen(tile_w, k, wide);
-          for (int64_t r0 = 0; r0 < m; r0 += kMaxTileRows) {
-            rows_tile(std::min(kMaxTileRows, m - r0), x + r0 * k, k, wide.data(), k, tile_bias, out + r0 * n + t * kCols, n);
-          }
-          continue;
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += kMaxTileRows) {
-          rows_tile(std::min(kMaxTileRows, m - r0), x + r0 * k, k, tile_w, k, tile_bias, out + r0 * n + t * kCols, n);
+          every_row_tile(wide.data());
+        } else {
+          every_row_tile(tile_w);
         }
       }
     }
