@@ -5,6 +5,8 @@
   bf16 matmuls where oneDNN has bf16, else torch's F.linear: MKL's sgemm in float32) over 30 layers of
   SmolLM2-135M-shaped random weights (qkv, o, gate_up, down), so that the weights stream from memory as
   in a real step; 1 to 128 rows;
+- int4 weights (`--quantization w4a16_int4`): the int4 kernel this CPU runs (`layers/csrc/avx2_q4_gemv.cpp`
+  on CPUs without AVX-512, else torch's) against the bf16 small-row kernel on the same weights;
 - decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model);
@@ -32,7 +34,13 @@ from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op  # noqa: E402
-from sgl_lite.runtime.layers.linear import GemvLinear, cpu_packed_linear_supported, gemv_kernel, linear  # noqa: E402
+from sgl_lite.runtime.layers.linear import (  # noqa: E402
+    GemvLinear,
+    cpu_packed_linear_supported,
+    gemv_kernel,
+    linear,
+    quantize_linear,
+)
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down [N, K]
@@ -55,6 +63,21 @@ def matmul_dtypes() -> list[torch.dtype]:
     return [d for d in (torch.bfloat16, torch.float32) if gemv_kernel(torch.empty(16, 2, dtype=d)) is not None]
 
 
+def time_forms(weights: list[list[torch.Tensor]], forms: dict[str, list[list[object]]], rows: int, repeats: int,
+               g: torch.Generator) -> dict[str, float]:
+    """Seconds of one pass over every layer's matmuls at `rows` rows, per named set of forms, interleaved."""
+    dtype = weights[0][0].dtype
+    x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {k for _, k in SHAPES}}
+    times = {}
+    for name, packed_layers in forms.items():
+        def step(packed_layers=packed_layers) -> None:
+            for layer, packed in zip(weights, packed_layers):
+                for w, form in zip(layer, packed):
+                    linear(x[w.shape[1]], w, None, form)
+        times[name] = best_seconds(step, repeats)
+    return times
+
+
 def bench_matmuls(repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows_out = []
@@ -68,17 +91,35 @@ def bench_matmuls(repeats: int) -> list[dict]:
         baseline = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) if onednn else None for w in layer] for layer in weights]
         total_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
         for rows in tqdm(ROWS, desc=f"matmuls {dtype}"):
-            x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {k for _, k in SHAPES}}
-            times = {}
-            for name, forms in (("kernel", gemv), ("baseline", baseline)):
-                def step(forms=forms) -> None:
-                    for layer, packed in zip(weights, forms):
-                        for w, form in zip(layer, packed):
-                            linear(x[w.shape[1]], w, None, form)
-                times[name] = best_seconds(step, repeats)
+            times = time_forms(weights, {"kernel": gemv, "baseline": baseline}, rows, repeats, g)
             rows_out.append({"dtype": str(dtype).removeprefix("torch."), "kernel": kernel, "baseline": baseline_name,
                              "rows": rows, "kernel_ms": times["kernel"] * 1e3, "baseline_ms": times["baseline"] * 1e3,
                              "kernel_GBps": total_bytes / times["kernel"] / 1e9, "speedup": times["baseline"] / times["kernel"]})
+    return rows_out
+
+
+def bench_int4(repeats: int) -> list[dict]:
+    """The int4 kernel against the bf16 small-row kernel, both forced to take every call."""
+    if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is None:
+        return []
+    g = torch.Generator().manual_seed(2)
+    weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
+    dense = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
+    for layer in dense:
+        for form in layer:
+            form.max_rows = None
+    int4 = [[quantize_linear("w4a16_int4", w, None) for w in layer] for layer in weights]
+    for layer in int4:
+        for form in layer:
+            form.max_rows = max(ROWS)
+    kernel = type(int4[0][0].quantized).__name__
+    total_bytes = sum(form.quantized.nbytes for layer in int4 for form in layer)
+    rows_out = []
+    for rows in tqdm(ROWS, desc="matmuls int4"):
+        times = time_forms(weights, {"kernel": int4, "baseline": dense}, rows, repeats, g)
+        rows_out.append({"dtype": "int4", "kernel": kernel, "baseline": f"bf16 {gemv_kernel(weights[0][0])}", "rows": rows,
+                         "kernel_ms": times["kernel"] * 1e3, "baseline_ms": times["baseline"] * 1e3,
+                         "kernel_GBps": total_bytes / times["kernel"] / 1e9, "speedup": times["baseline"] / times["kernel"]})
     return rows_out
 
 
@@ -141,7 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     if not matmul_dtypes():
         raise SystemExit("no small-row matmul kernel on this machine (it needs AVX512-BF16 or AVX2 + FMA): nothing to compare")
-    matmuls = bench_matmuls(args.repeats)
+    matmuls = bench_matmuls(args.repeats) + bench_int4(args.repeats)
     bandwidth = read_bandwidth(args.repeats)
     attention = bench_attention(args.repeats)
     layer = bench_fused_layer(args.repeats)

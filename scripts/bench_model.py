@@ -14,7 +14,7 @@ two limits:
   own weight shapes and the batch's row count, one layer's weights timed over and over (so they sit in
   cache: an upper bound), divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
 - memory limit: the bytes a decode step must read (every matmul weight and the LM head once, in the form
-  the step's calls use - quantized bytes for a +quantization variant at up to 2 rows - plus each
+  the step's calls use - quantized bytes for a +quantization variant up to its row limit - plus each
   request's K and V over all layers at its mean context length during the timed steps, in the variant's
   KV dtype) divided by the read bandwidth measured here (sum over a 512 MiB float32 tensor with the same
   threads). Activations and caches are ignored, so both limits are upper bounds.

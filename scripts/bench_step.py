@@ -73,10 +73,10 @@ class PhaseTimer:
         return out
 
 
-def build_core(model: str, dtype: str, pool_tokens: int, max_running: int) -> RuntimeCore:
+def build_core(model: str, dtype: str, pool_tokens: int, max_running: int, quantization: str | None) -> RuntimeCore:
     folder = loader.resolve_model_path(model)
     args = ServerArgs(model_path=model, dtype=dtype, device="cpu", max_total_tokens=pool_tokens,
-                      max_running_requests=max_running)
+                      max_running_requests=max_running, quantization=quantization)
     tokenizer = loader.load_tokenizer(folder)
     runner = ModelRunner(args, folder)
     return RuntimeCore(args, tokenizer, runner, str(folder), eos_ids_of(runner.config, tokenizer))
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size (medians are reported)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantization", default=None, help="as `sgl-lite serve --quantization`")
     parser.add_argument("--profile-batch", type=int, default=None, help="also run torch.profiler at this batch size")
     parser.add_argument("--out", default=artifact_path("bench_step.json"))
     args = parser.parse_args()
@@ -175,7 +176,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     biggest = max(batch_sizes + [args.profile_batch or 0])
     pool = biggest * (args.prompt_len + args.steps + 16) * 2 + 64
-    core = build_core(args.model, args.dtype, pool, biggest + 1)
+    core = build_core(args.model, args.dtype, pool, biggest + 1, args.quantization)
     runner = core.runner
     timer = PhaseTimer()
     timer.wrap(runner, "forward", "forward")

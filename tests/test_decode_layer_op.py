@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata
-from sgl_lite.runtime.layers.linear import gemv_supported
+from sgl_lite.runtime.layers.linear import avx2_int4_preferred, gemv_supported
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 from test_model import Driver, make_runner, prompts
 
@@ -22,9 +22,12 @@ pytestmark = pytest.mark.skipif(KERNEL_DTYPE is None, reason="no small-row matmu
 @pytest.fixture(params=["llama", "qwen2", "llama-int4"])
 def runner(request, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> ModelRunner:
     runner = make_runner(tiny_llama_dir if request.param != "qwen2" else tiny_qwen2_dir, dtype=KERNEL_DTYPE)
-    if request.param == "llama-int4":  # int4 matmuls up to 2 rows; the batch of 3 below goes to the small-row kernel
+    if request.param == "llama-int4":
         runner = ModelRunner(runner.args.replace(quantization="w4a16_int4"), model_dir=runner.model_dir)
-        assert all(layer.fused_decode_weights(2) is None for layer in runner.model.layers)
+        if not avx2_int4_preferred():  # torch's int4 kernel, up to 2 rows: the batch of 3 below goes to the small-row kernel
+            assert all(layer.fused_decode_weights(2) is None for layer in runner.model.layers)
+        else:  # the AVX2 int4 kernel is fused too, up to its row limit
+            assert all(w.dtype == torch.uint8 for layer in runner.model.layers for w in layer.fused_decode_weights(3))
     return runner
 
 

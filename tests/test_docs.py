@@ -164,7 +164,7 @@ def documented_tree() -> set[str]:
 
 
 def test_architecture_tree_matches_the_package() -> None:
-    sources = [*(ROOT / "sgl_lite").rglob("*.py"), *(ROOT / "sgl_lite").rglob("*.cpp")]  # C++ ops ship too
+    sources = [p for pattern in ("*.py", "*.cpp", "*.h") for p in (ROOT / "sgl_lite").rglob(pattern)]  # C++ ops ship too
     actual = {p.relative_to(ROOT).as_posix() for p in sources if "__pycache__" not in p.parts}
     documented = documented_tree()
     assert sorted(actual - documented) == [], "modules missing from docs/architecture.md"

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.layers.linear import QuantizedLinear, quantize_linear
+from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.layers.linear import AVX2_INT4_MAX_ROWS, QuantizedLinear, avx2_int4_preferred, quantize_linear
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
-from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4WeightOnly, Int8WeightOnly
+from sgl_lite.runtime.layers.quantization.weight_only import Int4Avx2, Int4Values, Int4WeightOnly, Int8WeightOnly
 from sgl_lite.runtime.server_args import QUANTIZATIONS, ServerArgs
 
 ROWS = (1, 2, 3, 8, 33)
@@ -60,6 +61,64 @@ def test_int4_kernel_matches_its_dequantized_weight(dtype: torch.dtype, rows: in
     assert ((values.dequantize() - weight).abs() <= groups / 2 + 1e-5).all()
 
 
+AVX2_INT4 = pytest.mark.skipif(not (load_cpu_ops() and torch.ops.sgl_lite.avx2_q4_gemv_supported()),
+                               reason="the AVX2 int4 kernel needs AVX2, FMA and F16C")
+
+
+@AVX2_INT4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 40])
+@pytest.mark.parametrize("shape", [(128, 96), (100, 64), (960, 576)])  # 100: padded to a multiple of 16
+def test_avx2_int4_kernel_matches_its_dequantized_weight(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(rows + shape[0])
+    n, k = shape
+    weight, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g).to(dtype)
+    values = Int4Values.quantize(weight)
+    assert torch.equal(values.scales, values.scales.half().float())  # stored as fp16, as Q4_1 does
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    out = Int4Avx2(values).matmul(x, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    ref = _reference(x, values.dequantize()) + bias.double()
+    # float32 sums in another order than the reference's, plus one rounding to bf16
+    tol = ref.abs() * (2**-8 if dtype == torch.bfloat16 else 1e-6) + 1e-5 * k
+    assert ((out.double() - ref).abs() <= tol).all()
+
+
+@AVX2_INT4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_int4_rows_do_not_depend_on_the_batch_or_the_threads(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    form = Int4Avx2(Int4Values.quantize(torch.randn(576, 1536, generator=g)))
+    x = torch.randn(AVX2_INT4_MAX_ROWS, 1536, generator=g).to(dtype)
+    batched = form.matmul(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, 2, 3, 4, 5, 13):
+            assert torch.equal(form.matmul(x[:rows]), batched[:rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+@AVX2_INT4
+def test_avx2_int4_kernel_refuses_a_malformed_weight() -> None:
+    form = Int4Avx2(Int4Values.quantize(torch.randn(32, 64)))
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        torch.ops.sgl_lite.avx2_q4_gemv(torch.randn(1, 96), form.packed, None)  # K = 96 against blocks of K = 64
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.sgl_lite.avx2_q4_gemv(torch.randn(1, 64), form.packed, torch.zeros(31))
+    with pytest.raises(ValueError, match="fit fp16"):
+        Int4Avx2(Int4Values(torch.zeros(16, 32, dtype=torch.uint8), torch.full((16, 1), 1e6), torch.zeros(16, 1)))
+
+
+def test_int4_takes_the_avx2_kernel_where_torch_has_no_wider_vectors() -> None:
+    layer = quantize_linear("w4a16_int4", torch.randn(64, 64), None)
+    if avx2_int4_preferred():
+        assert isinstance(layer.quantized, Int4Avx2) and layer.max_rows == AVX2_INT4_MAX_ROWS
+    else:
+        assert isinstance(layer.quantized, Int4WeightOnly)
+
+
 def test_quantized_linear_picks_the_kernel_by_row_count() -> None:
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(64, 64, generator=g), torch.randn(64, generator=g)
@@ -68,7 +127,7 @@ def test_quantized_linear_picks_the_kernel_by_row_count() -> None:
     few = torch.randn(layer.max_rows, 64, generator=g)
     many = torch.randn(layer.max_rows + 1, 64, generator=g)
     assert torch.equal(layer(many, weight, bias), F.linear(many, weight, bias))  # dense above the threshold
-    quantized = layer.quantized.matmul(few) + bias
+    quantized = layer.quantized.matmul(few, bias)
     assert torch.equal(layer(few, weight, bias), quantized)
     assert not torch.allclose(quantized, F.linear(few, weight, bias), atol=1e-3)  # so the two paths differ
 
@@ -165,7 +224,8 @@ def test_tiny_model_served_quantized_matches_transformers(method: str, tiny_llam
         assert all(isinstance(p, QuantizedLinear) for p in layer.packed.values())
         prompts = ["The quick brown fox", "What is the capital of France?", "def add(a, b):"]
         params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-        # one at a time (decode of 1 row: the quantized kernels), then together (3 rows: dense)
+        # one at a time (decode of 1 row: the quantized kernels), then together (3 rows: the int4 kernel on
+        # AVX2 CPUs, else the dense one)
         outs = [engine.generate(p, params) for p in prompts] + engine.generate(prompts, params)
         for i, out in enumerate(outs):
             ids = engine.core.tokenizer(prompts[i % 3])["input_ids"]

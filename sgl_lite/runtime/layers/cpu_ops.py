@@ -31,6 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))  # hashed with the sources
 # -fopenmp: at::parallel_for is inline OpenMP code; the library links libgomp.so.1, which resolves to the
 # copy torch already loaded, so the process keeps one OpenMP thread pool.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -56,7 +57,7 @@ def _cache_dir() -> Path:
 
 def _library_name(flags: list[str]) -> str:
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(flags).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), " ".join(flags).encode(),
                  _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")

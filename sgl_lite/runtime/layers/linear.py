@@ -16,7 +16,11 @@ Weight-only kernels read 2-4x fewer weight bytes, which is what a step with few 
 many rows the matmul is compute bound and the dense (prepacked) kernel wins (measured at SmolLM2-135M's
 shapes on AVX512-BF16: int4/int8 ~1.7-3x faster at 1 row, about even at 8, 0.3-0.6x at 32). So a
 QuantizedLinear keeps the dense weight too and picks per call: the quantized kernel up to
-`max_rows` rows (decode at small batch), the dense one above (prefill, large decode batches).
+`max_rows` rows (decode at small batch), the dense one above (prefill, large decode batches). On a CPU
+without AVX-512, int4 runs on csrc/avx2_q4_gemv.cpp instead of torch's kernel (which is slower there
+than the dense bf16 kernel): 2.0-2.2x the bf16 kernel at 1 row, 0.8-1.3x from 3 to 32 rows, slower above
+(`python scripts/bench_decode_kernels.py`), so it serves every decode batch up to AVX2_INT4_MAX_ROWS rows,
+and a request's tokens get the same bits whatever the batch up to there.
 """
 
 from __future__ import annotations
@@ -28,10 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
-from sgl_lite.runtime.layers.quantization.weight_only import Int4Values, Int4WeightOnly, Int8WeightOnly, QuantizedWeight
+from sgl_lite.runtime.layers.quantization.weight_only import (
+    Int4Avx2,
+    Int4Values,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    QuantizedWeight,
+)
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
+AVX2_INT4_MAX_ROWS = 32
 # Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
 GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
@@ -74,6 +85,17 @@ def gemv_kernel(weight: torch.Tensor) -> str | None:
 def gemv_supported(weight: torch.Tensor) -> bool:
     """Whether a small-row kernel serves `weight` [N, K] (see gemv_kernel)."""
     return gemv_kernel(weight) is not None
+
+
+@functools.cache
+def avx2_int4_preferred() -> bool:
+    """Whether int4 weights run on csrc/avx2_q4_gemv.cpp: on a CPU whose widest vectors are AVX2 (where
+    torch's int4 kernel is the slower one), with the op built."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return False
+    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() and bool(torch.ops.sgl_lite.avx2_q4_gemv_supported())
 
 
 def gemv_max_rows(kernel: str) -> int | None:
@@ -131,8 +153,7 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return linear(x, weight, bias, self.packed_dense)
-        out = self.quantized.matmul(x)
-        return out if bias is None else out + bias
+        return self.quantized.matmul(x, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -154,5 +175,7 @@ def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tenso
         return QuantizedLinear(Int8WeightOnly.quantize(weight, weight.dtype), packed_dense)
     if method == "w4a16_int4":
         values = int4_values if int4_values is not None else Int4Values.quantize(weight)
+        if avx2_int4_preferred():
+            return QuantizedLinear(Int4Avx2(values), packed_dense, AVX2_INT4_MAX_ROWS)
         return QuantizedLinear(Int4WeightOnly(values, weight.dtype), packed_dense)
     raise ValueError(f"unknown quantization {method!r}; expected one of {', '.join(QUANTIZATION_METHODS)}")

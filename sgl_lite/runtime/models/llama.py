@@ -172,14 +172,20 @@ class LlamaDecoderLayer(nn.Module):
         )
 
     def fused_decode_weights(self, rows: int) -> list[torch.Tensor] | None:
-        """The small-row kernel's qkv, o, gate_up and down weights when that kernel is what all four matmuls
-        of a `rows`-row call run (a quantized form hands calls above its own row limit to it too) and RMSNorm
-        has its C++ op; else None, and the layer runs op by op."""
+        """The qkv, o, gate_up and down weights of the kernels that all four matmuls of a `rows`-row call run
+        when the fused layer takes them (a small-row kernel's, or the AVX2 int4 kernel's; a quantized form
+        hands calls above its own row limit to its dense form) and RMSNorm has its C++ op; else None, and
+        the layer runs op by op."""
         if not self.input_layernorm.cpu_op:
             return None
         weights = []
         for form in self.packed.values():
-            if isinstance(form, QuantizedLinear) and rows > form.max_rows:
+            if isinstance(form, QuantizedLinear) and rows <= form.max_rows:
+                if not form.quantized.fused_decode_weight:
+                    return None
+                weights.append(form.quantized.packed)
+                continue
+            if isinstance(form, QuantizedLinear):
                 form = form.packed_dense
             if not isinstance(form, GemvLinear) or not form.takes(rows):
                 return None

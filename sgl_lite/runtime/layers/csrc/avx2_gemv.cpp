@@ -20,7 +20,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,16 +28,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SGL_LITE_HAS_AVX2_FMA 1
-#else
-#define SGL_LITE_HAS_AVX2_FMA 0
-#endif
+#include "avx2_vectors.h"
 
 namespace {
 
-constexpr int64_t kCols = 16;        // output columns per packed run of one k
+using sgl_lite_avx2::kCols;
 constexpr int64_t kMaxTileRows = 6;  // rows of x held in registers at once
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
 constexpr int64_t kPrefetchBytes = 1024;
@@ -59,17 +53,7 @@ inline void load_line(const uint16_t* line, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
 }
 
-inline void store_row(const __m256& y0, const __m256& y1, float* out) {
-  _mm256_storeu_ps(out, y0);
-  _mm256_storeu_ps(out + 8, y1);
-}
-
-inline void store_row(const __m256& y0, const __m256& y1, uint16_t* out) {
-  alignas(32) float wide[kCols];
-  _mm256_store_ps(wide, y0);
-  _mm256_store_ps(wide + 8, y1);
-  for (int64_t c = 0; c < kCols; ++c) out[c] = c10::BFloat16(wide[c]).x;  // round to nearest even
-}
+using sgl_lite_avx2::store_row;
 
 // Rows [0, R) of x (float32) against one 16-column tile `w` ([K][16]), writing out[r][0:16].
 // The loops over R are fully unrolled: else GCC keeps the accumulator arrays in memory and stores all

@@ -1,7 +1,7 @@
 // One Llama decoder layer for a decode step on CPU, as one op: the same ATen calls and sgl_lite ops, in the
-// same order, as LlamaDecoderLayer.forward takes on its decode path (the small-row matmuls, bf16_gemv.cpp
-// or avx2_gemv.cpp by the packed weights' layout, and the paged decode kernel), so the result is
-// bit-identical to it.
+// same order, as LlamaDecoderLayer.forward takes on its decode path (the small-row matmuls, bf16_gemv.cpp,
+// avx2_gemv.cpp or avx2_q4_gemv.cpp by each packed weight's layout, and the paged decode kernel), so the
+// result is bit-identical to it.
 //
 // Why: at batch 1-32 a decode step is ~35 small ops per layer, and each call from Python costs a few
 // microseconds of interpreter and dispatcher time on top of its work - about a quarter of a batch-1 step
@@ -41,8 +41,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     int64_t num_kv_heads, double scale) {
   static const auto bf16_gemv = op<Gemv>("sgl_lite::bf16_gemv");
   static const auto avx2_gemv = op<Gemv>("sgl_lite::avx2_gemv");
-  // AVX512-BF16's weights are packed in pairs along K ([N/16, K/2, 16, 2]), AVX2's are not ([N/16, K, 16])
-  const auto& gemv = qkv_weight.dim() == 4 ? bf16_gemv : avx2_gemv;
+  static const auto avx2_q4_gemv = op<Gemv>("sgl_lite::avx2_q4_gemv");
+  // Each weight's kernel by its packing: AVX512-BF16's weights are in pairs along K ([N/16, K/2, 16, 2]),
+  // AVX2's are not ([N/16, K, 16]), and AVX2's 4-bit blocks are uint8 ([N/16, K/32, 320]).
+  const auto gemv = [&](const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+    if (weight.scalar_type() == at::kByte) return avx2_q4_gemv.call(x, weight, bias);
+    return (weight.dim() == 4 ? bf16_gemv : avx2_gemv).call(x, weight, bias);
+  };
   static const auto norm = op<Norm>("sgl_lite::rms_norm");
   static const auto add_norm = op<AddNorm>("sgl_lite::add_rms_norm");
   static const auto attention = op<Attention>("sgl_lite::paged_decode_attention");
@@ -59,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     normed = norm.call(hidden.contiguous(), input_norm, eps);
     stream = hidden;
   }
-  const at::Tensor qkv = gemv.call(normed, qkv_weight, qkv_bias);
+  const at::Tensor qkv = gemv(normed, qkv_weight, qkv_bias);
   const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim});
   const at::Tensor x1 = qk.slice(-1, 0, half), x2 = qk.slice(-1, half);
   const at::Tensor rotated = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
@@ -68,12 +73,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   k_cache.index_copy_(0, out_cache_loc, k);
   v_cache.index_copy_(0, out_cache_loc, v);
   const at::Tensor attended = attention.call(q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, scale);
-  const at::Tensor projected = gemv.call(attended.reshape({n, q_size}), o_weight, o_bias);
+  const at::Tensor projected = gemv(attended.reshape({n, q_size}), o_weight, o_bias);
   std::tie(normed, stream) = add_norm.call(projected, stream.contiguous(), post_norm, eps);
-  const at::Tensor gate_up = gemv.call(normed, gate_up_weight, c10::nullopt);
+  const at::Tensor gate_up = gemv(normed, gate_up_weight, c10::nullopt);
   const int64_t inter = gate_up.size(1) / 2;
   const at::Tensor act = at::silu(gate_up.slice(1, 0, inter)) * gate_up.slice(1, inter);
-  return {gemv.call(act.contiguous(), down_weight, c10::nullopt), stream};
+  return {gemv(act.contiguous(), down_weight, c10::nullopt), stream};
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
   once by `aten._convert_weight_to_int4pack_for_cpu` and multiplied by
   `aten._weight_int4pack_mm_for_cpu`, whose per-group pair is (scale, zero) with
   w = (q - 8) * scale + zero, so zero = min + 8 * scale.
+- Int4Avx2: the same values for sgl_lite's own kernel (layers/csrc/avx2_q4_gemv.cpp), which keeps each
+  group's scale and min as fp16 (as GGUF does) and is the faster of the two on CPUs without AVX-512.
 
 `Int8WeightOnly.dequantize()` and `Int4Values.dequantize()` give the float32 weight the kernels
 compute with (up to the cast of the scales to the activations' dtype): the tests' reference.
@@ -25,6 +27,8 @@ _INT4_INNER_K_TILES = 1  # the CPU kernel's only packing parameter; its layout i
 class Int8WeightOnly:
     """[N, K] int8 weight with one scale per output row."""
 
+    fused_decode_weight = False  # csrc/decode_layer.cpp cannot call its kernel
+
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         if weight.dtype != torch.int8 or weight.dim() != 2 or scales.shape != (weight.shape[0],):
             raise ValueError(f"int8 weight [N, K] with scales [N] expected; got {tuple(weight.shape)} "
@@ -42,8 +46,9 @@ class Int8WeightOnly:
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scales)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return out if bias is None else out + bias
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
@@ -76,14 +81,15 @@ class Int4Values:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Values:
-        """Per group: min and max map to 0 and 15 (Q4_1's scheme), round to nearest in between."""
+        """Per group: min and max map to 0 and 15 (Q4_1's scheme), round to nearest in between; scales and
+        mins are fp16 values, as Q4_1 stores them."""
         w = weight.detach().float()
         n, k = w.shape
         if k % INT4_GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}; got {k}")
         groups = w.reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-        mins, maxs = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = (maxs - mins) / 15.0
+        mins, maxs = groups.amin(dim=-1).half().float(), groups.amax(dim=-1)
+        scales = ((maxs - mins) / 15.0).half().float()
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round((groups - mins[..., None]) / safe[..., None]).clamp(0, 15).reshape(n, k)
         return cls(q.to(torch.uint8), scales, mins)
@@ -103,6 +109,8 @@ class Int4Values:
 class Int4WeightOnly:
     """Int4Values packed for the CPU kernel; scales and zeros in the activations' dtype."""
 
+    fused_decode_weight = False  # csrc/decode_layer.cpp cannot call its kernel
+
     def __init__(self, values: Int4Values, dtype: torch.dtype) -> None:
         n, k = values.q.shape
         self.out_features, self.in_features = n, k
@@ -113,13 +121,52 @@ class Int4WeightOnly:
         pairs = torch.cat([pairs, pairs.new_zeros(pad, *pairs.shape[1:])])
         self.scales_and_zeros = pairs.transpose(0, 1).contiguous().to(dtype)  # [G, N_padded, 2]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+        out = out if out.shape[1] == self.out_features else out[:, : self.out_features]
+        return out if bias is None else out + bias
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
-QuantizedWeight = Int8WeightOnly | Int4WeightOnly
+class Int4Avx2:
+    """Int4Values packed for csrc/avx2_q4_gemv.cpp: uint8 [N/16, K/32, 320] blocks of 16 output columns x 32
+    k, each 32 lines of 8 bytes (column j's q in the low nibble of byte j, column j + 8's in the high one)
+    followed by the 16 columns' scales and mins as fp16. Rows are padded to a multiple of 16."""
+
+    def __init__(self, values: Int4Values) -> None:
+        n, k = values.q.shape
+        self.out_features, self.in_features = n, k
+        pad = -n % 16
+        q = torch.cat([values.q, values.q.new_zeros(pad, k)]) if pad else values.q
+        tiles, groups = q.shape[0] // 16, k // INT4_GROUP_SIZE
+        q = q.reshape(tiles, 16, groups, INT4_GROUP_SIZE).permute(0, 2, 3, 1)  # [tile, group, k, column]
+        lines = q[..., :8] | (q[..., 8:] << 4)  # [tile, group, 32, 8]
+
+        def per_block(values: torch.Tensor) -> torch.Tensor:  # [N, G] -> fp16 bytes [tile, group, 32]
+            half = torch.cat([values, values.new_zeros(pad, groups)]).half()
+            if not torch.isfinite(half).all():
+                raise ValueError("int4 scales and mins must fit fp16")
+            return half.reshape(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+        self.packed = torch.cat([lines.reshape(tiles, groups, -1), per_block(values.scales), per_block(values.mins)],
+                                dim=-1).contiguous()
+        # csrc/decode_layer.cpp calls the kernel on `packed` itself (unpadded: its outputs are not sliced)
+        self.fused_decode_weight = pad == 0
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The bias is added inside the kernel, before rounding, as csrc/decode_layer.cpp does."""
+        padded = self.packed.shape[0] * 16
+        if bias is not None and padded != self.out_features:
+            bias = torch.cat([bias, bias.new_zeros(padded - self.out_features)])
+        out = torch.ops.sgl_lite.avx2_q4_gemv(x.contiguous(), self.packed, bias)
+        return out if padded == self.out_features else out[:, : self.out_features]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+QuantizedWeight = Int8WeightOnly | Int4WeightOnly | Int4Avx2
