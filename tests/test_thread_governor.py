@@ -93,3 +93,45 @@ def test_a_hopeless_probe_postpones_the_count_everywhere():
     assert governor.groups[4].current == 1 and governor.groups[9].current == 1
     chosen = _drive(governor, 300, {2: 3.000, 1: 0.200}, 40)
     assert 2 not in chosen  # the prefill size does not pay for its own stalled probe
+
+
+def _drive_with_cpu(governor: ThreadGovernor, num_tokens: int, seconds: dict[int, float], busy: dict[int, float],
+                    forwards: int) -> list[int]:
+    """As _drive, with the process's CPU time per forward: `busy[threads]` x threads x its wall time."""
+    chosen = []
+    for _ in range(forwards):
+        threads = governor.choose(num_tokens)
+        governor.record(num_tokens, threads, seconds[threads], busy[threads] * threads * seconds[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    free = {2: 0.99, 1: 1.0}
+    for _ in range(40):  # a free box: both sizes on two threads, their CPU time ~2x their wall time
+        _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        _drive_with_cpu(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+    assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
+    # a neighbour takes a core: the very next forward runs at 0.7 of two threads' CPU time
+    chosen = _drive_with_cpu(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.7, 1: 1.0}, 2)
+    assert chosen == [2, 1]
+    assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
+    assert governor.choose(5000) == 1  # sizes not seen yet start there too
+
+
+def test_a_starved_first_forward_of_a_size_falls_at_once_and_two_threads_come_back_when_free():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
+    chosen = _drive_with_cpu(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.6, 1: 1.0}, 3)
+    assert chosen == [2, 1, 1]  # no verdict to compare with: the CPU time alone decides
+    chosen = _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.99, 1: 1.0}, 60)  # the neighbour left
+    assert chosen[-20:].count(2) >= 16
+
+
+def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.99, 1: 1.0}, 40)
+    assert governor.groups[4].current == 2
+    # threads that wait on memory or a short serial stretch also lower the CPU share; the time did not suffer
+    chosen = _drive_with_cpu(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.8, 1: 1.0}, 20)
+    assert chosen.count(2) >= 16
