@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_lite.runtime.managers.ngram_proposer import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MAX_FAILED_DRAFTS, NgramProposer, draft_token_cost,
-                                                      longest_suffix_match, worth_length)
+from sgl_lite.runtime.managers.ngram_proposer import MAX_FAILED_DRAFTS, NgramProposer, StepDrafts, longest_suffix_match, worth_length
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.managers.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, draft_token_cost
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.sampler import Sampler
 from sgl_lite.runtime.sampling.speculative import verify_drafts
@@ -78,10 +78,10 @@ def test_draft_length_follows_acceptance_and_failing_requests_back_off() -> None
     for _ in range(4):
         proposer.record(req, 8, 8)  # a request that keeps copying drafts the cap at batch 1...
     assert len(proposer.propose(req, limit=40)) == 8 > first
-    assert len(proposer.propose(req, limit=40, batch_size=64)) < 8  # ...and less in a big batch
+    assert len(proposer.propose(req, limit=40, step=StepDrafts(64))) < 8  # ...and less in a big batch
     for _ in range(3):
         proposer.record(req, 8, 1)  # mostly rejected: shorter drafts
-    assert 0 < len(proposer.propose(req, limit=40, batch_size=8)) < 8
+    assert 0 < len(proposer.propose(req, limit=40, step=StepDrafts(8))) < 8
     for _ in range(MAX_FAILED_DRAFTS):
         proposer.record(req, 1, 0)
     assert proposer.propose(req, limit=10) == []  # backing off

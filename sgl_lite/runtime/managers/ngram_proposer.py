@@ -9,15 +9,18 @@ window) that also ends at an earlier position e < L, the latest such e, and prop
 Work per proposal is a few vectorized numpy passes over the request's tokens (no per-token Python),
 kept in a per-request buffer that grows by the new outputs only.
 
-How long a draft is worth verifying (`worth_length`): the j-th draft token is used only if the j - 1
-before it were accepted, so with a per-token acceptance chance `a` it is accepted with probability a^j.
-Verifying it costs one more query row of the step (its matmul rows, its logits, its attention), a
-fraction `draft_token_cost(B)` of a step of B decode rows: small at batch 1, where a decode step is
-bound by reading the weights, and growing with B, as the step becomes bound by arithmetic. A draft token
-pays when a^j exceeds that fraction, so the draft is cut at the last j where it does: long drafts for a
-request that keeps copying at batch 1, short or none at batch 16-32. `a` is each request's own
-acceptance history (recent drafts weigh most), and a request whose drafts keep failing outright stops
-drafting for a while (exponential back-off), so a workload that copies nothing costs almost nothing.
+How long a draft is worth verifying: the j-th draft token is used only if the j - 1 before it were
+accepted, so with a per-token acceptance chance `a` it is accepted with probability a^j, while it costs
+the step one more query row. Throughput is a step's expected tokens over its time, so the draft length
+chosen is the one that maximizes that (`measured_worth_length`), with the step's time read from the
+runtime's own forwards (step_cost.py) at the rows the step will really have: its decode rows, the drafts
+already granted to the requests before this one in the step (`StepDrafts`), and this draft. On a CPU the
+first few rows of a step cost little (it reads all the weights anyway) and the ones beyond much more,
+so drafts come out long at batch 1 and short or none in a big batch. Until enough forwards are measured, the fixed
+prior decides (`worth_length`: the last j with a^j > step_cost.draft_token_cost(B)). `a` is each
+request's own acceptance history (recent drafts weigh most), and a request whose drafts keep failing
+outright stops drafting for a while (exponential back-off), so a workload that copies nothing costs
+almost nothing.
 """
 
 from __future__ import annotations
@@ -29,21 +32,13 @@ import numpy as np
 
 from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.managers.step_cost import StepCost, draft_token_cost
 
 # Back-off when acceptance is poor: after this many consecutive fully rejected drafts, skip drafting for
 # BACKOFF_START steps, doubling each time it happens again (up to BACKOFF_MAX); an accepted draft resets it.
 MAX_FAILED_DRAFTS = 3
 BACKOFF_START = 4
 BACKOFF_MAX = 256
-
-# The cost of one draft token as a fraction of a one-request decode step (DRAFT_TOKEN_STEP_COST), and what
-# each decode row adds to a step (DECODE_ROW_STEP_COST), both relative to a one-request step. Measured
-# on the project's CPU box with the default model, bf16 (`python scripts/bench_speculative.py --step-cost`,
-# 2026-11-24 04:10, load ~1): a draft token (its matmul rows, its lm_head row, one decode-kernel query)
-# costs 0.52 ms and a decode row 0.58 ms, against a 9.5 ms one-request step. Both scale with the model as
-# the step does, so the fractions carry over roughly; they are a policy, not an exact cost.
-DRAFT_TOKEN_STEP_COST = 0.055
-DECODE_ROW_STEP_COST = 0.06
 
 # Acceptance estimate: a Beta-like prior of PRIOR_ACCEPTED accepted out of PRIOR_TRIED tried draft tokens,
 # plus the request's own history, older drafts' counts multiplied by HISTORY_DECAY at each new draft.
@@ -52,20 +47,52 @@ PRIOR_TRIED = 2.0
 HISTORY_DECAY = 0.5
 
 
-def draft_token_cost(batch_size: int) -> float:
-    """One draft token's verification cost as a fraction of a step of `batch_size` decode rows."""
-    return batch_size * DRAFT_TOKEN_STEP_COST / (1.0 + batch_size * DECODE_ROW_STEP_COST)
-
-
 def worth_length(accept_chance: float, batch_size: int, cap: int) -> int:
-    """The longest draft (at most `cap`) whose last token still pays for itself: largest j with
-    accept_chance ** j > draft_token_cost(batch_size); 0 when even the first does not."""
+    """The prior's rule, until step times are measured: the longest draft (at most `cap`) whose last token
+    still pays for itself, the largest j with accept_chance ** j > draft_token_cost(batch_size); 0 when
+    even the first does not."""
     cost = draft_token_cost(batch_size)
     if cost >= 1.0 or accept_chance <= cost:
         return 0
     if accept_chance >= 1.0:
         return cap
     return min(cap, math.ceil(math.log(cost) / math.log(accept_chance)) - 1)
+
+
+def measured_worth_length(accept_chance: float, cap: int, step: StepDrafts, step_times: list[float]) -> int:
+    """The draft length j <= cap that maximizes the step's expected tokens per second,
+    (step.expected_tokens + a + a^2 + ... + a^j) / step_times[step.rows + j]; 0 when no draft raises it.
+    A whole-curve comparison, not a per-token threshold: step times are flat over a few rows, then rise."""
+    best, best_rate = 0, step.expected_tokens / step_times[step.rows]
+    tokens, chance = step.expected_tokens, 1.0
+    for j in range(1, cap + 1):
+        chance *= accept_chance
+        tokens += chance
+        rate = tokens / step_times[step.rows + j]
+        if rate > best_rate:
+            best, best_rate = j, rate
+    return best
+
+
+@dataclass
+class StepDrafts:
+    """One decode step's drafts granted so far, the scheduler visiting its requests in order: the step's
+    query rows (a row per request plus each draft token) and the tokens it is expected to emit (one per
+    request plus each draft's expected accepted tokens)."""
+
+    batch_size: int
+    rows: int = field(init=False)
+    expected_tokens: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = self.batch_size
+        self.expected_tokens = float(self.batch_size)
+
+    def add(self, length: int, accept_chance: float) -> None:
+        self.rows += length
+        # a + a^2 + ... + a^length: token i is accepted only if the ones before it were
+        a = accept_chance
+        self.expected_tokens += length if a >= 1.0 else a * (1.0 - a**length) / (1.0 - a)
 
 
 @dataclass
@@ -147,17 +174,34 @@ class NgramProposer:
         self.num_accepted_total = 0
         self.pool = NgramPool(pool_capacity) if pool_capacity > 0 else None
         self.num_pool_drafts = 0  # drafts that came from the pool
+        self.step_cost = StepCost()  # the scheduler records its decode forwards here
 
-    def propose(self, req: Req, limit: int, batch_size: int = 1) -> list[int]:
-        """Draft tokens following `req`'s tokens (at most `limit`, and only as many as are worth
-        verifying in a step of `batch_size` decode rows), or []."""
+    def propose(self, req: Req, limit: int, step: StepDrafts | None = None) -> list[int]:
+        """Draft tokens following `req`'s tokens (at most `limit`, only as many as are worth verifying in
+        `step` (default: a step of this request alone), and none its grammar forbids), or []. The draft
+        is added to `step`, so the requests visited after this one see the rows it takes."""
+        step = StepDrafts(1) if step is None else step
         state: NgramState | None = req.spec_state
         if state is None:
             state = req.spec_state = NgramState()
         if state.skip_steps > 0:
             state.skip_steps -= 1
             return []
-        limit = min(limit, worth_length(state.accept_chance, batch_size, self.num_draft_tokens))
+        draft = self._draft(req, state, self._worth_length(state.accept_chance, step, min(limit, self.num_draft_tokens)))
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
+        step.add(len(draft), state.accept_chance)
+        return draft
+
+    def _worth_length(self, accept_chance: float, step: StepDrafts, cap: int) -> int:
+        if cap <= 0:
+            return 0
+        if not self.step_cost.measured:
+            return worth_length(accept_chance, step.batch_size, cap)
+        return measured_worth_length(accept_chance, cap, step, self.step_cost.step_times(step.rows + cap))
+
+    def _draft(self, req: Req, state: NgramState, limit: int) -> list[int]:
+        """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool."""
         if limit <= 0:
             return []
         tokens = state.sync(req)
@@ -205,10 +249,14 @@ class NgramProposer:
 
     def stats(self) -> dict[str, float]:
         drafted = self.num_draft_tokens_total
+        cost, rows = self.step_cost, self.step_cost.last_rows
         return {
             "spec_num_drafts": self.num_drafts,
             "spec_draft_tokens": drafted,
             "spec_accepted_tokens": self.num_accepted_total,
             "spec_accept_rate": self.num_accepted_total / drafted if drafted else 0.0,
             "spec_pool_drafts": self.num_pool_drafts,
+            # The measured step time at the latest decode step's rows and what one more row adds (0: prior)
+            "spec_step_ms": 1e3 * cost.step_times(rows)[rows] if cost.measured else 0.0,
+            "spec_row_ms": 1e3 * cost.row_cost(rows),
         }

@@ -185,11 +185,14 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         if batch is not None:
             self.num_forward_steps += 1
             self.metrics.on_batch(self, batch, num_prefill)
+            start = time.perf_counter()
             try:
                 output = self.runner.forward(batch)
             except Exception as e:  # a failed forward costs the requests of its batch, not the runtime
                 self._fail_batch(batch, e, changed)
             else:
+                if num_prefill == 0 and self.proposer is not None:  # the draft-length policy's step costs
+                    self.proposer.step_cost.record(batch.num_tokens, time.perf_counter() - start)
                 # A mixed batch (--enable-mixed-chunk) has the running requests' decode rows after its prefill rows.
                 self._process_decode(batch, output, changed, start=num_prefill)
                 if not batch.is_decode:

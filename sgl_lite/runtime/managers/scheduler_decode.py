@@ -3,7 +3,8 @@
 `DecodeScheduling` is a mixin of `Scheduler` (scheduler.py), which owns every attribute it reads and
 writes. `_decode_batch` makes room for one more token per running request (retracting the requests
 with the fewest outputs when free + evictable slots cannot hold them, SGLang's retract_decode) and,
-with `--speculative-algorithm ngram`, attaches n-gram drafts (ngram_proposer.py) that fit in free slots.
+with `--speculative-algorithm ngram`, attaches n-gram drafts (ngram_proposer.py) that fit in free slots,
+each as long as it pays in a step of the rows the drafts before it already take (`StepDrafts`).
 `_process_decode` appends each row's token, or a verified draft's accepted tokens up to a stop, freeing
 the slots of the draft positions it rejected.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sgl_lite.runtime.managers.ngram_proposer import StepDrafts
 from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, retraction_order
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
@@ -49,6 +51,7 @@ class DecodeScheduling(_Base):
         the free slots cannot hold them: drafts never evict cached prefixes."""
         assert self.proposer is not None
         drafts = []
+        step = StepDrafts(len(self.running))
         for req in self.running:
             params = req.sampling_params
             # Requests whose next-token distribution depends on the tokens before it in ways the
@@ -59,10 +62,7 @@ class DecodeScheduling(_Base):
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
             limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            draft = self.proposer.propose(req, limit, len(self.running)) if plain and limit > 0 else []
-            if draft and req.grammar is not None:
-                draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
-            drafts.append(draft)
+            drafts.append(self.proposer.propose(req, limit, step) if plain and limit > 0 else [])
         if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
             return None
         return drafts
