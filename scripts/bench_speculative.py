@@ -10,7 +10,7 @@ the two systems alternate per measurement so that drift on a shared box hits bot
 outputs of the two systems are compared token by token (they must be identical).
 
 Usage: python scripts/bench_speculative.py [--concurrency 1 8 32] [--max-new-tokens 64] [--out artifacts/bench_speculative.json]
-       python scripts/bench_speculative.py --step-cost   (the cost constants of the draft-length policy)
+       python scripts/bench_speculative.py --step-cost   (step time by rows: the draft-length policy's prior and its online estimate)
 """
 
 from __future__ import annotations
@@ -118,9 +118,11 @@ def measure(engine: Engine, workload: str, data, params: dict, concurrency: int)
 
 
 def step_cost(model: str, dtype: str) -> None:
-    """What the draft-length policy's constants (ngram_proposer.DRAFT_TOKEN_STEP_COST, DECODE_ROW_STEP_COST)
-    stand for: ms per decode step with B rows each verifying k forced (always rejected) draft tokens,
-    best of 3, and the two costs relative to a one-request step."""
+    """Ms per decode step with B rows each verifying k forced (always rejected) draft tokens, best of 3,
+    and what a draft token and a decode row cost relative to a one-request step: what the draft-length
+    policy's prior (step_cost.DRAFT_TOKEN_STEP_COST, DECODE_ROW_STEP_COST) stands for, the costs it
+    uses until the runtime has timed its own decode forwards. Then the runtime's online estimate after
+    these steps (step_cost.StepCost: ms by query rows), to compare with the timings above."""
     engine = Engine(model_path=model, dtype=dtype, max_running_requests=16, speculative_algorithm="ngram",
                     speculative_num_draft_tokens=8, log_level="warning")
     scheduler = engine.core.scheduler
@@ -130,7 +132,7 @@ def step_cost(model: str, dtype: str) -> None:
     ms: dict[tuple[int, int], float] = {}
     for batch in (1, 8, 16):
         for k in (0, 4):
-            proposer.propose = lambda req, limit, batch_size=1, k=k: [7] * min(k, limit)
+            proposer.propose = lambda req, limit, step=None, k=k: [7] * min(k, limit)
             best = float("inf")
             for rep in range(3):
                 steps = scheduler.stats()["num_forward_steps"]
@@ -140,7 +142,9 @@ def step_cost(model: str, dtype: str) -> None:
                 best = min(best, (time.perf_counter() - start) / (scheduler.stats()["num_forward_steps"] - steps))
             ms[batch, k] = best * 1e3
             print(f"rows {batch:2d}, draft tokens per row {k}: {ms[batch, k]:.1f} ms/step")
+    estimate = ", ".join(f"{rows:.0f}: {1e3 * seconds:.1f}" for rows, seconds in proposer.step_cost.points())
     engine.shutdown()
+    print(f"online estimate, ms by query rows: {estimate}")
     draft = sum((ms[b, 4] - ms[b, 0]) / (4 * b) for b in (1, 8, 16)) / 3
     row = (ms[16, 0] - ms[1, 0]) / 15
     print(f"draft token {draft:.2f} ms = {draft / ms[1, 0]:.3f} of a one-request step; "
@@ -158,7 +162,8 @@ def main() -> None:
     parser.add_argument("--ngram-capacity", type=int, default=0, help="--speculative-ngram-capacity: the shared pool of recent outputs (0: none)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
     parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
-    parser.add_argument("--step-cost", action="store_true", help="only measure what a draft token and a decode row add to a step")
+    parser.add_argument("--step-cost", action="store_true", help="only measure what a draft token and a decode row add to a step (the draft-length policy's prior) "
+                        "and print the runtime's online estimate of step time by rows")
     args = parser.parse_args()
     if args.step_cost:
         step_cost(args.model, args.dtype)
