@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from sgl_lite.runtime.model_executor.run_queue import RunQueueWait
 from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
 
 
@@ -95,26 +100,26 @@ def test_a_hopeless_probe_postpones_the_count_everywhere():
     assert 2 not in chosen  # the prefill size does not pay for its own stalled probe
 
 
-def _drive_with_cpu(governor: ThreadGovernor, num_tokens: int, seconds: dict[int, float], busy: dict[int, float],
-                    forwards: int) -> list[int]:
-    """As _drive, with the process's CPU time per forward: `busy[threads]` x threads x its wall time."""
+def _drive_with_waits(governor: ThreadGovernor, num_tokens: int, seconds: dict[int, float], waits: dict[int, float],
+                      forwards: int) -> list[int]:
+    """As _drive, with the threads' run-queue wait per forward: `waits[threads]` x its wall time."""
     chosen = []
     for _ in range(forwards):
         threads = governor.choose(num_tokens)
-        governor.record(num_tokens, threads, seconds[threads], busy[threads] * threads * seconds[threads])
+        governor.record(num_tokens, threads, seconds[threads], waits[threads] * seconds[threads])
         chosen.append(threads)
     return chosen
 
 
 def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
-    free = {2: 0.99, 1: 1.0}
-    for _ in range(40):  # a free box: both sizes on two threads, their CPU time ~2x their wall time
-        _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_cpu(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+    free = {2: 0.05, 1: 0.0}
+    for _ in range(40):  # a free box: both sizes on two threads, which hardly wait for a CPU
+        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
-    # a neighbour takes a core: the very next forward runs at 0.7 of two threads' CPU time
-    chosen = _drive_with_cpu(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.7, 1: 1.0}, 2)
+    # a neighbour takes a core: the very next forward's threads wait 60% of its time for a CPU
+    chosen = _drive_with_waits(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.6, 1: 0.0}, 2)
     assert chosen == [2, 1]
     assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
     assert governor.choose(5000) == 1  # sizes not seen yet start there too
@@ -122,16 +127,35 @@ def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
 
 def test_a_starved_first_forward_of_a_size_falls_at_once_and_two_threads_come_back_when_free():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-    chosen = _drive_with_cpu(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.6, 1: 1.0}, 3)
-    assert chosen == [2, 1, 1]  # no verdict to compare with: the CPU time alone decides
-    chosen = _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.99, 1: 1.0}, 60)  # the neighbour left
+    chosen = _drive_with_waits(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.6, 1: 0.1}, 3)
+    assert chosen == [2, 1, 1]  # no verdict to compare with: the wait alone decides
+    chosen = _drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
     assert chosen[-20:].count(2) >= 16
 
 
 def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
-    _drive_with_cpu(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.99, 1: 1.0}, 40)
+    _drive_with_waits(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.0, 1: 0.0}, 40)
     assert governor.groups[4].current == 2
-    # threads that wait on memory or a short serial stretch also lower the CPU share; the time did not suffer
-    chosen = _drive_with_cpu(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.8, 1: 1.0}, 20)
+    # a mild neighbour: the threads wait now and then, but the forwards are as fast as before
+    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.4, 1: 0.0}, 20)
     assert chosen.count(2) >= 16
+
+
+def test_the_run_queue_wait_of_this_process_is_read_and_grows_under_contention():
+    clock = RunQueueWait()
+    if not clock.available:
+        pytest.skip("no /proc/self/task/*/schedstat here")
+    first = clock.seconds()
+    assert first is not None and first >= 0.0
+    # more busy processes than cores, this one among them: it must wait for a CPU now and then
+    hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        deadline = time.perf_counter() + 1.0
+        while time.perf_counter() < deadline:
+            pass
+    finally:
+        for hog in hogs:
+            hog.kill()
+    assert clock.seconds() > first
+    clock.close()

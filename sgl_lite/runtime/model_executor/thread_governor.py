@@ -22,16 +22,13 @@ on a free box do not drag each other back and forth), a hopeless probe postpones
 every group on the same count, and a group seen for the first time starts from the latest verdict:
 rare sizes - large prefills - would otherwise each pay for the discovery.
 
-A forward's own CPU time says at once when a core was taken: on a free box a forward on n threads burns
-~n x its wall time (the threads compute or spin at the barriers; measured 1.81-2.06x on 2 threads), and
-when one thread loses its core for part of it, less (1.28-1.49x with a neighbour spinning on one core).
-Such a starved forward (under STARVED x n) on a group with no verdict yet, or slower than _SLOWDOWN x its
-verdict, moves every group to one thread right away, without waiting for probes: with a busy neighbour,
-two-thread forwards in serving took up to 24x their one-thread time, and each group discovering that by
-itself cost a whole benchmark run's worth of stalled forwards. The usual probes bring two threads back
-when they win again.
-
-Invariant: `choose` and `record` are called in pairs, from the one thread that runs forwards.
+A core taken shows at once in how long the forward's threads waited for a CPU (run_queue.py): on a free
+box a two-thread decode forward's threads waited 0-13% of its wall time, with a neighbour spinning on one
+core 45-89%. Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
+yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread right away, without waiting
+for probes: with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
+and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
+usual probes bring two threads back when they win again.
 """
 
 from __future__ import annotations
@@ -47,13 +44,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_lite.runtime.model_executor.run_queue import RunQueueWait
+
 logger = logging.getLogger(__name__)
 
 _WINDOW = 5  # forward times kept per (group, thread count): medians of 5 shrug off one outlier
 _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
 _SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
 _HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
-STARVED = 0.85  # a forward whose CPU time is under this x threads x wall time ran with a core taken
+STARVED_WAIT = 0.3  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
 
 
 @dataclass
@@ -80,6 +79,7 @@ class ThreadGovernor:
     groups: dict[int, _Group] = field(default_factory=dict)
     latest_verdict: int = 0  # the thread count the latest finished probe chose (0: none yet, use max_threads)
     forwards_by_threads: dict[int, int] = field(default_factory=dict)
+    run_queue: RunQueueWait = field(default_factory=RunQueueWait)
 
     @classmethod
     def for_this_process(cls) -> ThreadGovernor | None:
@@ -103,16 +103,16 @@ class ThreadGovernor:
         torch.set_num_threads(threads)
         return threads
 
-    def record(self, num_tokens: int, threads: int, seconds: float, cpu_seconds: float | None = None) -> None:
-        """Account one forward of `num_tokens` tokens that took `seconds` on `threads` threads, and
-        `cpu_seconds` of the process's CPU time when known."""
+    def record(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float | None = None) -> None:
+        """Account one forward of `num_tokens` tokens that took `seconds` on `threads` threads, during which
+        the process's threads waited `waited_seconds` for a CPU when known (run_queue.py)."""
         group = self.groups[num_tokens.bit_length()]
         group.times.setdefault(threads, deque(maxlen=_WINDOW)).append(seconds)
         self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
         mine_window = group.times.get(group.current)
-        starved = threads > 1 and cpu_seconds is not None and cpu_seconds < STARVED * threads * seconds
+        starved = threads > 1 and waited_seconds is not None and waited_seconds > STARVED_WAIT * seconds
         if starved and threads == group.current and (not group.verdict_seconds or seconds > _SLOWDOWN * group.verdict_seconds):
-            self._fall_to_one_thread(num_tokens, threads, seconds, cpu_seconds)
+            self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds)
             return
         if threads == group.current:
             group.since_probe += 1
@@ -153,10 +153,10 @@ class ThreadGovernor:
         group.verdict_seconds = min(mine, theirs)
         self.latest_verdict = group.current
 
-    def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, cpu_seconds: float) -> None:
+    def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float) -> None:
         """A core was taken during a forward: every group runs on one thread from the next forward on."""
-        logger.info("threads: a %d-token forward on %d threads had %.2f CPU-seconds per second (a core is taken): "
-                    "every forward now runs on 1 thread", num_tokens, threads, cpu_seconds / seconds)
+        logger.info("threads: a %d-token forward on %d threads waited %.0f%% of its %.1f ms for a CPU (a core is taken): "
+                    "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3)
         for group in self.groups.values():
             group.current, group.probing, group.since_probe = 1, 0, 0
             group.probe_interval, group.verdict_seconds = self.min_probe_interval, 0.0
@@ -164,11 +164,13 @@ class ThreadGovernor:
 
     @contextmanager
     def forward(self, num_tokens: int) -> Iterator[int]:
-        """Run the body on the chosen thread count and record how long it took, in wall and CPU time."""
+        """Run the body on the chosen thread count and record how long it took and how long its threads
+        waited for a CPU."""
         threads = self.choose(num_tokens)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, waited = time.perf_counter(), self.run_queue.seconds()
         yield threads
-        self.record(num_tokens, threads, time.perf_counter() - start, time.process_time() - cpu_start)
+        seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds()
+        self.record(num_tokens, threads, seconds, None if waited is None or waited_after is None else max(0.0, waited_after - waited))
 
     def summary(self) -> dict[str, object]:
         """Current thread count per group (keyed by the group's smallest token count) and forwards per count."""
