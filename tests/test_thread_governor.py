@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from sgl_lite.runtime.model_executor.run_queue import RunQueueWait
+from sgl_lite.runtime.model_executor.run_queue import RunQueueWait, forward_thread_ids
 from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
 
 
@@ -142,13 +143,16 @@ def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
     assert chosen.count(2) >= 16
 
 
-def test_the_run_queue_wait_of_this_process_is_read_and_grows_under_contention():
+def test_the_run_queue_wait_of_the_forward_threads_is_read_and_grows_under_contention():
     clock = RunQueueWait()
     if not clock.available:
         pytest.skip("no /proc/self/task/*/schedstat here")
+    ids = forward_thread_ids()
+    assert threading.get_native_id() in ids and all(os.path.exists(f"/proc/self/task/{tid}") for tid in ids)
+    clock.watch(ids)
     first = clock.seconds()
     assert first is not None and first >= 0.0
-    # more busy processes than cores, this one among them: it must wait for a CPU now and then
+    # more busy processes than cores, this thread among them: it must wait for a CPU now and then
     hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         deadline = time.perf_counter() + 1.0

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_lite.runtime.model_executor.run_queue import RunQueueWait
+from sgl_lite.runtime.model_executor.run_queue import RunQueueWait, forward_thread_ids
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
 _SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
 _HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
 STARVED_WAIT = 0.3  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
+_REWATCH_EVERY = 256  # multi-threaded forwards between looks at which threads run them
 
 
 @dataclass
@@ -167,6 +168,8 @@ class ThreadGovernor:
         """Run the body on the chosen thread count and record how long it took and how long its threads
         waited for a CPU."""
         threads = self.choose(num_tokens)
+        if threads > 1 and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
+            self.run_queue.watch(forward_thread_ids())  # the pool's threads rarely change: look again now and then
         start, waited = time.perf_counter(), self.run_queue.seconds()
         yield threads
         seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds()
