@@ -138,8 +138,8 @@ def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
     _drive_with_waits(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.0, 1: 0.0}, 40)
     assert governor.groups[4].current == 2
-    # a mild neighbour: the threads wait now and then, but the forwards are as fast as before
-    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.4, 1: 0.0}, 20)
+    # the threads wait for a CPU, but the forwards are as fast as before: nothing to gain from one thread
+    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.6, 1: 0.0}, 20)
     assert chosen.count(2) >= 16
 
 
