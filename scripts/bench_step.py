@@ -73,7 +73,7 @@ class PhaseTimer:
         return out
 
 
-def build_core(model: str, dtype: str, pool_tokens: int, max_running: int, quantization: str | None) -> RuntimeCore:
+def build_core(model: str, dtype: str, pool_tokens: int, max_running: int, quantization: str | None = None) -> RuntimeCore:
     folder = loader.resolve_model_path(model)
     args = ServerArgs(model_path=model, dtype=dtype, device="cpu", max_total_tokens=pool_tokens,
                       max_running_requests=max_running, quantization=quantization)

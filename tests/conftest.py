@@ -55,3 +55,13 @@ def tiny_backend(tiny_tokenizer):
     backend = GrammarBackend(tiny_tokenizer, len(tiny_tokenizer) + 32, eos_token_ids=[tiny_tokenizer.eos_token_id])
     yield backend
     backend.shutdown()
+
+
+@pytest.fixture
+def draft_lengths_from_the_prior(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative tests about verification, not about the draft-length policy: draft lengths come from the
+    fixed prior, as on a fresh runtime. The measured step times of a loaded CI box may otherwise find drafts
+    not worth verifying, and a test that needs drafts would then see none (test_step_cost.py tests the policy)."""
+    from sgl_lite.runtime.managers.step_cost import StepCost
+
+    monkeypatch.setattr(StepCost, "measured", property(lambda self: False))

@@ -18,6 +18,9 @@ from sgl_lite.runtime.sampling.speculative import verify_drafts
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
+# Tests of verification, not of the draft-length policy (conftest.py).
+pytestmark = pytest.mark.usefixtures("draft_lengths_from_the_prior")
+
 # ---------------------------------------------------------------- the drafter
 
 

@@ -14,6 +14,9 @@ from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.grammar import apply_draft_grammar_masks, apply_grammar_masks
 from sgl_lite.runtime.server.engine import Engine
 
+# Tests of verification, not of the draft-length policy (conftest.py).
+pytestmark = pytest.mark.usefixtures("draft_lengths_from_the_prior")
+
 DIGITS = r"[0-9]{3}-[0-9]{3}"
 
 

@@ -12,6 +12,9 @@ from sgl_lite.http.metrics import RuntimeStatsCollector
 from sgl_lite.http.sglang_metrics import SglangMetrics
 from sgl_lite.runtime.server.engine import Engine
 
+# Tests of verification, not of the draft-length policy (conftest.py).
+pytestmark = pytest.mark.usefixtures("draft_lengths_from_the_prior")
+
 
 def scrape(stats: dict) -> dict[str, float]:
     registry = CollectorRegistry()

@@ -12,6 +12,9 @@ from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine
 
+# Tests of verification, not of the draft-length policy (conftest.py).
+pytestmark = pytest.mark.usefixtures("draft_lengths_from_the_prior")
+
 
 def req_with(prompt: list[int], output: list[int] = ()) -> Req:
     req = Req(rid="r", input_ids=list(prompt), sampling_params=SamplingParams())
