@@ -107,7 +107,7 @@ class ThreadGovernor:
 
     def record(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float | None = None) -> None:
         """Account one forward of `num_tokens` tokens that took `seconds` on `threads` threads, during which
-        the process's threads waited `waited_seconds` for a CPU when known (run_queue.py)."""
+        its threads waited `waited_seconds` for a CPU when known (run_queue.py)."""
         group = self.groups[num_tokens.bit_length()]
         group.times.setdefault(threads, deque(maxlen=_WINDOW)).append(seconds)
         self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
@@ -169,11 +169,12 @@ class ThreadGovernor:
         """Run the body on the chosen thread count and record how long it took and how long its threads
         waited for a CPU."""
         threads = self.choose(num_tokens)
-        if threads > 1 and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
+        watched = threads > 1  # a one-thread forward has no barrier for a lost core to stall
+        if watched and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
             self.run_queue.watch(forward_thread_ids())  # the pool's threads rarely change: look again now and then
-        start, waited = time.perf_counter(), self.run_queue.seconds()
+        start, waited = time.perf_counter(), self.run_queue.seconds() if watched else None
         yield threads
-        seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds()
+        seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds() if watched else None
         self.record(num_tokens, threads, seconds, None if waited is None or waited_after is None else max(0.0, waited_after - waited))
 
     def summary(self) -> dict[str, object]:

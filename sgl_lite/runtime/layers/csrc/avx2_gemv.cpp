@@ -76,14 +76,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k, const float
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    __m256 y0 = lo[r], y1 = hi[r];
-    if (bias != nullptr) {
-      y0 = _mm256_add_ps(y0, _mm256_loadu_ps(bias));
-      y1 = _mm256_add_ps(y1, _mm256_loadu_ps(bias + 8));
-    }
-    store_row(y0, y1, out + r * ldo);
-  }
+  for (int r = 0; r < R; ++r) store_row(lo[r], hi[r], bias, out + r * ldo);
 }
 
 template <typename W, typename O>

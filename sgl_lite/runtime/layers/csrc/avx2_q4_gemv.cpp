@@ -127,6 +127,39 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t l
   }
 }
 
+// One group of rows [0, rows) over a block's unpacked lines, in row tiles of up to kMaxUnpackedRows.
+void unpacked_rows(int64_t rows, const float* x, int64_t ldx, const float* xsum, int64_t ldsum, const float* lines,
+                   const uint8_t* tail, float* acc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxUnpackedRows) {
+    const float* xr = x + r0 * ldx;
+    const float* sr = xsum + r0 * ldsum;
+    float* a = acc + r0 * kCols;
+    switch (std::min(kMaxUnpackedRows, rows - r0)) {
+      case 1: group_tile<1, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0); break;
+      case 2: group_tile<2, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0); break;
+      case 3: group_tile<3, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0); break;
+      case 4: group_tile<4, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0); break;
+      case 5: group_tile<5, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0); break;
+      default: group_tile<6, 1>(xr, ldx, sr, ldsum, lines, tail, 0, a, 0);
+    }
+  }
+}
+
+// One group of all `rows` (at most kMaxPackedRows) rows straight from the packed lines: 1 row four tiles at
+// once and 2 rows two when `span` tiles are left (acc [span][rows][16]), else one tile.
+void packed_rows(int64_t rows, int64_t span, const float* x, int64_t ldx, const float* xsum, int64_t ldsum,
+                 const uint8_t* block, int64_t tile_bytes, float* acc) {
+  const uint8_t* tail = block + kGroup * kLineBytes;
+  if (rows == 1 && span == 4) return group_tile<1, 4>(x, ldx, xsum, ldsum, block, tail, tile_bytes, acc, kCols);
+  if (rows == 2 && span == 2) return group_tile<2, 2>(x, ldx, xsum, ldsum, block, tail, tile_bytes, acc, 2 * kCols);
+  switch (rows) {
+    case 1: return group_tile<1, 1>(x, ldx, xsum, ldsum, block, tail, 0, acc, 0);
+    case 2: return group_tile<2, 1>(x, ldx, xsum, ldsum, block, tail, 0, acc, 0);
+    case 3: return group_tile<3, 1>(x, ldx, xsum, ldsum, block, tail, 0, acc, 0);
+    default: return group_tile<4, 1>(x, ldx, xsum, ldsum, block, tail, 0, acc, 0);
+  }
+}
+
 template <typename O>
 void q4_gemv(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, O* out) {
   const int64_t groups = k / kGroup, tiles = n / kCols, tile_bytes = groups * kBlockBytes;
@@ -138,8 +171,7 @@ void q4_gemv(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, 
       xsum[r * groups + g] = s;
     }
   }
-  // Up to kMaxPackedRows rows read the packed lines directly, 1 row four tiles at a time and 2 rows two;
-  // more rows unpack each block once and run row tiles of up to kMaxUnpackedRows over it.
+  // Tiles a thread takes together (packed_rows); more rows than kMaxPackedRows unpack each block once.
   const int64_t together = m == 1 ? 4 : m == 2 ? 2 : 1;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
   // A shared counter rather than fixed shares (see avx2_gemv.cpp): a thread that loses its core for a
@@ -156,46 +188,18 @@ void q4_gemv(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, 
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* block = w + t * tile_bytes + g * kBlockBytes;
-          const uint8_t* tail = block + kGroup * kLineBytes;
-          const float* xg = x + g * kGroup;
-          const float* sg = xsum.data() + g;
           if (m > kMaxPackedRows) {
             unpack_block(block, unpacked.data());
-            for (int64_t r0 = 0; r0 < m; r0 += kMaxUnpackedRows) {
-              const float* lines = unpacked.data();
-              float* a = acc.data() + r0 * kCols;
-              switch (std::min(kMaxUnpackedRows, m - r0)) {
-                case 1: group_tile<1, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0); break;
-                case 2: group_tile<2, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0); break;
-                case 3: group_tile<3, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0); break;
-                case 4: group_tile<4, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0); break;
-                case 5: group_tile<5, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0); break;
-                default: group_tile<6, 1>(xg + r0 * k, k, sg + r0 * groups, groups, lines, tail, 0, a, 0);
-              }
-            }
-          } else if (m == 1 && span == 4) {
-            group_tile<1, 4>(xg, k, sg, groups, block, tail, tile_bytes, acc.data(), m * kCols);
-          } else if (m == 2 && span == 2) {
-            group_tile<2, 2>(xg, k, sg, groups, block, tail, tile_bytes, acc.data(), m * kCols);
-          } else if (m == 1) {
-            group_tile<1, 1>(xg, k, sg, groups, block, tail, 0, acc.data(), 0);
-          } else if (m == 2) {
-            group_tile<2, 1>(xg, k, sg, groups, block, tail, 0, acc.data(), 0);
-          } else if (m == 3) {
-            group_tile<3, 1>(xg, k, sg, groups, block, tail, 0, acc.data(), 0);
+            unpacked_rows(m, x + g * kGroup, k, xsum.data() + g, groups, unpacked.data(), block + kGroup * kLineBytes, acc.data());
           } else {
-            group_tile<4, 1>(xg, k, sg, groups, block, tail, 0, acc.data(), 0);
+            packed_rows(m, span, x + g * kGroup, k, xsum.data() + g, groups, block, tile_bytes, acc.data());
           }
         }
         for (int64_t j = 0; j < span; ++j) {
           for (int64_t r = 0; r < m; ++r) {
             const float* a = acc.data() + (j * m + r) * kCols;
-            __m256 y0 = _mm256_loadu_ps(a), y1 = _mm256_loadu_ps(a + 8);
-            if (bias != nullptr) {
-              y0 = _mm256_add_ps(y0, _mm256_loadu_ps(bias + (t + j) * kCols));
-              y1 = _mm256_add_ps(y1, _mm256_loadu_ps(bias + (t + j) * kCols + 8));
-            }
-            sgl_lite_avx2::store_row(y0, y1, out + r * n + (t + j) * kCols);
+            sgl_lite_avx2::store_row(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8), bias == nullptr ? nullptr : bias + (t + j) * kCols,
+                                     out + r * n + (t + j) * kCols);
           }
         }
         t += span;

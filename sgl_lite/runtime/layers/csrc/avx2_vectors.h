@@ -1,5 +1,5 @@
 // Vector helpers shared by the AVX2 + FMA matmuls (avx2_gemv.cpp, avx2_q4_gemv.cpp): 16 output columns of
-// one k held as two float32 vectors, and their store as float32 or as bf16 rounded once.
+// one k held as two float32 vectors, and their store (after the bias) as float32 or as bf16 rounded once.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -29,6 +29,16 @@ inline void store_row(const __m256& y0, const __m256& y1, uint16_t* out) {
   _mm256_store_ps(wide, y0);
   _mm256_store_ps(wide + 8, y1);
   for (int64_t c = 0; c < kCols; ++c) out[c] = c10::BFloat16(wide[c]).x;  // round to nearest even
+}
+
+// A row's 16 sums plus the columns' bias (none when null), stored: the bias last, as F.linear's reference sums.
+template <typename O>
+inline void store_row(__m256 y0, __m256 y1, const float* bias, O* out) {
+  if (bias != nullptr) {
+    y0 = _mm256_add_ps(y0, _mm256_loadu_ps(bias));
+    y1 = _mm256_add_ps(y1, _mm256_loadu_ps(bias + 8));
+  }
+  store_row(y0, y1, out);
 }
 
 #endif

@@ -22,6 +22,7 @@ import torch
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; also the smallest group the CPU kernel accepts
 _INT4_ROW_MULTIPLE = 16  # the int4 packing needs N % 16 == 0: pad rows, slice the output
 _INT4_INNER_K_TILES = 1  # the CPU kernel's only packing parameter; its layout ignores tiles beyond 1
+_AVX2_INT4_COLUMNS = 16  # output columns per block of csrc/avx2_q4_gemv.cpp: rows are padded to a multiple
 
 
 class Int8WeightOnly:
@@ -139,30 +140,32 @@ class Int4Avx2:
     def __init__(self, values: Int4Values) -> None:
         n, k = values.q.shape
         self.out_features, self.in_features = n, k
-        pad = -n % 16
-        q = torch.cat([values.q, values.q.new_zeros(pad, k)]) if pad else values.q
-        tiles, groups = q.shape[0] // 16, k // INT4_GROUP_SIZE
-        q = q.reshape(tiles, 16, groups, INT4_GROUP_SIZE).permute(0, 2, 3, 1)  # [tile, group, k, column]
+        self.pad = -n % _AVX2_INT4_COLUMNS
+        q = torch.cat([values.q, values.q.new_zeros(self.pad, k)]) if self.pad else values.q
+        tiles, groups = q.shape[0] // _AVX2_INT4_COLUMNS, k // INT4_GROUP_SIZE
+        q = q.reshape(tiles, _AVX2_INT4_COLUMNS, groups, INT4_GROUP_SIZE).permute(0, 2, 3, 1)  # [tile, group, k, column]
         lines = q[..., :8] | (q[..., 8:] << 4)  # [tile, group, 32, 8]
 
         def per_block(values: torch.Tensor) -> torch.Tensor:  # [N, G] -> fp16 bytes [tile, group, 32]
-            half = torch.cat([values, values.new_zeros(pad, groups)]).half()
+            half = torch.cat([values, values.new_zeros(self.pad, groups)]).half()
             if not torch.isfinite(half).all():
                 raise ValueError("int4 scales and mins must fit fp16")
-            return half.reshape(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+            return half.reshape(tiles, _AVX2_INT4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
         self.packed = torch.cat([lines.reshape(tiles, groups, -1), per_block(values.scales), per_block(values.mins)],
                                 dim=-1).contiguous()
-        # csrc/decode_layer.cpp calls the kernel on `packed` itself (unpadded: its outputs are not sliced)
-        self.fused_decode_weight = pad == 0
+
+    @property
+    def fused_decode_weight(self) -> bool:
+        """Whether csrc/decode_layer.cpp may call the kernel on `packed` itself: unpadded (it slices no outputs)."""
+        return self.pad == 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The bias is added inside the kernel, before rounding, as csrc/decode_layer.cpp does."""
-        padded = self.packed.shape[0] * 16
-        if bias is not None and padded != self.out_features:
-            bias = torch.cat([bias, bias.new_zeros(padded - self.out_features)])
+        if bias is not None and self.pad:
+            bias = torch.cat([bias, bias.new_zeros(self.pad)])
         out = torch.ops.sgl_lite.avx2_q4_gemv(x.contiguous(), self.packed, bias)
-        return out if padded == self.out_features else out[:, : self.out_features]
+        return out[:, : self.out_features] if self.pad else out
 
     @property
     def nbytes(self) -> int:
