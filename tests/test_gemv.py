@@ -110,3 +110,42 @@ def test_unsupported_shapes_and_dtypes_are_refused() -> None:
         torch.ops.sgl_lite.avx2_gemv(torch.zeros(1, 8), torch.zeros(1, 8, 16), torch.zeros(3))
     with pytest.raises(ValueError, match="no small-row kernel"):
         GemvLinear.pack(torch.zeros(24, 8), None)
+
+
+@pytest.fixture
+def bf16_arithmetic():
+    """Sets the AVX512-BF16 kernel's arithmetic for a test, then gives the probe back its choice."""
+    if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) != "avx512_bf16":
+        pytest.skip("no AVX512-BF16 kernel on this CPU")
+    ops = torch.ops.sgl_lite
+    chosen = ops.bf16_gemv_arithmetic()
+    yield ops.set_bf16_gemv_arithmetic
+    ops.set_bf16_gemv_arithmetic(chosen)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40, 129])
+@pytest.mark.parametrize("shape", [(16, 2), (48, 64), (960, 576), (80, 30)])
+def test_fma_arithmetic_gives_the_bits_of_vdpbf16ps(bf16_arithmetic, rows: int, shape: tuple[int, int]) -> None:
+    """Two FMAs per pair (odd half first) under DAZ/FTZ are VDPBF16PS, so the probe may pick either."""
+    torch.manual_seed(rows + shape[0])
+    n, k = shape
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    weight[0, :2] = torch.tensor([1e-39, -3e-39])  # subnormal weights and products: read as zero by both
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    x[0, 1] = 2e-39
+    packed = GemvLinear.pack(weight, None).gemv_weight
+    outs = {}
+    for arithmetic in ("dpbf16", "fma"):
+        bf16_arithmetic(arithmetic)
+        assert torch.ops.sgl_lite.bf16_gemv_arithmetic() == arithmetic
+        outs[arithmetic] = torch.ops.sgl_lite.bf16_gemv(x, packed, bias)
+    assert torch.equal(outs["dpbf16"], outs["fma"])
+    assert ((outs["fma"].double() - reference(x, weight, bias)).abs() <= tolerance(reference(x, weight, bias), k, torch.bfloat16)).all()
+
+
+def test_the_arithmetic_can_only_be_set_to_a_known_one(bf16_arithmetic) -> None:
+    with pytest.raises(RuntimeError, match="arithmetic must be auto, dpbf16 or fma"):
+        bf16_arithmetic("amx")
+    bf16_arithmetic("auto")  # probes again on the next call
+    assert torch.ops.sgl_lite.bf16_gemv_arithmetic() in ("dpbf16", "fma")

@@ -248,9 +248,9 @@ def test_bf16_packed_weights_match_plain_linear(tiny_llama_dir):
         runner.req_to_token.free(req.req_pool_idx)
         return req.input_token_logprobs
 
-    from sgl_lite.runtime.layers.linear import GemvLinear, bf16_gemv_supported
+    from sgl_lite.runtime.layers.linear import GemvLinear, gemv_supported
 
-    if bf16_gemv_supported(runner.model.layers[0].qkv_weight):  # the 9-row prefill goes through the small-row kernel
+    if gemv_supported(runner.model.layers[0].qkv_weight):  # the 9-row prefill goes through the small-row kernel
         assert all(isinstance(form, GemvLinear) for layer in runner.model.layers for form in layer.packed.values())
     packed = logprobs()
     for layer in runner.model.layers:

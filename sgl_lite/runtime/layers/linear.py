@@ -2,10 +2,13 @@
 int8/int4, chosen per call by row count.
 
 A decode step with few rows reads every weight once and does little else, so it wants the kernel that
-streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp, up to GEMV_MAX_ROWS rows,
-oneDNN above: measured on SmolLM2-135M's 30 layers of weights (too many to stay in cache), 2 threads,
-1.1-1.3x oneDNN's packed matmuls from 1 to 128 rows; 1.1x on the LM head up to 32 rows, even at 64.
-Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
+streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp: measured on SmolLM2-135M's 30
+layers of weights (too many to stay in cache), 2 threads, 1.1-1.3x oneDNN's packed matmuls from 1 to 128
+rows on an AMD EPYC, where its VDPBF16PS arithmetic wins and oneDNN takes calls above GEMV_MAX_ROWS. On
+CPUs whose float32 FMAs outrun VDPBF16PS (an Intel Xeon, family 6 model 207: 174 against 86 GFLOP/s a
+core), the kernel computes the same bits with FMAs over weights widened in registers, which beats oneDNN's
+bf16 (VDPBF16PS-bound) matmuls at every row count, 1.5x at 8 rows and 2x at 512 in cache, so there it
+takes every call, prefill too (`bf16_gemv_fma`). Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
 a 2-core AVX2-only EPYC, in float32, 1.8x MKL's sgemm at 1 row (21 GB/s of weights, the machine's read
 rate), 2.6x at 8, 1.4x at 128 and still 1.1-1.2x at 256-1024 rows, so on such a CPU it takes every call
 (prefill too); on a CPU with AVX512, where MKL's sgemm is wider, only calls up to GEMV_MAX_ROWS rows.
@@ -100,11 +103,23 @@ def avx2_int4_preferred() -> bool:
 
 def gemv_max_rows(kernel: str) -> int | None:
     """The most rows a call of `kernel` takes (None: any). The AVX2 kernel takes every call on a CPU
-    whose widest vectors are AVX2 (MKL's sgemm is no wider there, and torch has no fast bf16 matmul),
+    whose widest vectors are AVX2 (MKL's sgemm is no wider there, and torch has no fast bf16 matmul), and
+    the AVX512-BF16 kernel where it computes with FMAs (oneDNN's bf16 matmuls are VDPBF16PS-bound there),
     see the module docstring; elsewhere the vendor kernels win above GEMV_MAX_ROWS."""
     if kernel == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
         return None
+    if kernel == "avx512_bf16" and bf16_gemv_fma():
+        return None
     return GEMV_MAX_ROWS
+
+
+@functools.cache
+def bf16_gemv_fma() -> bool:
+    """Whether the AVX512-BF16 kernel computes with float32 FMAs on this CPU (its probe found them faster
+    than VDPBF16PS; the same bits either way, see csrc/bf16_gemv.cpp)."""
+    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() and torch.ops.sgl_lite.bf16_gemv_arithmetic() == "fma"
 
 
 @dataclass

@@ -23,7 +23,8 @@ from sgl_lite.runtime.layers.linear import (
     GemvLinear,
     QuantizedLinear,
     cpu_packed_linear_supported,
-    gemv_supported,
+    gemv_kernel,
+    gemv_max_rows,
     linear,
     quantize_linear,
 )
@@ -327,24 +328,24 @@ class LlamaForCausalLM(nn.Module):
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight
+
+        def forms(weight: torch.Tensor) -> torch.Tensor | GemvLinear | None:
+            # The small-row kernel's form around oneDNN's copy, which calls above its row limit use (none
+            # where the kernel takes every call: then that copy would only cost memory).
+            kernel = gemv_kernel(weight)
+            dense = reorder(weight.detach(), batch_hint) if packed and (kernel is None or gemv_max_rows(kernel) is not None) else None
+            return GemvLinear.pack(weight, dense) if kernel is not None else dense
+
         try:
             for layer in self.layers:
-                weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "gate_up": layer.gate_up_weight, "down": layer.down_weight}
-                layer.packed = {name: reorder(w.detach(), batch_hint) if packed else None for name, w in weights.items()}
-            self.packed_lm_head = reorder(self.lm_head.detach(), batch_hint) if packed else None
+                layer.packed = {name: forms(getattr(layer, f"{name}_weight")) for name in layer.packed}
+            self.packed_lm_head = forms(self.lm_head)
         except RuntimeError as e:  # an oneDNN build without bf16 support: stay on F.linear
             logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
-            for layer in self.layers:
-                layer.packed = dict.fromkeys(layer.packed)
-            self.packed_lm_head = None
             packed = False
-        for layer in self.layers:
-            for name, form in layer.packed.items():
-                weight = getattr(layer, f"{name}_weight")
-                if gemv_supported(weight):
-                    layer.packed[name] = GemvLinear.pack(weight, form)
-        if gemv_supported(self.lm_head):
-            self.packed_lm_head = GemvLinear.pack(self.lm_head, self.packed_lm_head)
+            for layer in self.layers:
+                layer.packed = {name: forms(getattr(layer, f"{name}_weight")) for name in layer.packed}
+            self.packed_lm_head = forms(self.lm_head)
         if quantization is not None:
             self._quantize(quantization, int4_values or {})
         return packed

@@ -18,7 +18,9 @@ one or more tokens. Requests are split once per forward (in `prepare`) into two 
 
 On a CPU where oneDNN has no bf16 (AVX2 only), torch's bf16 matmul falls back to a kernel ~8x slower than
 float32's, so there bf16 operands are widened to float32 for the matmuls (exactly) and the result rounded
-back once: a 1024-token bf16 prefill went from 76 to ~500 tokens/s on a 2-core AVX2 EPYC.
+back once: a 1024-token bf16 prefill went from 76 to ~500 tokens/s on a 2-core AVX2 EPYC. The same holds,
+less steeply, where VDPBF16PS runs at half the rate of float32 FMAs (an Intel Xeon, family 6 model 207:
+oneDNN's bf16 matmuls ~165 GFLOP/s against MKL's float32 ~300 on 2 cores).
 
 GQA never materializes repeated KV: queries are viewed as [G, Hkv, group, D], so each KV head is
 read once for its whole query group.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
-from sgl_lite.runtime.layers.linear import onednn_bf16_supported
+from sgl_lite.runtime.layers.linear import bf16_gemv_fma, onednn_bf16_supported
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 
@@ -81,8 +83,9 @@ def query_tiles(prefix: int, extend: int, num_q_heads: int, device: torch.device
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype attention's matmuls run in: `dtype`, except bf16 on a CPU without oneDNN's bf16 (float32)."""
-    if dtype == torch.bfloat16 and device.type == "cpu" and not onednn_bf16_supported():
+    """The dtype attention's matmuls run in: `dtype`, except bf16 on a CPU whose float32 matmuls are the
+    faster ones (float32): without oneDNN's bf16, or where float32 FMAs outrun VDPBF16PS (linear.bf16_gemv_fma)."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and (not onednn_bf16_supported() or bf16_gemv_fma()):
         return torch.float32
     return dtype
 

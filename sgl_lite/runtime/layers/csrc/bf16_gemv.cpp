@@ -1,4 +1,5 @@
-// y = x @ W.T (+ bias) for bf16 activations and weights with few rows of x (decode), on AVX512-BF16.
+// y = x @ W.T (+ bias) for bf16 activations and weights, on AVX512-BF16: every row count on CPUs where
+// float32 FMAs outrun VDPBF16PS, up to GEMV_MAX_ROWS rows (decode) elsewhere.
 //
 // A decode step with 1-16 rows is bound by reading the weights once; oneDNN's small-M bf16 matmuls reach
 // about 30 GB/s here, two thirds of what the machine reads. This kernel streams each weight byte once, in
@@ -6,10 +7,16 @@
 // reduction axis per 64-byte vector, the operand layout of VDPBF16PS), so a tile of output columns is one
 // sequential run of vectors and each vector meets every row of x (a broadcast pair) in registers.
 //
-// Arithmetic: bf16 products summed in fp32 (VDPBF16PS: pairs in fp32, subnormal inputs read as zero),
-// a fixed order along K, the bias added in fp32, one rounding to bf16 at the end (as oneDNN rounds). A
-// row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
+// Two arithmetics, the same bits. VDPBF16PS computes, per lane, acc += x[2p+1] * w[2p+1], then
+// acc += x[2p] * w[2p], each a float32 fused multiply-add of exact bf16 products with subnormals read as
+// zero and flushed to zero. `fma` does exactly that with two VFMADD231PS on the pair widened in registers
+// (a bf16 is the top half of a float32: the odd half is the lane masked, the even half the lane shifted),
+// under MXCSR's DAZ and FTZ. Which is faster depends on the CPU: an Intel Xeon (family 6 model 207) runs
+// VDPBF16PS at half the rate of float32 FMAs (86 against 174 GFLOP/s a core), an AMD EPYC the other way
+// round; `bf16_gemv_arithmetic` probes both once per process (choose_arithmetic) and can be overridden.
+// With many rows `fma` widens a tile's weights to float32 once per thread and reuses them for every row tile.
 //
+// A row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
 // Threads take the output columns in tiles of 32 (16 for a last odd block) from a shared counter; rows go
 // in register tiles of up to 8, so more rows re-read a tile's weights from cache, not from memory.
 
@@ -21,8 +28,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,16 +41,17 @@
 #define SGL_LITE_HAS_AVX512_BF16 0
 #endif
 
-
-
 namespace {
 
-constexpr int64_t kCols = 16;      // output columns per packed vector
+constexpr int64_t kCols = 16;        // output columns per packed vector
 constexpr int64_t kMaxTileRows = 8;  // rows of x held in registers at once
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
 // Weights are prefetched this far ahead of the loads: a tile's run is short (18-50 KB at 135M's shapes),
 // too short for the hardware prefetcher to reach full speed on its own (measured: 2 KB beat 1 and 4 KB).
 constexpr int64_t kPrefetchBytes = 2048;
+
+enum class Arithmetic : int { kAuto = 0, kDpbf16 = 1, kFma = 2 };
+std::atomic<int> g_arithmetic{static_cast<int>(Arithmetic::kAuto)};
 
 bool has_avx512_bf16() { return SGL_LITE_HAS_AVX512_BF16; }
 
@@ -52,11 +63,29 @@ void check_packed(const at::Tensor& packed, int64_t k) {
 
 #if SGL_LITE_HAS_AVX512_BF16
 
-// Rows [0, R) of x against NB (1 or 2) column blocks starting at `w` (block stride `block`), writing
-// out[r][0 : 16*NB]. x rows have stride `ldx`, out rows `ldo`.
+// MXCSR's flush-to-zero and denormals-are-zero for the life of a scope (one thread's share of a call):
+// VDPBF16PS's subnormal rule, so that the FMA arithmetic gives its bits.
+class FlushSubnormals {
+ public:
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
+inline void store(__m512 y, const float* bias, uint16_t* out) {
+  if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+}
+
+// VDPBF16PS: rows [0, R) of x against NB (1 or 2) column blocks starting at `w` (block stride `block`),
+// writing out[r][0 : 16*NB]. x rows have stride `ldx`, out rows `ldo`.
 template <int R, int NB>
-inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
-                 uint16_t* out, int64_t ldo) {
+inline void tile_dpbf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
+                        uint16_t* out, int64_t ldo) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -73,47 +102,134 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t bloc
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < NB; ++b) {
-      __m512 y = acc[r][b];
-      if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + b * kCols));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kCols), (__m256i)_mm512_cvtneps_pbh(y));
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) store(acc[r][b], bias == nullptr ? nullptr : bias + b * kCols, out + r * ldo + b * kCols);
+}
+
+// The odd and even halves of one packed vector (16 columns x a pair along K) as float32 vectors.
+inline void widen_pair(const uint16_t* line, __m512& odd, __m512& even) {
+  const __m512i v = _mm512_loadu_si512(line);
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+inline void load_pair(const uint16_t* line, __m512& odd, __m512& even) {
+  _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+  widen_pair(line, odd, even);
+}
+
+// Weights widened once: a pair's odd then even half, 16 floats each (see widen_tile).
+inline void load_pair(const float* line, __m512& odd, __m512& even) {
+  odd = _mm512_loadu_ps(line);
+  even = _mm512_loadu_ps(line + kCols);
+}
+
+// FMA: the same tile with x in float32 (`xf`, widened once per call) and two FMAs per pair, odd first.
+// W is the packed bf16 weight (`block` apart per column block) or a widened one ([pairs][2][16] floats).
+// The loops over R are fully unrolled: else GCC may keep the accumulators in memory.
+template <int R, int NB, typename W>
+inline void tile_fma(const float* xf, int64_t ldx, const W* w, int64_t block, int64_t pairs, const float* bias,
+                     uint16_t* out, int64_t ldo) {
+  __m512 acc[R][NB];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512 odd[NB], even[NB];
+    for (int b = 0; b < NB; ++b) load_pair(w + b * block + p * 2 * kCols, odd[b], even[b]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xo = _mm512_set1_ps(xf[r * ldx + 2 * p + 1]);
+      const __m512 xe = _mm512_set1_ps(xf[r * ldx + 2 * p]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xe, even[b], _mm512_fmadd_ps(xo, odd[b], acc[r][b]));
     }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) store(acc[r][b], bias == nullptr ? nullptr : bias + b * kCols, out + r * ldo + b * kCols);
+}
+
+// One call's operands: x as bf16 (dpbf16) or float32 (fma), W packed, the output.
+struct Operands {
+  const uint16_t* x;
+  const float* xf;
+  int64_t m, k;
+  const uint16_t* w;
+  int64_t n;
+  const float* bias;
+  uint16_t* out;
+};
+
+template <int NB, typename W>
+void rows_tile_fma(int64_t rows, const float* xf, int64_t ldx, const W* w, int64_t block, int64_t pairs, const float* bias,
+                   uint16_t* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return tile_fma<1, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 2: return tile_fma<2, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 3: return tile_fma<3, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 4: return tile_fma<4, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 5: return tile_fma<5, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 6: return tile_fma<6, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    case 7: return tile_fma<7, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
+    default: return tile_fma<8, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
   }
 }
 
 template <int NB>
-void rows_tile(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs,
-               const float* bias, uint16_t* out, int64_t ldo) {
+void rows_tile_dpbf16(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs,
+                      const float* bias, uint16_t* out, int64_t ldo) {
   switch (rows) {
-    case 1: return tile<1, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 2: return tile<2, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 3: return tile<3, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 4: return tile<4, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 5: return tile<5, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 6: return tile<6, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 7: return tile<7, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    default: return tile<8, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 1: return tile_dpbf16<1, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 2: return tile_dpbf16<2, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 3: return tile_dpbf16<3, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 4: return tile_dpbf16<4, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 5: return tile_dpbf16<5, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 6: return tile_dpbf16<6, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    case 7: return tile_dpbf16<7, NB>(x, ldx, w, block, pairs, bias, out, ldo);
+    default: return tile_dpbf16<8, NB>(x, ldx, w, block, pairs, bias, out, ldo);
   }
 }
 
-// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x.
-void column_tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, const float* bias, uint16_t* out,
-                 int64_t b0, int64_t nb) {
-  const int64_t pairs = k / 2, block = pairs * 2 * kCols;
-  const float* tile_bias = bias == nullptr ? nullptr : bias + b0 * kCols;
-  for (int64_t r0 = 0; r0 < m; r0 += kMaxTileRows) {
-    const int64_t rows = std::min(kMaxTileRows, m - r0);
-    if (nb == 2) {
-      rows_tile<2>(rows, x + r0 * k, k, w + b0 * block, block, pairs, tile_bias, out + r0 * n + b0 * kCols, n);
-    } else {
-      rows_tile<1>(rows, x + r0 * k, k, w + b0 * block, block, pairs, tile_bias, out + r0 * n + b0 * kCols, n);
+// The nb (1 or 2) column blocks from b0 of packed W widened into `wide`, as tile_fma reads them with block
+// stride pairs * 2 * kCols: per block and pair, the odd then the even half, 16 floats each.
+void widen_tile(const uint16_t* w, int64_t block, int64_t pairs, int64_t nb, std::vector<float>& wide) {
+  wide.resize(nb * pairs * 2 * kCols);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512 odd, even;
+      widen_pair(w + b * block + p * 2 * kCols, odd, even);
+      _mm512_storeu_ps(wide.data() + (b * pairs + p) * 2 * kCols, odd);
+      _mm512_storeu_ps(wide.data() + (b * pairs + p) * 2 * kCols + kCols, even);
     }
   }
 }
 
-void gemv(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, const float* bias, uint16_t* out) {
-  const int64_t blocks = n / kCols;
+// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x. `wide`: this thread's buffer for fma's
+// widened weights.
+void column_tile(const Operands& o, bool fma, int64_t b0, int64_t nb, std::vector<float>& wide) {
+  const int64_t pairs = o.k / 2, block = pairs * 2 * kCols;
+  const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
+  const uint16_t* w = o.w + b0 * block;
+  // Three or more row tiles meet these weights: widen them once (the same floats as widening in registers).
+  const bool widened = fma && o.m > 2 * kMaxTileRows;
+  if (widened) widen_tile(w, block, pairs, nb, wide);
+  for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
+    const int64_t rows = std::min(kMaxTileRows, o.m - r0);
+    uint16_t* out = o.out + r0 * o.n + b0 * kCols;
+    if (widened) {
+      (nb == 2 ? rows_tile_fma<2, float> : rows_tile_fma<1, float>)(rows, o.xf + r0 * o.k, o.k, wide.data(), pairs * 2 * kCols,
+                                                                    pairs, bias, out, o.n);
+    } else if (fma) {
+      (nb == 2 ? rows_tile_fma<2, uint16_t> : rows_tile_fma<1, uint16_t>)(rows, o.xf + r0 * o.k, o.k, w, block, pairs, bias, out,
+                                                                          o.n);
+    } else {
+      (nb == 2 ? rows_tile_dpbf16<2> : rows_tile_dpbf16<1>)(rows, o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
+    }
+  }
+}
+
+void gemv(const Operands& o, bool fma) {
+  const int64_t blocks = o.n / kCols;
   const int64_t tiles = (blocks + 1) / 2;  // two blocks per tile; the last may hold one
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
   // Threads take runs of tiles from a shared counter rather than fixed shares: on a 2-core box a thread
@@ -122,16 +238,77 @@ void gemv(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n,
   const int64_t run = std::max<int64_t>(1, std::min<int64_t>(kTilesPerRun, tiles / (threads * 4)));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    FlushSubnormals flush;  // per thread: MXCSR is each thread's own
+    std::vector<float> wide;
     for (int64_t begin = next.fetch_add(run, std::memory_order_relaxed); begin < tiles;
          begin = next.fetch_add(run, std::memory_order_relaxed)) {
       for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
-        column_tile(x, m, k, w, n, bias, out, 2 * t, std::min<int64_t>(2, blocks - 2 * t));
+        column_tile(o, fma, 2 * t, std::min<int64_t>(2, blocks - 2 * t), wide);
       }
     }
   });
 }
 
+// Seconds for `iters` rounds of 12 independent chains of `step` (throughput, not latency, bound).
+template <typename Step>
+double time_chains(int64_t iters, Step step) {
+  // distinct starts: identical chains would be merged into one by the compiler (a latency, not a rate)
+  __m512 a0 = _mm512_set1_ps(0.f), a1 = _mm512_set1_ps(1.f), a2 = _mm512_set1_ps(2.f), a3 = _mm512_set1_ps(3.f),
+         a4 = _mm512_set1_ps(4.f), a5 = _mm512_set1_ps(5.f), a6 = _mm512_set1_ps(6.f), a7 = _mm512_set1_ps(7.f),
+         a8 = _mm512_set1_ps(8.f), a9 = _mm512_set1_ps(9.f), a10 = _mm512_set1_ps(10.f), a11 = _mm512_set1_ps(11.f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    a0 = step(a0), a1 = step(a1), a2 = step(a2), a3 = step(a3), a4 = step(a4), a5 = step(a5);
+    a6 = step(a6), a7 = step(a7), a8 = step(a8), a9 = step(a9), a10 = step(a10), a11 = step(a11);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                   _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
+                                                 _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+  volatile float sink = _mm512_reduce_add_ps(sum);  // keeps the chains alive
+  (void)sink;
+  return seconds;
+}
+
+// Which arithmetic multiplies a pair faster on this core: one VDPBF16PS or two FMAs (the widening's two
+// integer ops are left out: with several rows they are shared by every row). Best of three short runs of
+// each (~0.3 ms in all), so a moment of preemption does not decide; FMAs must win by 1/4 (measured: 2x on
+// an Intel Xeon family 6 model 207, where they are the faster), since a wrong `fma` also moves prefill off oneDNN.
+Arithmetic probe_arithmetic() {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  const __m512 x = _mm512_set1_ps(1e-3f);
+  double dpbf16 = 1e9, fma = 1e9;
+  for (int round = 0; round < 3; ++round) {
+    dpbf16 = std::min(dpbf16, time_chains(4000, [&](__m512 a) { return _mm512_dpbf16_ps(a, ones, ones); }));
+    fma = std::min(fma, time_chains(4000, [&](__m512 a) { return _mm512_fmadd_ps(x, x, _mm512_fmadd_ps(x, x, a)); }));
+  }
+  return fma < 0.75 * dpbf16 ? Arithmetic::kFma : Arithmetic::kDpbf16;
+}
+
 #endif
+
+Arithmetic arithmetic() {
+  int value = g_arithmetic.load(std::memory_order_relaxed);
+#if SGL_LITE_HAS_AVX512_BF16
+  if (value == static_cast<int>(Arithmetic::kAuto)) {
+    value = static_cast<int>(probe_arithmetic());
+    g_arithmetic.store(value, std::memory_order_relaxed);
+  }
+#endif
+  return static_cast<Arithmetic>(value);
+}
+
+std::string bf16_gemv_arithmetic() {
+  if (!has_avx512_bf16()) return "none";
+  return arithmetic() == Arithmetic::kFma ? "fma" : "dpbf16";
+}
+
+// "dpbf16" or "fma" forces an arithmetic (tests, benchmarks); "auto" probes again on the next call.
+void set_bf16_gemv_arithmetic(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "dpbf16" || name == "fma", "bf16_gemv: arithmetic must be auto, dpbf16 or fma; got ", name);
+  const Arithmetic value = name == "fma" ? Arithmetic::kFma : name == "dpbf16" ? Arithmetic::kDpbf16 : Arithmetic::kAuto;
+  g_arithmetic.store(static_cast<int>(value), std::memory_order_relaxed);
+}
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_avx512_bf16(), "bf16_gemv: this build has no AVX512-BF16 (check sgl_lite::bf16_gemv_supported first)");
@@ -148,8 +325,12 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const c10::o
   at::Tensor out = at::empty({m, n}, x.options());
 #if SGL_LITE_HAS_AVX512_BF16
   if (m > 0) {
-    gemv(reinterpret_cast<const uint16_t*>(x.data_ptr()), m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
-         bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    const bool fma = arithmetic() == Arithmetic::kFma;
+    const at::Tensor xf = fma ? x.to(at::kFloat) : at::Tensor();  // widened once (exactly), not once per tile
+    const Operands o{reinterpret_cast<const uint16_t*>(x.data_ptr()), fma ? xf.data_ptr<float>() : nullptr, m, k,
+                     reinterpret_cast<const uint16_t*>(packed.data_ptr()), n,
+                     bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr())};
+    gemv(o, fma);
   }
 #endif
   return out;
@@ -159,6 +340,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const c10::o
 
 TORCH_LIBRARY_FRAGMENT(sgl_lite, m) {
   m.def("bf16_gemv_supported() -> bool", &has_avx512_bf16);
+  m.def("bf16_gemv_arithmetic() -> str", &bf16_gemv_arithmetic);
+  m.def("set_bf16_gemv_arithmetic(str name) -> ()", &set_bf16_gemv_arithmetic);
   m.def("bf16_gemv(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor");
 }
 
