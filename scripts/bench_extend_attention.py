@@ -1,13 +1,16 @@
-"""Prefill/extend attention on CPU: torch_native's tiled matmul path against SDPA, same inputs, one run.
+"""Prefill/extend attention on CPU: the C++ extend kernel and torch_native's tiled matmul path against SDPA,
+same inputs, one run.
 
 For each (prefix, new tokens, requests) shape - one long prompt from scratch, agent turns that extend a
 cached conversation, a short chunk on a long context - it builds a KV pool holding the prefixes (the
 default model's heads: 9 query and 3 KV heads of 64, bf16 unless --dtype float32) and times one layer's
 attention for all new rows:
-- sgl_lite: `TorchNativeBackend.forward` (the extend path of both CPU backends);
-- baseline: `F.scaled_dot_product_attention` per request, as the backend ran it before: `is_causal` without
-  a prefix, else the causal mask that the prefix offset needs; on the same gathered K/V.
-Prints a markdown table (median ms, speedup, max difference), writes JSON and a PNG.
+- kernel: `CpuKernelBackend.forward` (layers/csrc/extend_attention.cpp, the cpu_kernel backend's extend
+  path where it is built);
+- torch: `TorchNativeBackend.forward` (the torch_native backend's extend path, and cpu_kernel's elsewhere);
+- baseline: `F.scaled_dot_product_attention` per request: `is_causal` without a prefix, else the causal
+  mask that the prefix offset needs; on the same gathered K/V.
+Prints a markdown table (median ms, speedups against SDPA, largest difference from it), writes JSON and a PNG.
 Usage: python scripts/bench_extend_attention.py [--dtype bfloat16] [--repeats 20] [--out artifacts/bench_extend_attention.json]
 """
 
@@ -29,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
-from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend  # noqa: E402
+from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 HQ, HKV, DIM = 9, 3, 64
@@ -62,8 +65,12 @@ def measure(prefix: int, extend: int, num_reqs: int, dtype: torch.dtype, repeats
     q = torch.randn(num_reqs * extend, HQ, DIM, generator=g).to(dtype)
     k, v = pool.k[0][new].clone(), pool.v[0][new].clone()
     meta = AttentionMetadata.build(rows, [prefix] * num_reqs, [extend] * num_reqs, new, table)
-    backend = TorchNativeBackend(HQ, HKV, DIM)
-    backend.prepare(meta)
+    torch_path = TorchNativeBackend(HQ, HKV, DIM)
+    torch_path.prepare(meta)
+    kernel = create_backend("cpu_kernel", torch.device("cpu"), HQ, HKV, DIM)
+    kernel.prepare(meta)
+    if getattr(kernel, "_extend_table", None) is None:
+        kernel = None  # not built here (it needs AVX-512): the torch path is cpu_kernel's extend path
     mask = torch.arange(context)[None, :] <= prefix + torch.arange(extend)[:, None]
 
     def sdpa() -> torch.Tensor:
@@ -76,11 +83,17 @@ def measure(prefix: int, extend: int, num_reqs: int, dtype: torch.dtype, repeats
                                                       is_causal=prefix == 0, enable_gqa=True)[0].transpose(0, 1))
         return torch.cat(outs)
 
-    ours = _median_ms(lambda: backend.forward(0, q, k, v, pool), repeats)
     base = _median_ms(sdpa, repeats)
-    diff = (backend.forward(0, q, k, v, pool).float() - sdpa().float()).abs().max().item()
-    return {"prefix": prefix, "extend": extend, "requests": num_reqs, "sgl_lite_ms": ours, "sdpa_ms": base,
-            "speedup": base / ours, "max_abs_diff": diff}
+    reference = sdpa().float()
+    row = {"prefix": prefix, "extend": extend, "requests": num_reqs, "sdpa_ms": base}
+    for name, backend in (("torch", torch_path), ("kernel", kernel)):
+        if backend is None:
+            row[f"{name}_ms"] = row[f"{name}_speedup"] = row[f"{name}_max_abs_diff"] = None
+            continue
+        row[f"{name}_ms"] = _median_ms(lambda backend=backend: backend.forward(0, q, k, v, pool), repeats)
+        row[f"{name}_speedup"] = base / row[f"{name}_ms"]
+        row[f"{name}_max_abs_diff"] = (backend.forward(0, q, k, v, pool).float() - reference).abs().max().item()
+    return row
 
 
 def main() -> None:
@@ -93,11 +106,17 @@ def main() -> None:
     results = [measure(p, e, n, dtype, args.repeats) for p, e, n in tqdm(SHAPES, desc="shapes")]
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.dtype}, {torch.get_num_threads()} threads, "
           f"{HQ} query / {HKV} KV heads of {DIM}; one layer, median of {args.repeats} (ms)\n")
-    print("| prefix | new tokens | requests | SDPA (baseline) | sgl_lite | speedup | max abs diff |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| prefix | new tokens | requests | SDPA (baseline) | torch path | speedup | extend kernel | speedup | "
+          "max abs diff from SDPA (torch / kernel) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
     for r in results:
-        print(f"| {r['prefix']} | {r['extend']} | {r['requests']} | {r['sdpa_ms']:.2f} | {r['sgl_lite_ms']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['max_abs_diff']:.3g} |")
+        print(f"| {r['prefix']} | {r['extend']} | {r['requests']} | {r['sdpa_ms']:.2f} | {cell(r['torch_ms'], '.2f')} | "
+              f"{cell(r['torch_speedup'], '.2f')}x | {cell(r['kernel_ms'], '.2f')} | {cell(r['kernel_speedup'], '.2f')}x | "
+              f"{cell(r['torch_max_abs_diff'], '.3g')} / {cell(r['kernel_max_abs_diff'], '.3g')} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
                                "results": results}, indent=2))
@@ -112,8 +131,9 @@ def main() -> None:
     labels = [f"{r['prefix']}+{r['extend']}x{r['requests']}" for r in results]
     x = range(len(results))
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["sdpa_ms"] for r in results], 0.4, label="SDPA (baseline)")
-    ax.bar([i + 0.2 for i in x], [r["sgl_lite_ms"] for r in results], 0.4, label="sgl_lite tiled matmul")
+    ax.bar([i - 0.27 for i in x], [r["sdpa_ms"] for r in results], 0.27, label="SDPA (baseline)")
+    ax.bar(list(x), [r["torch_ms"] for r in results], 0.27, label="torch path (tiled matmuls)")
+    ax.bar([i + 0.27 for i in x], [r["kernel_ms"] or 0 for r in results], 0.27, label="extend kernel")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per layer")
     ax.set_xlabel("prefix + new tokens x requests")

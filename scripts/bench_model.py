@@ -125,7 +125,7 @@ def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torc
     itemsize = runner.dtype.itemsize
 
     def weight_bytes(dense: torch.Tensor, form: object) -> int:
-        if isinstance(form, QuantizedLinear) and batch <= form.max_rows:
+        if isinstance(form, QuantizedLinear) and form.takes(batch):
             return form.quantized.nbytes
         return dense.numel() * itemsize
 

@@ -1,15 +1,16 @@
 """What --quantization changes in the output: greedy agreement and perplexity against bf16, same run.
 
-For each system (bf16 dense = the reference; w8a16_int8 and w4a16_int4 on bf16 activations; fp32
-dense, to show how far bf16 itself is from fp32):
+For each system (bf16 dense = the reference; w8a16_int8 and w4a16_int4 on bf16 activations; w8a8_int8,
+whose activations are quantized per token too; fp32 dense, to show how far bf16 itself is from fp32):
 - greedy agreement over --num-prompts prompts: each prompt is a window of a fixed English text, continued
   greedily for --new-tokens tokens; reported: the share of prompts whose continuation equals bf16's
   exactly, the share whose first token does, and the mean length of the common prefix;
 - perplexity of --ppl-windows windows of --ppl-len tokens of the same text (scored in one prefill each).
 
-The served model picks the quantized kernels only for steps of at most QUANTIZED_MAX_ROWS rows
+The served model picks the weight-only kernels only for steps of at most QUANTIZED_MAX_ROWS rows
 (layers/linear.py), so a prompt's prefill and large decode batches stay dense. Here every matmul is
 forced onto the quantized kernels: the numbers bound what any request can see (a single stream's decode).
+w8a8_int8 takes every call anyway (its LM head stays dense).
 
 `--kernels` instead times the matmul kernels alone at the model's shapes (fused qkv, o, gate_up, down,
 LM head) for several row counts: the dense oneDNN-packed bf16 kernel vs int8 vs int4, interleaved, best
@@ -47,7 +48,7 @@ from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 SYSTEMS = {"bf16": ("bfloat16", None), "w8a16_int8": ("bfloat16", "w8a16_int8"),
-           "w4a16_int4": ("bfloat16", "w4a16_int4"), "fp32": ("float32", None)}
+           "w4a16_int4": ("bfloat16", "w4a16_int4"), "w8a8_int8": ("bfloat16", "w8a8_int8"), "fp32": ("float32", None)}
 
 
 def fixed_text_ids(tokenizer) -> list[int]:
@@ -62,7 +63,7 @@ def force_quantized(runner: ModelRunner) -> None:
         packed = module.packed.values() if hasattr(module, "packed") else [module.packed_lm_head]
         for linear in packed:
             if isinstance(linear, QuantizedLinear):
-                linear.max_rows = 1 << 30
+                linear.max_rows = None
 
 
 def greedy(bench: RunnerBench, prompts: list[list[int]], new_tokens: int, batch: int) -> list[list[int]]:

@@ -220,3 +220,75 @@ def test_tiny_model_fp8_kv_kernel_matches_torch_path(op, tiny_gqa3):
         batch = prompts(runner.vocab_size, LENGTHS, seed=12)
         outputs.append(driver.generate([driver.new_req(str(i), p) for i, p in enumerate(batch)], 16))
     assert outputs[0] == outputs[1]
+
+
+EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
+    "prefill": ([0, 0], [9, 40], 9, 3, 64),
+    "agent_turns": ([45, 90, 3], [17, 33, 2], 9, 3, 64),  # tiles of 16 tokens, blocks of 32 keys, ragged ends
+    "long_prefix": ([700], [50], 4, 4, 128),
+    "mqa": ([20, 5], [11, 64], 8, 1, 32),
+    "wide_group": ([31], [5], 16, 1, 16),
+    "mixed_with_decode": ([0, 12, 30, 7, 0], [6, 1, 5, 1, 1], 6, 2, 64),
+}
+
+
+def extend_kernel():
+    from sgl_lite.runtime.layers.attention.cpu_kernel import extend_kernel_available
+
+    if not extend_kernel_available():
+        pytest.skip("the extend kernel needs AVX-512")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(EXTEND_CASES))
+def test_extend_kernel_matches_naive(op, case, dtype):
+    """Extend rows through layers/csrc/extend_attention.cpp (causal with the prefix offset, GQA), against a
+    float64 naive reference over the stored pool; decode rows of the same batch through the decode kernel."""
+    extend_kernel()
+    prefix_lens, extend_lens, hq, hkv, d = EXTEND_CASES[case]
+    pool, meta, q, k, v = random_batch(7, prefix_lens, extend_lens, hq, hkv, d=d, dtype=dtype)
+    backend = CpuKernelBackend(hq, hkv, d, op)
+    backend.prepare(meta)
+    assert backend._extend_table is not None and len(backend._extend_table) == sum(e > 1 for e in extend_lens)
+    for layer in range(2):
+        out = backend.forward(layer, q, k, v, pool)
+        expected = naive_attention(meta, layer, q.double(), pool)  # float64 over the pool as stored
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-7  # float32 sums; or one bf16 rounding of the output
+        assert (out.double() - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
+
+
+def test_extend_kernel_rows_do_not_depend_on_the_batch(op):
+    """A request's extend rows are the same bits alone and beside others, with one thread or two."""
+    extend_kernel()
+    pool, meta, q, k, v = random_batch(8, [40, 7], [33, 20], 9, 3, d=64, dtype=torch.bfloat16)
+    backend = CpuKernelBackend(9, 3, 64, op)
+    backend.prepare(meta)
+    both = backend.forward(0, q, k, v, pool)
+    table = backend._extend_table
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.zeros_like(q)
+        torch.ops.sgl_lite.extend_attention(q, pool.k[0], pool.v[0], table[:1].contiguous(), meta.kv_indices, backend.scale, alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[:33], both[:33])
+
+
+def test_extend_kernel_rejects_bad_metadata(op):
+    extend_kernel()
+    pool, meta, q, k, v = random_batch(9, [4], [6], 4, 2, d=16)
+    ext = torch.ops.sgl_lite.extend_attention
+    out = torch.empty_like(q)
+    good = torch.tensor([[0, 6, 0, 10]])
+    ext(q, pool.k[0], pool.v[0], good, meta.kv_indices, 0.25, out)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext(q, pool.k[0], pool.v[0], torch.tensor([[0, 7, 0, 10]]), meta.kv_indices, 0.25, out)  # more q rows than q has
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext(q, pool.k[0], pool.v[0], torch.tensor([[0, 6, 0, 11]]), meta.kv_indices, 0.25, out)  # past kv_indices
+    with pytest.raises(RuntimeError, match="slot outside"):
+        ext(q, pool.k[0], pool.v[0], good, torch.full((10,), pool.num_slots + 5), 0.25, out)
+    with pytest.raises(RuntimeError, match="int64 \\[E, 4\\]"):
+        ext(q, pool.k[0], pool.v[0], good.int(), meta.kv_indices, 0.25, out)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ext(q.bfloat16(), pool.k[0], pool.v[0], good, meta.kv_indices, 0.25, out.bfloat16())

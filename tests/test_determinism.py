@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
+from sgl_lite.runtime.layers.attention.cpu_kernel import extend_kernel_available
 from sgl_lite.runtime.layers.linear import cpu_packed_linear_supported
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.server.engine import Engine
@@ -82,8 +83,11 @@ def test_rows_independent_of_cache_split_and_batch(backend_cls: Callable[[int, i
     same = {name: torch.equal(rows, full) for name, rows in variants.items()}
     if backend_cls is BatchInvariantBackend:
         assert all(same.values()), same
-    else:  # the default backend (decode rows through the C++ kernel) depends on the split in bf16: what the flag is for
-        assert not all(same.values()), same
+    elif extend_kernel_available():
+        # The default backend's extend kernel computes a row from its own keys in fixed blocks (csrc/extend_attention.cpp):
+        # splitting or batching a prompt changes nothing. Decoding the last tokens one by one goes through the decode
+        # kernel, whose sums run in another order, so that variant may differ in bf16: what the flag is for.
+        assert same["cached prefix + suffix"] and same["chunked"] and same["batched with others"], same
 
 
 @pytest.mark.parametrize("k_dim,n_dim", [(576, 960), (576, 3072), (1536, 576), (576, 49152), (64, 128), (128, 64)])

@@ -1,6 +1,8 @@
-"""Weight-only quantization (--quantization): the int8/int4 kernels against matmuls with their own
-dequantized weights, the GGUF Q4 block reader against gguf's dequantizer, and a tiny model served
-quantized end to end, greedy-identical to transformers on weights that the quantization represents exactly.
+"""Quantization (--quantization): the weight-only int8/int4 kernels against matmuls with their own
+dequantized weights, the GGUF Q4 block reader against gguf's dequantizer, a tiny model served
+quantized end to end, greedy-identical to transformers on weights that the quantization represents exactly;
+w8a8_int8's kernel against its torch reference (bit for bit) and that against exact matmuls (within the
+quantization's error), and a tiny model served with it computing the reference's arithmetic.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 from sgl_lite.runtime.layers.linear import AVX2_INT4_MAX_ROWS, QuantizedLinear, avx2_int4_preferred, quantize_linear
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, w8a8_kernel_available
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Avx2, Int4Values, Int4WeightOnly, Int8WeightOnly
 from sgl_lite.runtime.server_args import QUANTIZATIONS, ServerArgs
 
 ROWS = (1, 2, 3, 8, 33)
+WEIGHT_ONLY = ("w8a16_int8", "w4a16_int4")  # activations stay dense: exact where the weights are representable
 
 
 def _reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
@@ -210,7 +214,7 @@ def _exactly_quantizable_copy(src: Path, dst: Path, method: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("method", QUANTIZATION_METHODS)
+@pytest.mark.parametrize("method", WEIGHT_ONLY)
 def test_tiny_model_served_quantized_matches_transformers(method: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -235,3 +239,105 @@ def test_tiny_model_served_quantized_matches_transformers(method: str, tiny_llam
         engine.shutdown()
     engine.core.scheduler.check_invariant()
 
+
+
+# ---------------------------------------------------------------- w8a8_int8
+
+W8A8 = pytest.mark.skipif(not w8a8_kernel_available(), reason="the w8a8 kernel needs AVX512-VNNI (and the C++ ops built)")
+
+
+@W8A8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33, 130])
+@pytest.mark.parametrize("shape", [(128, 96), (100, 30), (960, 576)])  # 100 x 30: padded columns and k
+def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(rows + shape[0])
+    n, k = shape
+    form = W8A8Int8(torch.randn(n, k, generator=g).to(dtype))
+    x, bias = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    x[0, : k // 2] = 0  # ties and zeros
+    for b in (None, bias):
+        out = form.matmul(x, b)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        assert torch.equal(out, form.reference_matmul(x, b))
+    assert torch.equal(form.matmul(torch.zeros(2, k, dtype=dtype)), torch.zeros(2, n, dtype=dtype))  # a zero row
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_w8a8_reference_is_within_the_quantization_error(rows: int) -> None:
+    """|y - x.w| <= sum_k |x_k| dw_k + |w_k| dx_k + dx_k dw_k, with each rounding error at most half a step."""
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(64, 200, generator=g), torch.randn(rows, 200, generator=g) * 3
+    form = W8A8Int8(weight)
+    out = form.reference_matmul(x).double()
+    exact = _reference(x, weight)
+    dw = (form.scales / 2).double()[:, None].expand(64, 200)
+    dx = (x.abs().amax(1) / 127 / 2).double()[:, None].expand(rows, 200)
+    bound = x.abs().double() @ dw.t() + dx @ weight.abs().double().t() + dx @ dw.t()
+    assert ((out - exact).abs() <= bound * 1.001 + 1e-4).all()
+    assert not torch.allclose(out, exact, atol=1e-4)  # it does quantize
+
+
+@W8A8
+def test_w8a8_rows_do_not_depend_on_the_batch_or_the_threads() -> None:
+    g = torch.Generator().manual_seed(6)
+    form = W8A8Int8(torch.randn(576, 1536, generator=g))
+    x = torch.randn(70, 1536, generator=g).to(torch.bfloat16)
+    batched = form.matmul(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, 3, 9, 17):
+            assert torch.equal(form.matmul(x[:rows]), batched[:rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+@W8A8
+def test_w8a8_kernel_refuses_a_malformed_weight() -> None:
+    form = W8A8Int8(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 96), form.packed, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64), form.packed, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64).half(), form.packed, None)
+
+
+def test_w8a8_takes_every_call_and_keeps_no_dense_copy() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    layer = quantize_linear("w8a8_int8", weight, None)
+    assert isinstance(layer.quantized, W8A8Int8) and layer.packed_dense is None and layer.takes(100_000)
+    many = torch.randn(300, 64, generator=g)
+    assert torch.equal(layer(many, weight, bias), layer.quantized.matmul(many, bias))
+
+
+@W8A8
+def test_tiny_model_served_w8a8_computes_the_reference_arithmetic(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served with the kernel (the fused decode layer included) and with the torch reference in every matmul,
+    the same greedy tokens, alone and batched; the LM head stays dense."""
+    from sgl_lite.runtime.server.engine import Engine
+
+    prompts = ["The quick brown fox", "What is the capital of France?", "def add(a, b):"]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def serve() -> list[list[int]]:
+        engine = Engine(model_path=str(tiny_llama_dir), max_total_tokens=2048, dtype="bfloat16", device="cpu",
+                        quantization="w8a8_int8")
+        try:
+            model = engine.core.runner.model
+            assert all(isinstance(p, QuantizedLinear) and isinstance(p.quantized, W8A8Int8)
+                       for layer in model.layers for p in layer.packed.values())
+            assert not isinstance(model.packed_lm_head, QuantizedLinear)
+            outs = [engine.generate(p, params) for p in prompts] + engine.generate(prompts, params)
+            engine.core.scheduler.check_invariant()
+            return [o["output_ids"] for o in outs]
+        finally:
+            engine.shutdown()
+
+    kernel = serve()
+    monkeypatch.setattr(W8A8Int8, "fused_decode_weight", property(lambda self: False))
+    monkeypatch.setattr(W8A8Int8, "matmul", W8A8Int8.reference_matmul)
+    assert serve() == kernel
+    assert kernel[:3] == kernel[3:]  # alone and batched

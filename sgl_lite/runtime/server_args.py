@@ -23,8 +23,8 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Tool-call output formats the HTTP front parses (http/tool_parsers/), named as SGLang names them.
 TOOL_CALL_PARSERS = ("qwen25", "llama3")
-# Weight-only CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
-QUANTIZATIONS = ("w8a16_int8", "w4a16_int4")
+# CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
+QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 
@@ -37,7 +37,7 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA, where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo) or where sgl_lite's AVX2 kernels serve bf16 (AVX2 + FMA and the C++ ops built), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
-    quantization: str | None = field(default=None, metadata={"help": "Weight-only quantization on CPU for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). None: dense.", "choices": QUANTIZATIONS})
+    quantization: str | None = field(default=None, metadata={"help": "Quantization on CPU. Weight-only, for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). w8a8_int8 (SGLang's): int8 weights per output channel and int8 activations per token, integer products on AVX512-VNNI, every step (prefill too); the LM head stays dense. None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})

@@ -42,6 +42,7 @@ from sgl_lite.runtime.layers.quantization.weight_only import (
     Int8WeightOnly,
     QuantizedWeight,
 )
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
@@ -159,14 +160,18 @@ class GemvLinear:
 
 @dataclass
 class QuantizedLinear:
-    """A weight-only quantized matmul with the dense weight kept for calls of many rows."""
+    """A quantized matmul, with the dense weight kept for calls of many rows (weight-only methods)."""
 
-    quantized: QuantizedWeight
+    quantized: QuantizedWeight | W8A8Int8
     packed_dense: torch.Tensor | GemvLinear | None  # a packed dense form (see `linear`), or None for F.linear
-    max_rows: int = QUANTIZED_MAX_ROWS
+    max_rows: int | None = QUANTIZED_MAX_ROWS  # None: every call takes the quantized kernel
+
+    def takes(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the quantized kernel."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if not self.takes(x.shape[0]):
             return linear(x, weight, bias, self.packed_dense)
         return self.quantized.matmul(x, bias)
 
@@ -193,4 +198,6 @@ def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tenso
         if avx2_int4_preferred():
             return QuantizedLinear(Int4Avx2(values), packed_dense, AVX2_INT4_MAX_ROWS)
         return QuantizedLinear(Int4WeightOnly(values, weight.dtype), packed_dense)
+    if method == "w8a8_int8":  # every call: no dense form to keep
+        return QuantizedLinear(W8A8Int8(weight), None, None)
     raise ValueError(f"unknown quantization {method!r}; expected one of {', '.join(QUANTIZATION_METHODS)}")

@@ -181,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         weights = []
         for form in self.packed.values():
-            if isinstance(form, QuantizedLinear) and rows <= form.max_rows:
+            if isinstance(form, QuantizedLinear) and form.takes(rows):
                 if not form.quantized.fused_decode_weight:
                     return None
                 weights.append(form.quantized.packed)
@@ -359,6 +359,8 @@ class LlamaForCausalLM(nn.Module):
                 values = Int4Values.cat(parts) if all(p is not None for p in parts) else None
                 _check_same_weight(values, weight, f"{prefix}{name}")
                 layer.packed[name] = quantize_linear(method, weight.detach(), layer.packed[name], values)
+        if method == "w8a8_int8":
+            return  # the LM head stays dense, as in SGLang's w8a8_int8 checkpoints: logits decide every token
         head = int4_values.get("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
         _check_same_weight(head, self.lm_head, "lm_head")
         self.packed_lm_head = quantize_linear(method, self.lm_head.detach(), self.packed_lm_head, head)

@@ -1,16 +1,18 @@
-"""The `cpu_kernel` attention backend: decode rows through a C++ paged kernel, everything else as torch_native.
+"""The `cpu_kernel` attention backend: decode rows and extend chunks through C++ paged kernels.
 
-Decode (one new token per request) is where CPU serving spends its attention time, and there the torch
-path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The kernel
-(layers/csrc/paged_decode_attention.cpp, built by layers/cpu_ops.py) reads each KV row once, straight from the
-pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts 8-bit pools
-in registers. Prefill and extend chunks keep the torch path (tiled matmuls), which is already matmul-bound;
-the few tokens of a speculative verification row (meta.verify_rows) go through the kernel as one decode
-query each.
+Decode (one new token per request) is where CPU serving spends most of its attention time, and there the
+torch path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The
+kernel (layers/csrc/paged_decode_attention.cpp, built by layers/cpu_ops.py) reads each KV row once, straight
+from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts
+8-bit pools in registers; the few tokens of a speculative verification row (meta.verify_rows) go through
+it as one decode query each. Prefill and extend chunks (an agent's next turn over its cached conversation)
+go through layers/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
+metadata, where it is built (AVX-512) and the pool holds the model's dtype; else the torch path.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 16
 MAX_GROUP = 16
+EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)  # the extend kernel's compiled head sizes
 
 
 @dataclass
@@ -31,6 +34,14 @@ class _KernelDecodeGroup:
     rows: torch.Tensor | None  # q rows of the decode requests; None when they are the whole batch in order
     kv_indptr: torch.Tensor  # int32 [G+1]
     kv_indices: torch.Tensor  # int64 [total_kv]
+
+
+@functools.cache
+def extend_kernel_available() -> bool:
+    """Whether layers/csrc/extend_attention.cpp is built here (it needs AVX-512)."""
+    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() and bool(torch.ops.sgl_lite.extend_attention_supported())
 
 
 def kernel_supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -48,6 +59,24 @@ class CpuKernelBackend(TorchNativeBackend):
                 f"got head_dim {head_dim}, {num_q_heads} query and {num_kv_heads} KV heads"
             )
         self._op = op
+        self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        self._extend_table = None
+        if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
+            qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+            rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens)
+                    if e > 1 and i not in meta.verify_rows]
+            self._extend_table = torch.tensor(rows, dtype=torch.int64)
+
+    def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        if self._extend_table is None or k_cache.dtype != q.dtype:  # an 8-bit pool: the torch path converts
+            super()._extend_all(q, k, v, k_cache, v_cache, out)
+            return
+        torch.ops.sgl_lite.extend_attention(q.contiguous(), k_cache, v_cache, self._extend_table, self._meta.kv_indices,
+                                            self.scale, out)
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
         if len(single) == meta.batch_size and meta.is_decode:

@@ -137,9 +137,14 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(q[self._decode.rows], k_cache, v_cache, self._decode)
+        self._extend_all(q, k, v, k_cache, v_cache, out)
+        return out
+
+    def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """Write the attention of every multi-token request's rows into `out`."""
         for req in self._extends:
             self._extend_attention(q, k, v, k_cache, v_cache, req, out)
-        return out
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup
