@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_lite.runtime.managers.ngram_proposer import MAX_FAILED_DRAFTS, NgramProposer, StepDrafts, longest_suffix_match, worth_length
+from sgl_lite.runtime.managers.ngram_proposer import (
+    MAX_FAILED_DRAFTS,
+    Acceptance,
+    NgramProposer,
+    StepDrafts,
+    longest_suffix_match,
+    worth_length,
+)
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, draft_token_cost
 from sgl_lite.runtime.protocol import SamplingParams
@@ -61,17 +68,33 @@ def test_propose_continues_the_latest_longest_match_and_grows_incrementally() ->
 
 
 def test_draft_length_is_what_pays_at_the_batch_size() -> None:
-    # The j-th draft token is worth verifying while accept_chance ** j exceeds its share of the step.
+    # The j-th draft token is worth verifying while its chance, first * then ** (j - 1), exceeds its share of the step.
     assert draft_token_cost(1) < draft_token_cost(8) < draft_token_cost(32) < 1.0
-    assert worth_length(0.9, 1, cap=64) > worth_length(0.9, 8, cap=64) > worth_length(0.9, 32, cap=64) > 0
-    for batch in (1, 8, 32):
-        j = worth_length(0.7, batch, cap=64)
-        assert 0.7 ** j > draft_token_cost(batch) >= 0.7 ** (j + 1)
-    assert worth_length(0.3, 32, cap=64) == 0 and worth_length(1.0, 4, cap=6) == 6
+    steady = Acceptance(0.9, 0.9)
+    assert worth_length(steady, 1, cap=64) > worth_length(steady, 8, cap=64) > worth_length(steady, 32, cap=64) > 0
+    for acceptance in (Acceptance(0.7, 0.7), Acceptance(0.4, 0.9), Acceptance(0.9, 0.3)):
+        for batch in (1, 8, 32):
+            j, cost = worth_length(acceptance, batch, cap=64), draft_token_cost(batch)
+            assert (acceptance.token(j) > cost if j else True) and cost >= acceptance.token(j + 1), (acceptance, batch)
+    # a bursty request (first tokens often wrong, spans taken whole) drafts longer than a steady one of its first rate
+    assert worth_length(Acceptance(0.4, 0.9), 8, cap=64) > worth_length(Acceptance(0.4, 0.4), 8, cap=64)
+    assert worth_length(Acceptance(0.3, 0.9), 32, cap=64) == 0 and worth_length(Acceptance(1.0, 1.0), 4, cap=6) == 6
     # a step that large is compute-bound: a draft token costs about what a decode row does, so only
     # near-certain drafts pay
     assert abs(draft_token_cost(10**6) - DRAFT_TOKEN_STEP_COST / DECODE_ROW_STEP_COST) < 1e-3
-    assert worth_length(0.9, 10_000, cap=8) == 0
+    assert worth_length(steady, 10_000, cap=8) == 0
+
+
+def test_acceptance_separates_the_first_token_from_the_rest_of_a_draft() -> None:
+    proposer = NgramProposer(num_draft_tokens=12, min_window=1, max_window=4)
+    req = req_with(list(range(1, 40)) + [1, 2])
+    proposer.propose(req, limit=40)
+    for _ in range(6):  # spans copied whole or not at all: half the drafts miss at once, half are taken whole
+        proposer.record(req, 10, 10)
+        proposer.record(req, 10, 0)
+    acceptance = req.spec_state.acceptance
+    assert 0.3 < acceptance.first < 0.7 and acceptance.then > 0.85
+    assert abs(acceptance.expected(10) - sum(acceptance.token(j) for j in range(1, 11))) < 1e-9
 
 
 def test_draft_length_follows_acceptance_and_failing_requests_back_off() -> None:

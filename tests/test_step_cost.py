@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, StepDrafts, measured_worth_length, worth_length
+from sgl_lite.runtime.managers.ngram_proposer import Acceptance, NgramProposer, NgramState, StepDrafts, measured_worth_length, worth_length
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.step_cost import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW,
                                                  StepCost)
@@ -43,13 +43,13 @@ def copying_req() -> Req:
 
 def test_the_prior_decides_until_enough_forwards_are_measured() -> None:
     proposer = NgramProposer(num_draft_tokens=12, min_window=1, max_window=4)
-    chance = 0.5  # a new request's acceptance prior
+    chance = NgramState().acceptance  # a new request's prior
 
     def lengths() -> list[int]:
         return [len(proposer.propose(copying_req(), limit=40, step=StepDrafts(b))) for b in (1, 2)]
 
     prior = [worth_length(chance, b, 12) for b in (1, 2)]
-    assert lengths() == prior == [4, 3]
+    assert lengths() == prior == [6, 5]
     for rows in (1, 2, 3, 5):  # one bucket full, the others short of MIN_SAMPLES: still the prior
         for _ in range(MIN_SAMPLES if rows == 1 else MIN_SAMPLES - 1):
             proposer.step_cost.record(rows, avx2_step(rows))
@@ -57,7 +57,7 @@ def test_the_prior_decides_until_enough_forwards_are_measured() -> None:
     measure(proposer.step_cost, avx2_step, range(1, 33), rounds=WINDOW)
     assert proposer.step_cost.measured
     # Measured: rows 2-3 cost next to nothing, the 4th adds 40% to the step: 2 draft tokens alone and 1
-    # beside another request, where the prior drafts 4 and 3.
+    # beside another request, where the prior drafts 6 and 5.
     assert lengths() == [2, 1]
 
 
@@ -66,8 +66,8 @@ def test_a_convex_step_time_gives_long_drafts_alone_and_short_ones_in_a_batch() 
         cost = StepCost()
         measure(cost, convex_step, range(1, 65), rounds=WINDOW, seed=seed)
         times = cost.step_times(200)
-        alone = measured_worth_length(0.8, 12, StepDrafts(1), times)
-        batched = measured_worth_length(0.8, 12, StepDrafts(8), times)
+        alone = measured_worth_length(Acceptance(0.8, 0.8), 12, StepDrafts(1), times)
+        batched = measured_worth_length(Acceptance(0.8, 0.8), 12, StepDrafts(8), times)
         assert alone >= 6 and 0 < batched < alone / 2, (seed, alone, batched)
     # The rows granted to the requests visited earlier in the step make the later drafts shorter
     # (noise-free timings: with noise, neighbouring lengths may swap).
@@ -76,8 +76,8 @@ def test_a_convex_step_time_gives_long_drafts_alone_and_short_ones_in_a_batch() 
     times = cost.step_times(200)
     step, lengths = StepDrafts(8), []
     for _ in range(8):
-        lengths.append(measured_worth_length(0.8, 12, step, times))
-        step.add(lengths[-1], 0.8)
+        lengths.append(measured_worth_length(Acceptance(0.8, 0.8), 12, step, times))
+        step.add(lengths[-1], Acceptance(0.8, 0.8))
     assert lengths == sorted(lengths, reverse=True) and lengths[-1] < lengths[0], lengths
     assert step.rows == 8 + sum(lengths)
 

@@ -10,15 +10,18 @@ Work per proposal is a few vectorized numpy passes over the request's tokens (no
 kept in a per-request buffer that grows by the new outputs only.
 
 How long a draft is worth verifying: the j-th draft token is used only if the j - 1 before it were
-accepted, so with a per-token acceptance chance `a` it is accepted with probability a^j, while it costs
-the step one more query row. Throughput is a step's expected tokens over its time, so the draft length
+accepted, while it costs the step one more query row. Copying is bursty: a draft's first token is the
+gamble (is this the span the request copies?), and once it is accepted the next ones usually are too.
+So acceptance has two rates (`Acceptance`): `first`, the chance of the first token, and `then`, the
+chance of each later one given the ones before it; token j is accepted with probability
+first * then^(j - 1). (One rate for both made a copying request draft 2-3 tokens where its spans ran 10.) Throughput is a step's expected tokens over its time, so the draft length
 chosen is the one that maximizes that (`measured_worth_length`), with the step's time read from the
 runtime's own forwards (step_cost.py) at the rows the step will really have: its decode rows, the drafts
 already granted to the requests before this one in the step (`StepDrafts`), and this draft. On a CPU the
 first few rows of a step cost little (it reads all the weights anyway) and the ones beyond much more,
 so drafts come out long at batch 1 and short or none in a big batch. Until enough forwards are measured, the fixed
-prior decides (`worth_length`: the last j with a^j > step_cost.draft_token_cost(B)). `a` is each
-request's own acceptance history (recent drafts weigh most), and a request whose drafts keep failing
+prior decides (`worth_length`: the last j whose chance exceeds step_cost.draft_token_cost(B)). Both
+rates are each request's own history (recent drafts weigh most), and a request whose drafts keep failing
 outright stops drafting for a while (exponential back-off), so a workload that copies nothing costs
 almost nothing.
 """
@@ -40,34 +43,57 @@ MAX_FAILED_DRAFTS = 3
 BACKOFF_START = 4
 BACKOFF_MAX = 256
 
-# Acceptance estimate: a Beta-like prior of PRIOR_ACCEPTED accepted out of PRIOR_TRIED tried draft tokens,
-# plus the request's own history, older drafts' counts multiplied by HISTORY_DECAY at each new draft.
-PRIOR_ACCEPTED = 1.0
-PRIOR_TRIED = 2.0
+# Acceptance estimates: Beta-like priors (accepted out of tried draft tokens) plus the request's own history,
+# older drafts' counts multiplied by HISTORY_DECAY at each new draft. A first token: 1 of 2. A later one,
+# given the ones before it were accepted: 2 of 3 (copied spans run on).
+PRIOR_FIRST = (1.0, 2.0)
+PRIOR_THEN = (2.0, 3.0)
 HISTORY_DECAY = 0.5
 
 
-def worth_length(accept_chance: float, batch_size: int, cap: int) -> int:
+@dataclass(frozen=True)
+class Acceptance:
+    """The chance that a draft's first token is accepted, and that each later one is given the ones before it."""
+
+    first: float
+    then: float
+
+    def token(self, j: int) -> float:
+        """The chance that draft token j (from 1) is accepted, the ones before it included."""
+        return self.first * self.then ** (j - 1)
+
+    def expected(self, length: int) -> float:
+        """Expected accepted tokens of a draft of `length`: first * (1 + then + ... + then^(length - 1))."""
+        if length <= 0:
+            return 0.0
+        if self.then >= 1.0:
+            return self.first * length
+        return self.first * (1.0 - self.then**length) / (1.0 - self.then)
+
+
+def worth_length(acceptance: Acceptance, batch_size: int, cap: int) -> int:
     """The prior's rule, until step times are measured: the longest draft (at most `cap`) whose last token
-    still pays for itself, the largest j with accept_chance ** j > draft_token_cost(batch_size); 0 when
+    still pays for itself, the largest j with acceptance.token(j) > draft_token_cost(batch_size); 0 when
     even the first does not."""
     cost = draft_token_cost(batch_size)
-    if cost >= 1.0 or accept_chance <= cost:
+    if cost >= 1.0 or acceptance.first <= cost:
         return 0
-    if accept_chance >= 1.0:
+    if acceptance.then >= 1.0:
         return cap
-    return min(cap, math.ceil(math.log(cost) / math.log(accept_chance)) - 1)
+    if acceptance.then <= 0.0:
+        return 1
+    # first * then^(j - 1) > cost  <=>  j - 1 < log(cost / first) / log(then)
+    return min(cap, math.ceil(math.log(cost / acceptance.first) / math.log(acceptance.then)))
 
 
-def measured_worth_length(accept_chance: float, cap: int, step: StepDrafts, step_times: list[float]) -> int:
+def measured_worth_length(acceptance: Acceptance, cap: int, step: StepDrafts, step_times: list[float]) -> int:
     """The draft length j <= cap that maximizes the step's expected tokens per second,
-    (step.expected_tokens + a + a^2 + ... + a^j) / step_times[step.rows + j]; 0 when no draft raises it.
+    (step.expected_tokens + acceptance.expected(j)) / step_times[step.rows + j]; 0 when no draft raises it.
     A whole-curve comparison, not a per-token threshold: step times are flat over a few rows, then rise."""
     best, best_rate = 0, step.expected_tokens / step_times[step.rows]
-    tokens, chance = step.expected_tokens, 1.0
+    tokens = step.expected_tokens
     for j in range(1, cap + 1):
-        chance *= accept_chance
-        tokens += chance
+        tokens += acceptance.token(j)
         rate = tokens / step_times[step.rows + j]
         if rate > best_rate:
             best, best_rate = j, rate
@@ -88,11 +114,9 @@ class StepDrafts:
         self.rows = self.batch_size
         self.expected_tokens = float(self.batch_size)
 
-    def add(self, length: int, accept_chance: float) -> None:
+    def add(self, length: int, acceptance: Acceptance) -> None:
         self.rows += length
-        # a + a^2 + ... + a^length: token i is accepted only if the ones before it were
-        a = accept_chance
-        self.expected_tokens += length if a >= 1.0 else a * (1.0 - a**length) / (1.0 - a)
+        self.expected_tokens += acceptance.expected(length)
 
 
 @dataclass
@@ -101,16 +125,28 @@ class NgramState:
 
     tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     length: int = 0
-    accepted: float = 0.0  # decayed counts of accepted and of tried draft tokens
-    tried: float = 0.0
+    # decayed counts of accepted and of tried draft tokens: first tokens, and later ones (after an accepted one)
+    first_accepted: float = 0.0
+    first_tried: float = 0.0
+    then_accepted: float = 0.0
+    then_tried: float = 0.0
     failed_in_a_row: int = 0
     skip_steps: int = 0
     backoff: int = BACKOFF_START
 
     @property
-    def accept_chance(self) -> float:
-        """Estimated chance that a draft token is accepted, given the ones before it were."""
-        return (self.accepted + PRIOR_ACCEPTED) / (self.tried + PRIOR_TRIED)
+    def acceptance(self) -> Acceptance:
+        return Acceptance((self.first_accepted + PRIOR_FIRST[0]) / (self.first_tried + PRIOR_FIRST[1]),
+                          (self.then_accepted + PRIOR_THEN[0]) / (self.then_tried + PRIOR_THEN[1]))
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified draft: its first `num_accepted` of `num_drafted` tokens matched the model. Tokens after
+        the first rejection were never tried on their own: they say nothing of either chance."""
+        self.first_accepted = HISTORY_DECAY * self.first_accepted + (num_accepted > 0)
+        self.first_tried = HISTORY_DECAY * self.first_tried + 1
+        later_tried = min(num_accepted + 1, num_drafted) - 1 if num_accepted else 0
+        self.then_accepted = HISTORY_DECAY * self.then_accepted + max(num_accepted - 1, 0)
+        self.then_tried = HISTORY_DECAY * self.then_tried + later_tried
 
     def sync(self, req: Req) -> np.ndarray:
         """The request's prompt + output as an array (appending only what is new since the last call)."""
@@ -187,18 +223,19 @@ class NgramProposer:
         if state.skip_steps > 0:
             state.skip_steps -= 1
             return []
-        draft = self._draft(req, state, self._worth_length(state.accept_chance, step, min(limit, self.num_draft_tokens)))
+        acceptance = state.acceptance
+        draft = self._draft(req, state, self._worth_length(acceptance, step, min(limit, self.num_draft_tokens)))
         if draft and req.grammar is not None:
             draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
-        step.add(len(draft), state.accept_chance)
+        step.add(len(draft), acceptance)
         return draft
 
-    def _worth_length(self, accept_chance: float, step: StepDrafts, cap: int) -> int:
+    def _worth_length(self, acceptance: Acceptance, step: StepDrafts, cap: int) -> int:
         if cap <= 0:
             return 0
         if not self.step_cost.measured:
-            return worth_length(accept_chance, step.batch_size, cap)
-        return measured_worth_length(accept_chance, cap, step, self.step_cost.step_times(step.rows + cap))
+            return worth_length(acceptance, step.batch_size, cap)
+        return measured_worth_length(acceptance, cap, step, self.step_cost.step_times(step.rows + cap))
 
     def _draft(self, req: Req, state: NgramState, limit: int) -> list[int]:
         """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool."""
@@ -235,9 +272,7 @@ class NgramProposer:
         self.num_accepted_total += num_accepted
         req.spec_draft_tokens += num_drafted
         req.spec_accepted_tokens += num_accepted
-        # Tokens after the first rejection were never tried on their own: they say nothing of the chance.
-        state.accepted = HISTORY_DECAY * state.accepted + num_accepted
-        state.tried = HISTORY_DECAY * state.tried + min(num_accepted + 1, num_drafted)
+        state.record(num_drafted, num_accepted)
         if num_accepted:
             state.failed_in_a_row, state.backoff = 0, BACKOFF_START
             return

@@ -13,8 +13,9 @@
 // (a bf16 is the top half of a float32: the odd half is the lane masked, the even half the lane shifted),
 // under MXCSR's DAZ and FTZ. Which is faster depends on the CPU: an Intel Xeon (family 6 model 207) runs
 // VDPBF16PS at half the rate of float32 FMAs (86 against 174 GFLOP/s a core), an AMD EPYC the other way
-// round; `bf16_gemv_arithmetic` probes both once per process (choose_arithmetic) and can be overridden.
-// With many rows `fma` widens a tile's weights to float32 once per thread and reuses them for every row tile.
+// round; `bf16_gemv_arithmetic` probes both once per process (probe_arithmetic) and can be overridden.
+// The widening stays in registers at every row count: two integer ops per 64-byte vector, shared by the
+// tile's rows (widening a tile to float32 once in memory and reusing it was slower at 17-512 rows, measured).
 //
 // A row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
 // Threads take the output columns in tiles of 32 (16 for a last odd block) from a shared counter; rows go
@@ -32,7 +33,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -118,17 +118,10 @@ inline void load_pair(const uint16_t* line, __m512& odd, __m512& even) {
   widen_pair(line, odd, even);
 }
 
-// Weights widened once: a pair's odd then even half, 16 floats each (see widen_tile).
-inline void load_pair(const float* line, __m512& odd, __m512& even) {
-  odd = _mm512_loadu_ps(line);
-  even = _mm512_loadu_ps(line + kCols);
-}
-
 // FMA: the same tile with x in float32 (`xf`, widened once per call) and two FMAs per pair, odd first.
-// W is the packed bf16 weight (`block` apart per column block) or a widened one ([pairs][2][16] floats).
 // The loops over R are fully unrolled: else GCC may keep the accumulators in memory.
-template <int R, int NB, typename W>
-inline void tile_fma(const float* xf, int64_t ldx, const W* w, int64_t block, int64_t pairs, const float* bias,
+template <int R, int NB>
+inline void tile_fma(const float* xf, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
                      uint16_t* out, int64_t ldo) {
   __m512 acc[R][NB];
 #pragma GCC unroll 8
@@ -160,8 +153,8 @@ struct Operands {
   uint16_t* out;
 };
 
-template <int NB, typename W>
-void rows_tile_fma(int64_t rows, const float* xf, int64_t ldx, const W* w, int64_t block, int64_t pairs, const float* bias,
+template <int NB>
+void rows_tile_fma(int64_t rows, const float* xf, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
                    uint16_t* out, int64_t ldo) {
   switch (rows) {
     case 1: return tile_fma<1, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
@@ -190,38 +183,16 @@ void rows_tile_dpbf16(int64_t rows, const uint16_t* x, int64_t ldx, const uint16
   }
 }
 
-// The nb (1 or 2) column blocks from b0 of packed W widened into `wide`, as tile_fma reads them with block
-// stride pairs * 2 * kCols: per block and pair, the odd then the even half, 16 floats each.
-void widen_tile(const uint16_t* w, int64_t block, int64_t pairs, int64_t nb, std::vector<float>& wide) {
-  wide.resize(nb * pairs * 2 * kCols);
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m512 odd, even;
-      widen_pair(w + b * block + p * 2 * kCols, odd, even);
-      _mm512_storeu_ps(wide.data() + (b * pairs + p) * 2 * kCols, odd);
-      _mm512_storeu_ps(wide.data() + (b * pairs + p) * 2 * kCols + kCols, even);
-    }
-  }
-}
-
-// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x. `wide`: this thread's buffer for fma's
-// widened weights.
-void column_tile(const Operands& o, bool fma, int64_t b0, int64_t nb, std::vector<float>& wide) {
+// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x.
+void column_tile(const Operands& o, bool fma, int64_t b0, int64_t nb) {
   const int64_t pairs = o.k / 2, block = pairs * 2 * kCols;
   const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
   const uint16_t* w = o.w + b0 * block;
-  // Three or more row tiles meet these weights: widen them once (the same floats as widening in registers).
-  const bool widened = fma && o.m > 2 * kMaxTileRows;
-  if (widened) widen_tile(w, block, pairs, nb, wide);
   for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
     const int64_t rows = std::min(kMaxTileRows, o.m - r0);
     uint16_t* out = o.out + r0 * o.n + b0 * kCols;
-    if (widened) {
-      (nb == 2 ? rows_tile_fma<2, float> : rows_tile_fma<1, float>)(rows, o.xf + r0 * o.k, o.k, wide.data(), pairs * 2 * kCols,
-                                                                    pairs, bias, out, o.n);
-    } else if (fma) {
-      (nb == 2 ? rows_tile_fma<2, uint16_t> : rows_tile_fma<1, uint16_t>)(rows, o.xf + r0 * o.k, o.k, w, block, pairs, bias, out,
-                                                                          o.n);
+    if (fma) {
+      (nb == 2 ? rows_tile_fma<2> : rows_tile_fma<1>)(rows, o.xf + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
     } else {
       (nb == 2 ? rows_tile_dpbf16<2> : rows_tile_dpbf16<1>)(rows, o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
     }
@@ -239,11 +210,10 @@ void gemv(const Operands& o, bool fma) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     FlushSubnormals flush;  // per thread: MXCSR is each thread's own
-    std::vector<float> wide;
     for (int64_t begin = next.fetch_add(run, std::memory_order_relaxed); begin < tiles;
          begin = next.fetch_add(run, std::memory_order_relaxed)) {
       for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
-        column_tile(o, fma, 2 * t, std::min<int64_t>(2, blocks - 2 * t), wide);
+        column_tile(o, fma, 2 * t, std::min<int64_t>(2, blocks - 2 * t));
       }
     }
   });
