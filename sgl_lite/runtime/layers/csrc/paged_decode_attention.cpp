@@ -81,7 +81,12 @@ struct Fp32Kv {
 struct Bf16Kv {
   using T = uint16_t;  // bf16 is the upper half of an fp32
   static inline vfloat decode(const T* p) {
+#if defined(__AVX512F__)
+    // one widening move (GCC 12 lowers the vector conversion below to two half-width ones and an insert)
+    return reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
     return reinterpret_cast<vfloat>(__builtin_convertvector(load_vec<vu16>(p), vu32) << 16);
+#endif
   }
 };
 // fp16 and both fp8 formats go through the CPU's fp16 -> fp32 conversion (F16C / AVX-512: exact for
@@ -135,6 +140,16 @@ inline float hsum(vfloat v) {
   return v[0];
 }
 
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float hmax(vfloat v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
 // Lane i of the result is the sum of v[i]'s lanes: kLanes horizontal sums in 4 rounds of pairwise
 // shuffle-adds (15 shuffles' worth per vector of results, not kLanes separate reductions).
 inline vfloat reduce_lanes(const vfloat* v) {
@@ -167,6 +182,15 @@ inline float hsum(vfloat v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float hmax(vfloat v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
   return v[0];
 }
 
@@ -225,10 +249,13 @@ struct Shape {
 // One chunk: q_scaled [G, D/kLanes] (already times the softmax scale) against `n` slots of one kv head.
 // kC: the vectors per row (D / kLanes) when known at compile time (0: read from `shape`); with it the
 // compiler keeps a row and each head's accumulator in registers instead of memory (~2x at D = 64).
-template <class Kv, int64_t kC>
+// kG: the query heads per KV head when known at compile time (0: from `shape`); with it the P.V pass keeps
+// every head's accumulator in registers and adds each V row to all of them as it is decoded, so that the
+// heads' FMA chains interleave (one head at a time waited on each FMA's latency).
+template <class Kv, int64_t kC, int64_t kG>
 void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const typename Kv::T* v_head,
                   const int64_t* slots, int64_t n, const Shape& shape, Partial out) {
-  const int64_t G = shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride;
+  const int64_t G = kG ? kG : shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride;
   const int64_t row_bytes = shape.dim * int64_t(sizeof(typename Kv::T));
   vfloat acc[kMaxGroup * kMaxChunksPerRow];
   vfloat row[kMaxChunksPerRow];
@@ -244,7 +271,6 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
   // the chunk's first rows, which the loop's look-ahead prefetch never covers
   for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_head + slots[t] * stride, row_bytes);
   vfloat dots[kMaxGroup][kLanes];  // per query head, kLanes tokens' unreduced q.k products
-  vfloat values[kBlock * kMaxChunksPerRow];  // the block's V rows in fp32
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t nb = std::min(kBlock, n - start);
     for (int64_t v = 0; v < kBlock / kLanes; ++v) {
@@ -268,8 +294,11 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
       for (int64_t g = 0; g < G; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
     }
     for (int64_t g = 0; g < G; ++g) {
-      float block_max = kNegInf;
-      for (int64_t i = 0; i < nb; ++i) block_max = std::max(block_max, scores[g].at[i]);
+      // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
+      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
+      vfloat lanes_max = scores[g].vec[0];
+      for (int64_t v = 1; v < kBlock / kLanes; ++v) lanes_max = vmax(lanes_max, scores[g].vec[v]);
+      const float block_max = hmax(lanes_max);
       if (block_max > run_max[g]) {
         // exp(-inf) = 0 on the first block: acc and the sum are still zero then
         const float alpha = run_max[g] == kNegInf ? 0.f : std::exp(run_max[g] - block_max);
@@ -278,8 +307,6 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
         run_max[g] = block_max;
       }
       const float m = run_max[g];
-      // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
-      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
       vfloat sum{};
       for (int64_t v = 0; v < kBlock / kLanes; ++v) {
         scores[g].vec[v] = exp_nonpositive(scores[g].vec[v] - m);
@@ -288,19 +315,37 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
       for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
       run_sum[g] += hsum(sum);
     }
-    // P.V: the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
-    for (int64_t i = 0; i < nb; ++i) {
-      const typename Kv::T* v_row = v_head + slots[start + i] * stride;
-      for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      vfloat a[kMaxChunksPerRow];
-      for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
+    // P.V. Every head's accumulator adds the tokens in order, whichever way the loops nest (the same bits).
+    if constexpr (kG != 0 && kC != 0) {
+      // each V row decoded into registers and added to every head's accumulator (all in registers)
+      vfloat a[kG * kC];
+      for (int64_t j = 0; j < kG * kC; ++j) a[j] = acc[j];
       for (int64_t i = 0; i < nb; ++i) {
-        const float p = scores[g].at[i];
-        for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
+        const typename Kv::T* v_row = v_head + slots[start + i] * stride;
+        vfloat vr[kC];
+        for (int64_t c = 0; c < kC; ++c) vr[c] = Kv::decode(v_row + c * kLanes);
+        for (int64_t g = 0; g < kG; ++g) {
+          const float p = scores[g].at[i];
+          for (int64_t c = 0; c < kC; ++c) a[g * kC + c] += p * vr[c];
+        }
       }
-      for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
+      for (int64_t j = 0; j < kG * kC; ++j) acc[j] = a[j];
+    } else {
+      // the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
+      vfloat values[kBlock * kMaxChunksPerRow];
+      for (int64_t i = 0; i < nb; ++i) {
+        const typename Kv::T* v_row = v_head + slots[start + i] * stride;
+        for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        vfloat a[kMaxChunksPerRow];
+        for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
+        for (int64_t i = 0; i < nb; ++i) {
+          const float p = scores[g].at[i];
+          for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
+        }
+        for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
+      }
     }
   }
   std::memcpy(out.acc, acc, G * C * sizeof(vfloat));
@@ -333,6 +378,21 @@ void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, O
 struct Item {
   int64_t request, head, chunk_begin, chunk_end, part;  // part: index of its Partial
 };
+
+// attend_chunk for a head size kC compiled for the group size G where it is a common one (MHA, and the GQA
+// ratios of Llama 3, Mistral, SmolLM2, Qwen2: 1, 2, 3, 4, 7, 8), else for any group.
+template <class Kv, int64_t kC>
+auto for_group(int64_t G) {
+  switch (G) {
+    case 1: return attend_chunk<Kv, kC, 1>;
+    case 2: return attend_chunk<Kv, kC, 2>;
+    case 3: return attend_chunk<Kv, kC, 3>;
+    case 4: return attend_chunk<Kv, kC, 4>;
+    case 7: return attend_chunk<Kv, kC, 7>;
+    case 8: return attend_chunk<Kv, kC, 8>;
+    default: return attend_chunk<Kv, kC, 0>;
+  }
+}
 
 template <class QT, class Kv>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* indptr,
@@ -368,8 +428,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto* out_ptr = out.data_ptr<QT>();
   const int64_t num_items = int64_t(items.size());
 
-  // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) compiled for their size
-  const auto attend = D == 64 ? attend_chunk<Kv, 64 / kLanes> : D == 128 ? attend_chunk<Kv, 128 / kLanes> : attend_chunk<Kv, 0>;
+  // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) and groups compiled for their size
+  const auto attend = D == 64 ? for_group<Kv, 64 / kLanes>(G) : D == 128 ? for_group<Kv, 128 / kLanes>(G) : attend_chunk<Kv, 0, 0>;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
     for (;;) {
