@@ -5,12 +5,12 @@
 // backend wrote into the pool before the call). New token j sits at position prefix + j (prefix = kv_len -
 // new) and sees positions 0..prefix + j. GQA: the G = Hq / Hkv query heads of a KV head share its K/V.
 //
-// Flash-attention's loop in float32: work items are (request, kv head, tile of 16 new tokens); a tile's
-// G x 16 query rows walk the keys up to the tile's last position in blocks of 32, with an online softmax
-// per row. Per block: K is widened to float32 and transposed ([D][32]) and V widened ([32][D]) once, then two
-// register-blocked products of 4 query rows at a time: S = Q K^T (4 rows x 32 keys) and O += P V (4 rows x D),
-// every multiply an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy
-// of K/V. Why: torch's path (scores, softmax and their casts as separate passes over the whole score matrix)
+// Flash-attention's loop in float32: work items are (request, kv head, tile of 32 new tokens); a tile's
+// G x 32 query rows walk the keys up to the tile's last position in blocks of 32, with an online softmax
+// per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
+// once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
+// in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
+// an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why: torch's path (scores, softmax and their casts as separate passes over the whole score matrix)
 // ran an agent turn's extend (8 requests x 90 tokens on 450-token prefixes) at ~80 GFLOP/s on a 2-core
 // Xeon, a third of its prefill step.
 //
@@ -85,36 +85,38 @@ struct Request {
   int64_t q_start, num_new, kv_begin, kv_len;
 };
 
-// One thread's scratch: a tile's queries, outputs and softmax state, and one key block widened.
+// One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
+// ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
+// then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
 struct Scratch {
-  std::vector<float> q, o, p, kt, v, max, sum;
-  explicit Scratch(int64_t rows, int64_t dim)
-      : q(rows * dim), o(rows * dim), p(rows * kKeys), kt(dim * kKeys), v(kKeys * dim), max(rows), sum(rows) {}
+  std::vector<float> qt, o, k, v, st, max, sum, alpha;
+  Scratch(int64_t rows, int64_t dim)
+      : qt(dim * rows), o(rows * dim), k(kKeys * dim), v(kKeys * dim), st(kKeys * rows), max(rows), sum(rows), alpha(rows) {}
 };
 
-// S[r][0:32] = Q[r] . K^T for rows r0..r0+3 (kt is [D][32]).
+// S^T[j][r0 : r0 + 32] = K[j] . Q^T for keys j0..j0+3 and two vectors of rows (qt is [D][R]).
 template <int64_t C>
-inline void scores_block(const float* q, const float* kt, float* s) {
-  __m512 a[kRows][2];
-  for (int r = 0; r < kRows; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+inline void scores_block(const float* qt, int64_t R, const float* k, float* st) {
+  __m512 a[4][2];
+  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < C * 16; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(kt + d * kKeys), k1 = _mm512_loadu_ps(kt + d * kKeys + 16);
+    const __m512 q0 = _mm512_loadu_ps(qt + d * R), q1 = _mm512_loadu_ps(qt + d * R + 16);
 #pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 qv = _mm512_set1_ps(q[r * C * 16 + d]);
-      a[r][0] = _mm512_fmadd_ps(qv, k0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(qv, k1, a[r][1]);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 kv = _mm512_set1_ps(k[j * C * 16 + d]);
+      a[j][0] = _mm512_fmadd_ps(kv, q0, a[j][0]);
+      a[j][1] = _mm512_fmadd_ps(kv, q1, a[j][1]);
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_storeu_ps(s + r * kKeys, a[r][0]);
-    _mm512_storeu_ps(s + r * kKeys + 16, a[r][1]);
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_ps(st + j * R, a[j][0]);
+    _mm512_storeu_ps(st + j * R + 16, a[j][1]);
   }
 }
 
-// O[r] += P[r][0:n] V[0:n] for rows r0..r0+3 (v is [32][D]).
+// O[r] += P[r][0:n] V[0:n] for rows r0..r0+3 (pt is [32][R], v [32][D]).
 template <int64_t C>
-inline void values_block(const float* p, const float* v, int64_t n, float* o) {
+inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, float* o) {
   __m512 a[kRows][C];
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(o + r * C * 16 + c * 16);
@@ -123,7 +125,7 @@ inline void values_block(const float* p, const float* v, int64_t n, float* o) {
     for (int64_t c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const __m512 pv = _mm512_set1_ps(p[r * kKeys + j]);
+      const __m512 pv = _mm512_set1_ps(pt[j * R + r]);
       for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pv, vv[c], a[r][c]);
     }
   }
@@ -132,71 +134,81 @@ inline void values_block(const float* p, const float* v, int64_t n, float* o) {
 }
 
 // One work item: new tokens [t0, t1) of request `req`, KV head h. Rows are (token, query head of the group),
-// token-major: row i is token t0 + i / G, head h * G + i % G.
+// token-major: row i is token t0 + i / G, head h * G + i % G. Scores are kept transposed (a key's scores
+// for all rows in a run), so the online softmax runs down the rows 16 at a time with no horizontal sums.
 template <int64_t C, typename QT, typename KT>
 void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_t* slots, const Request& req, int64_t t0,
                  int64_t t1, int64_t h, int64_t Hq, int64_t Hkv, float scale, Scratch& s, QT* out) {
   constexpr int64_t D = C * 16;
   const int64_t G = Hq / Hkv, prefix = req.kv_len - req.num_new;
-  const int64_t rows = (t1 - t0) * G, padded = (rows + kRows - 1) / kRows * kRows;
-  for (int64_t i = 0; i < padded; ++i) {
-    const int64_t t = t0 + std::min(i, rows - 1) / G, head = h * G + std::min(i, rows - 1) % G;  // pad: repeat the last row
-    const QT* src = q + ((req.q_start + t) * Hq + head) * D;
-    for (int64_t d = 0; d < D; ++d) s.q[i * D + d] = to_float(src[d]) * scale;
+  const int64_t rows = (t1 - t0) * G, R = (rows + 31) / 32 * 32;  // whole pairs of row vectors
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t row = std::min(i, rows - 1);  // padding rows repeat the last row
+    const QT* src = q + ((req.q_start + t0 + row / G) * Hq + h * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * R + i] = to_float(src[d]) * scale;
   }
-  std::fill(s.o.begin(), s.o.begin() + padded * D, 0.f);
-  std::fill(s.max.begin(), s.max.begin() + padded, kNegInf);
-  std::fill(s.sum.begin(), s.sum.begin() + padded, 0.f);
+  std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
+  std::fill(s.max.begin(), s.max.begin() + R, kNegInf);
+  std::fill(s.sum.begin(), s.sum.begin() + R, 0.f);
   const int64_t keys = prefix + t1;  // the tile's last token sees positions 0..prefix + t1 - 1
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
-    const int64_t n = std::min(kKeys, keys - k0);
-    for (int64_t j = 0; j < kKeys; ++j) {  // K transposed, V as rows, float32; past n: zeros
+    const int64_t n = std::min(kKeys, keys - k0), n4 = (n + 3) / 4 * 4;
+    for (int64_t j = 0; j < n4; ++j) {  // K and V rows in float32; past n: zeros
+      float* kf = s.k.data() + j * D;
+      float* vf = s.v.data() + j * D;
       if (j < n) {
         const int64_t slot = slots[k0 + j];
         const KT* kr = k_cache + (slot * Hkv + h) * D;
         const KT* vr = v_cache + (slot * Hkv + h) * D;
-        alignas(64) float kf[D];
         for (int64_t c = 0; c < C; ++c) {
-          _mm512_store_ps(kf + c * 16, load16(kr + c * 16));
-          _mm512_storeu_ps(s.v.data() + j * D + c * 16, load16(vr + c * 16));
+          _mm512_storeu_ps(kf + c * 16, load16(kr + c * 16));
+          _mm512_storeu_ps(vf + c * 16, load16(vr + c * 16));
         }
-        for (int64_t d = 0; d < D; ++d) s.kt[d * kKeys + j] = kf[d];
       } else {
-        for (int64_t d = 0; d < D; ++d) s.kt[d * kKeys + j] = 0.f;
-        std::fill(s.v.begin() + j * D, s.v.begin() + (j + 1) * D, 0.f);
+        std::fill(kf, kf + D, 0.f);
+        std::fill(vf, vf + D, 0.f);
       }
     }
+    float* st = s.st.data();
+    for (int64_t j0 = 0; j0 < n4; j0 += 4)
+      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block<C>(s.qt.data() + r0, R, s.k.data() + j0 * D, st + j0 * R + r0);
     // Only a block that reaches past the tile's first token needs the causal mask.
     const bool causal = k0 + n > prefix + t0 + 1;
-    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
-      float* sc = s.p.data() + r0 * kKeys;
-      scores_block<C>(s.q.data() + r0 * D, s.kt.data(), sc);
-      for (int64_t r = r0; r < r0 + kRows; ++r) {
-        float* row = s.p.data() + r * kKeys;
-        // keys this row sees in the block: positions < its own + 1, and < n
-        const int64_t visible = causal ? std::min<int64_t>(n, prefix + t0 + std::min(r, rows - 1) / G + 1 - k0) : n;
-        const __mmask16 m0 = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (visible <= 0 ? 0 : (1u << visible) - 1));
-        const __mmask16 m1 = static_cast<__mmask16>(visible >= 32 ? 0xFFFF : (visible <= 16 ? 0 : (1u << (visible - 16)) - 1));
-        const __m512 x0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(kNegInf), _mm512_loadu_ps(row));
-        const __m512 x1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(kNegInf), _mm512_loadu_ps(row + 16));
-        const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-        float& run_max = s.max[r];
-        if (block_max > run_max) {
-          // exp(-inf) = 0 on the row's first block: its sum and output are still zero then
-          const float alpha = run_max == kNegInf ? 0.f : std::exp(run_max - block_max);
-          float* o = s.o.data() + r * D;
-          for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-          s.sum[r] *= alpha;
-          run_max = block_max;
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      // row i sees key positions <= its own, prefix + t0 + i / G (padding rows: the last row's)
+      alignas(64) int32_t last_seen[16];
+      for (int64_t i = 0; i < 16; ++i) last_seen[i] = static_cast<int32_t>(prefix + t0 + std::min(r0 + i, rows - 1) / G);
+      const __m512i seen = _mm512_load_si512(last_seen);
+      __m512 block_max = _mm512_set1_ps(kNegInf);
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 x = _mm512_loadu_ps(st + j * R + r0);
+        if (causal) {
+          const __mmask16 hidden = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + j)), seen);
+          x = _mm512_mask_blend_ps(hidden, x, _mm512_set1_ps(kNegInf));
+          _mm512_storeu_ps(st + j * R + r0, x);
         }
-        const __m512 m = _mm512_set1_ps(run_max);
-        const __m512 p0 = exp_nonpositive(_mm512_sub_ps(x0, m)), p1 = exp_nonpositive(_mm512_sub_ps(x1, m));
-        _mm512_storeu_ps(row, p0);
-        _mm512_storeu_ps(row + 16, p1);
-        s.sum[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        block_max = _mm512_max_ps(block_max, x);
       }
-      values_block<C>(sc, s.v.data(), n, s.o.data() + r0 * D);
+      // every row sees key 0, so the running max is finite from the first block on
+      const __m512 old_max = _mm512_loadu_ps(s.max.data() + r0);
+      const __m512 new_max = _mm512_max_ps(old_max, block_max);
+      const __m512 alpha = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (exp(-inf))
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
+        _mm512_storeu_ps(st + j * R + r0, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      _mm512_storeu_ps(s.max.data() + r0, new_max);
+      _mm512_storeu_ps(s.sum.data() + r0, sum);
+      _mm512_storeu_ps(s.alpha.data() + r0, alpha);
     }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(s.alpha[r]);
+      float* o = s.o.data() + r * D;
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), a));
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i / G, head = h * G + i % G;
@@ -228,7 +240,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::atomic<int64_t> next{0};
   const int64_t num_items = int64_t(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    Scratch scratch(kTileTokens * G + kRows, C * 16);
+    Scratch scratch((kTileTokens * G + 31) / 32 * 32, C * 16);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const Request& req = reqs[it.req];
