@@ -34,6 +34,8 @@
 #include <cstring>
 #include <string>
 
+#include "row_tiles.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define SGL_LITE_HAS_AVX512_BF16 1
@@ -153,49 +155,21 @@ struct Operands {
   uint16_t* out;
 };
 
-template <int NB>
-void rows_tile_fma(int64_t rows, const float* xf, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
-                   uint16_t* out, int64_t ldo) {
-  switch (rows) {
-    case 1: return tile_fma<1, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 2: return tile_fma<2, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 3: return tile_fma<3, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 4: return tile_fma<4, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 5: return tile_fma<5, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 6: return tile_fma<6, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    case 7: return tile_fma<7, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-    default: return tile_fma<8, NB>(xf, ldx, w, block, pairs, bias, out, ldo);
-  }
-}
-
-template <int NB>
-void rows_tile_dpbf16(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs,
-                      const float* bias, uint16_t* out, int64_t ldo) {
-  switch (rows) {
-    case 1: return tile_dpbf16<1, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 2: return tile_dpbf16<2, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 3: return tile_dpbf16<3, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 4: return tile_dpbf16<4, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 5: return tile_dpbf16<5, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 6: return tile_dpbf16<6, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    case 7: return tile_dpbf16<7, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-    default: return tile_dpbf16<8, NB>(x, ldx, w, block, pairs, bias, out, ldo);
-  }
-}
-
 // Output columns [16 * b0, 16 * (b0 + nb)) for every row of x.
 void column_tile(const Operands& o, bool fma, int64_t b0, int64_t nb) {
   const int64_t pairs = o.k / 2, block = pairs * 2 * kCols;
   const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
   const uint16_t* w = o.w + b0 * block;
   for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
-    const int64_t rows = std::min(kMaxTileRows, o.m - r0);
     uint16_t* out = o.out + r0 * o.n + b0 * kCols;
-    if (fma) {
-      (nb == 2 ? rows_tile_fma<2> : rows_tile_fma<1>)(rows, o.xf + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
-    } else {
-      (nb == 2 ? rows_tile_dpbf16<2> : rows_tile_dpbf16<1>)(rows, o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
-    }
+    sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (fma) {
+        (nb == 2 ? tile_fma<R, 2> : tile_fma<R, 1>)(o.xf + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
+      } else {
+        (nb == 2 ? tile_dpbf16<R, 2> : tile_dpbf16<R, 1>)(o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
+      }
+    });
   }
 }
 

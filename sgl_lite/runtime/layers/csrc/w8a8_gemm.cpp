@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "row_tiles.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SGL_LITE_HAS_VNNI 1
@@ -139,20 +141,6 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
   }
 }
 
-template <int NB, typename O>
-void rows_tile(int64_t rows, const Operands& o, const uint8_t* xq, const float* rs, const int8_t* w, const float* bias, O* out) {
-  switch (rows) {
-    case 1: return tile<1, NB>(o, xq, rs, w, bias, out);
-    case 2: return tile<2, NB>(o, xq, rs, w, bias, out);
-    case 3: return tile<3, NB>(o, xq, rs, w, bias, out);
-    case 4: return tile<4, NB>(o, xq, rs, w, bias, out);
-    case 5: return tile<5, NB>(o, xq, rs, w, bias, out);
-    case 6: return tile<6, NB>(o, xq, rs, w, bias, out);
-    case 7: return tile<7, NB>(o, xq, rs, w, bias, out);
-    default: return tile<8, NB>(o, xq, rs, w, bias, out);
-  }
-}
-
 template <typename O>
 void gemm(const Operands& o, O* out) {
   const int64_t blocks = o.n / kCols, tiles = (blocks + 1) / 2;
@@ -168,10 +156,12 @@ void gemm(const Operands& o, O* out) {
         const int8_t* w = o.w + b0 * o.block_bytes;
         const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
         for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
-          const int64_t rows = std::min(kMaxTileRows, o.m - r0);
           const uint8_t* xq = o.xq + r0 * o.k4 * 4;
           O* dst = out + r0 * o.n + b0 * kCols;
-          (nb == 2 ? rows_tile<2, O> : rows_tile<1, O>)(rows, o, xq, o.row_scale + r0, w, bias, dst);
+          sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            (nb == 2 ? tile<R, 2, O> : tile<R, 1, O>)(o, xq, o.row_scale + r0, w, bias, dst);
+          });
         }
       }
     }
