@@ -247,7 +247,7 @@ W8A8 = pytest.mark.skipif(not w8a8_kernel_available(), reason="the w8a8 kernel n
 
 
 @W8A8
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33, 130])
 @pytest.mark.parametrize("shape", [(128, 96), (100, 30), (960, 576)])  # 100 x 30: padded columns and k
 def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
@@ -261,6 +261,25 @@ def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(dtype: torch.dtype, rows
         assert out.shape == (rows, n) and out.dtype == dtype
         assert torch.equal(out, form.reference_matmul(x, b))
     assert torch.equal(form.matmul(torch.zeros(2, k, dtype=dtype)), torch.zeros(2, n, dtype=dtype))  # a zero row
+
+
+@W8A8
+def test_w8a8_rows_too_small_to_scale_quantize_to_zeros_in_both() -> None:
+    """127 / max|x| overflows below ~3.7e-37: such a row is a zero row for the kernel and the reference alike."""
+    form = W8A8Int8(torch.randn(32, 8))
+    x = torch.tensor([[1e-37, 0.0, -1e-37, 0.0, 0, 0, 0, 0], [1e-30, -2e-30, 0, 0, 0, 0, 0, 3e-30]])
+    out = form.matmul(x)
+    assert torch.equal(out, form.reference_matmul(x))
+    assert torch.equal(out[0], torch.zeros(32)) and out[1].abs().max() > 0
+
+
+def test_w8a8_unpacks_the_weight_it_packed() -> None:
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 30, generator=g)
+    form = W8A8Int8(weight)
+    expected = torch.round(weight / form.scales[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(form.q, expected)
+    assert ((form.dequantize() - weight).abs() <= form.scales[:, None] / 2 + 1e-6).all()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -301,7 +320,7 @@ def test_w8a8_kernel_refuses_a_malformed_weight() -> None:
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64), form.packed, torch.zeros(31))
     with pytest.raises(RuntimeError, match="x must be"):
-        torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64).half(), form.packed, None)
+        torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64).double(), form.packed, None)
 
 
 def test_w8a8_takes_every_call_and_keeps_no_dense_copy() -> None:

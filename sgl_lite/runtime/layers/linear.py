@@ -117,7 +117,9 @@ def gemv_max_rows(kernel: str) -> int | None:
 @functools.cache
 def bf16_gemv_fma() -> bool:
     """Whether the AVX512-BF16 kernel computes with float32 FMAs on this CPU (its probe found them faster
-    than VDPBF16PS; the same bits either way, see csrc/bf16_gemv.cpp)."""
+    than VDPBF16PS; the same bits either way, see csrc/bf16_gemv.cpp). Decided once per process, by the
+    first probe, and what calls it takes follows from it; `set_bf16_gemv_arithmetic` afterwards changes
+    only the arithmetic."""
     from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 
     return load_cpu_ops() and torch.ops.sgl_lite.bf16_gemv_arithmetic() == "fma"

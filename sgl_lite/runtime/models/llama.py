@@ -317,14 +317,16 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self, batch_hint: int = 32, quantization: str | None = None,
                      int4_values: dict[str, Int4Values] | None = None) -> bool:
-        """After loading: prepack matmul weights for oneDNN when supported (bf16 on CPU), and with
-        `quantization` (one of layers.quantization.QUANTIZATION_METHODS) add weight-only quantized forms,
-        which calls with few rows use (layers/linear.py). `int4_values`: HF weight name -> a GGUF file's
-        own 4-bit blocks, used instead of quantizing those weights (they must dequantize to the loaded ones).
+        """After loading: pack the matmul weights for the kernels that take their calls (layers/linear.py):
+        the small-row kernel's layout where one serves them, and oneDNN's (bf16 on CPU) for the calls above
+        its row limit (none where it takes every call); with `quantization` (one of
+        layers.quantization.QUANTIZATION_METHODS) add the quantized forms: weight-only ones for calls of few
+        rows, w8a8_int8 for every call. `int4_values`: HF weight name -> a GGUF file's own 4-bit blocks, used
+        instead of quantizing those weights (they must dequantize to the loaded ones).
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
-        final. Each packed form is one more copy of the matmul weights in memory: oneDNN's, and the
-        small-row kernel's (layers/linear.py). Returns whether it packed for oneDNN.
+        final. Each packed form is one more copy of the matmul weights in memory. Returns whether oneDNN
+        packing is available here.
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
         reorder = torch.ops.mkldnn._reorder_linear_weight

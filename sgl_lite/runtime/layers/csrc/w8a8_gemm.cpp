@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -30,7 +31,7 @@
 
 #include "row_tiles.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define SGL_LITE_HAS_VNNI 1
 #else
@@ -49,16 +50,20 @@ bool has_vnni() { return SGL_LITE_HAS_VNNI; }
 
 #if SGL_LITE_HAS_VNNI
 
+// Activations and outputs: float32, bf16 (its bits) or fp16.
+inline __m512 widen(__m256i bits, c10::BFloat16*) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 widen(__m256i bits, c10::Half*) { return _mm512_cvtph_ps(bits); }
 inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_row16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+template <typename T>
+inline __m512 load_row16(const T* p) {
+  return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), static_cast<T*>(nullptr));
 }
 inline __m512 load_partial(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load_partial(const uint16_t* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
+template <typename T>
+inline __m512 load_partial(const T* p, __mmask16 mask) { return widen(_mm256_maskz_loadu_epi16(mask, p), static_cast<T*>(nullptr)); }
 
-// One row: its scale (max|x| / 127, 0 for a zero row) and q + 128 as bytes, zero-padded (128) to k4 * 4.
+// One row: its scale (max|x| / 127) and q + 128 as bytes, zero-padded (128) to k4 * 4. A row whose 127 / max|x|
+// is not finite (all zeros, or below 127 / FLT_MAX) quantizes to zeros, as the torch reference does.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   __m512 amax = _mm512_setzero_ps();
@@ -67,7 +72,8 @@ void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (k - i)) - 1);
   if (i < k) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_partial(x + i, tail)));
   const float max_abs = _mm512_reduce_max_ps(amax);
-  const float inv = max_abs > 0.f ? 127.f / max_abs : 0.f;
+  const float ratio = 127.f / max_abs;
+  const float inv = std::isfinite(ratio) ? ratio : 0.f;
   *scale = max_abs / 127.f;
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i offset = _mm512_set1_epi32(128);
@@ -82,13 +88,18 @@ void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   std::memset(q + k, 128, k4 * 4 - k);
 }
 
-template <typename O>
-inline void store(__m512 y, O* out);
-template <>
 inline void store(__m512 y, float* out) { _mm512_storeu_ps(out, y); }
-template <>
-inline void store(__m512 y, uint16_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+// Rounded to nearest even, subnormals kept and NaN made quiet, as torch's float -> bf16 conversion does
+// (VCVTNEPS2BF16 would flush subnormals, and it needs AVX512-BF16).
+inline void store(__m512 y, c10::BFloat16* out) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+}
+inline void store(__m512 y, c10::Half* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 struct Operands {
@@ -176,8 +187,8 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::o
   TORCH_CHECK(has_vnni(), "w8a8_gemm: this build has no AVX512-VNNI (check sgl_lite::w8a8_gemm_supported first)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "w8a8_gemm runs on CPU tensors");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.is_contiguous(),
-              "w8a8_gemm: x must be contiguous float32 or bf16 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && x.is_contiguous(),
+              "w8a8_gemm: x must be contiguous float32, bf16 or fp16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1), k4 = (k + 3) / 4;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(1) == k4 * 64 + kTrailer,
@@ -193,21 +204,20 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::o
   if (m > 0) {
     std::vector<uint8_t> xq(m * k4 * 4);
     std::vector<float> row_scale(m);
-    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        if (dtype == at::kFloat) {
-          quantize_row(x.data_ptr<float>() + r * k, k, k4, xq.data() + r * k4 * 4, &row_scale[r]);
-        } else {
-          quantize_row(reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * k, k, k4, xq.data() + r * k4 * 4, &row_scale[r]);
-        }
-      }
-    });
     const Operands o{xq.data(), row_scale.data(), m, k4, packed.data_ptr<int8_t>(), n, packed.size(1),
                      bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
+    const auto run = [&](const auto* xs, auto* os) {
+      at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) quantize_row(xs + r * k, k, k4, xq.data() + r * k4 * 4, &row_scale[r]);
+      });
+      gemm(o, os);
+    };
     if (dtype == at::kFloat) {
-      gemm(o, out.data_ptr<float>());
+      run(x.data_ptr<float>(), out.data_ptr<float>());
+    } else if (dtype == at::kBFloat16) {
+      run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
     } else {
-      gemm(o, reinterpret_cast<uint16_t*>(out.data_ptr()));
+      run(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>());
     }
   }
 #endif
