@@ -65,7 +65,9 @@ class _ExtendReq:
     end: int
     kv_slots: torch.Tensor  # int64 [prefix + extend]
     prefix: int
-    tiles: list[_QueryTile]
+    # built by the first layer that runs this request through the torch path (a backend with its own
+    # extend kernel never builds them: their causal biases are MBs for a long prompt)
+    tiles: list[_QueryTile] | None = None
 
 
 def query_tiles(prefix: int, extend: int, num_q_heads: int, device: torch.device) -> list[_QueryTile]:
@@ -104,15 +106,13 @@ class TorchNativeBackend(AttentionBackend):
         single = [i for i, e in enumerate(meta.extend_lens) if e == 1 or i in verify]
         self._decode = self._prepare_decode(meta, single) if single else None
         self._extends = []
-        device = meta.padded_kv_indices.device
         qo = meta.qo_indptr.tolist()
         seq_lens = meta.seq_lens.tolist()
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens, meta.extend_lens)):
             if extend <= 1 or i in verify:
                 continue
             slots = meta.padded_kv_indices[i, : seq_lens[i]]
-            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, prefix=prefix,
-                                            tiles=query_tiles(prefix, extend, self.num_q_heads, device)))
+            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, prefix=prefix))
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _DecodeGroup:
         """Index rows and padding mask of the decode queries of requests `single` (batch indices)."""
@@ -181,6 +181,8 @@ class TorchNativeBackend(AttentionBackend):
         # head-major and contiguous: bf16 matmul on CPU is several times slower on strided operands
         keys = keys.to(compute).transpose(0, 1).contiguous()  # [Hkv, L, D]
         values = values.to(compute).transpose(0, 1).contiguous()
+        if req.tiles is None:
+            req.tiles = query_tiles(req.prefix, req.end - req.start, self.num_q_heads, q.device)
         for tile in req.tiles:
             rows, context = tile.last - tile.first, req.prefix + tile.last
             qt = q[req.start + tile.first : req.start + tile.last].transpose(0, 1).to(compute)  # [Hq, rows, D]

@@ -10,8 +10,9 @@
 // per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
 // once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
 // in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
-// an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why: torch's path (scores, softmax and their casts as separate passes over the whole score matrix)
-// ran an agent turn's extend (8 requests x 90 tokens on 450-token prefixes) at ~80 GFLOP/s on a 2-core
+// an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why:
+// torch's path (scores, softmax and their casts as separate passes over the whole score matrix) ran an
+// agent turn's extend (8 requests x 90 tokens on 450-token prefixes) at ~80 GFLOP/s on a 2-core
 // Xeon, a third of its prefill step.
 //
 // A row's result depends only on its own keys and its position (tiles and blocks are fixed), not on the
@@ -27,7 +28,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -153,20 +153,15 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
   const int64_t keys = prefix + t1;  // the tile's last token sees positions 0..prefix + t1 - 1
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0), n4 = (n + 3) / 4 * 4;
-    for (int64_t j = 0; j < n4; ++j) {  // K and V rows in float32; past n: zeros
-      float* kf = s.k.data() + j * D;
-      float* vf = s.v.data() + j * D;
-      if (j < n) {
-        const int64_t slot = slots[k0 + j];
-        const KT* kr = k_cache + (slot * Hkv + h) * D;
-        const KT* vr = v_cache + (slot * Hkv + h) * D;
-        for (int64_t c = 0; c < C; ++c) {
-          _mm512_storeu_ps(kf + c * 16, load16(kr + c * 16));
-          _mm512_storeu_ps(vf + c * 16, load16(vr + c * 16));
-        }
-      } else {
-        std::fill(kf, kf + D, 0.f);
-        std::fill(vf, vf + D, 0.f);
+    // K and V rows in float32. K rows n..n4 keep an earlier block's rows (or the zeros they start as): finite,
+    // and their scores are never read; V rows past n are never read either.
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = slots[k0 + j];
+      const KT* kr = k_cache + (slot * Hkv + h) * D;
+      const KT* vr = v_cache + (slot * Hkv + h) * D;
+      for (int64_t c = 0; c < C; ++c) {
+        _mm512_storeu_ps(s.k.data() + j * D + c * 16, load16(kr + c * 16));
+        _mm512_storeu_ps(s.v.data() + j * D + c * 16, load16(vr + c * 16));
       }
     }
     float* st = s.st.data();
