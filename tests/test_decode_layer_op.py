@@ -12,17 +12,20 @@ from sgl_lite.runtime.layers.linear import avx2_int4_preferred, gemv_supported
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
 from test_model import Driver, make_runner, prompts
 
-# The fused layer runs in the dtype whose small-row kernel this CPU has: bf16 on AVX512-BF16, else
-# float32 on AVX2 + FMA.
-KERNEL_DTYPE = next((name for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
-                     if gemv_supported(torch.empty(16, 2, dtype=dtype))), None)
+# The fused layer runs in the dtypes whose small-row kernel this CPU has: bf16 on AVX512-BF16, float32 on
+# AVX2 + FMA (both on AVX-512 CPUs); KERNEL_DTYPE is the first of them.
+KERNEL_DTYPES = [name for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+                 if gemv_supported(torch.empty(16, 2, dtype=dtype))]
+KERNEL_DTYPE = KERNEL_DTYPES[0] if KERNEL_DTYPES else None
 pytestmark = pytest.mark.skipif(KERNEL_DTYPE is None, reason="no small-row matmul kernel on this CPU")
 
 
-@pytest.fixture(params=["llama", "qwen2", "llama-int4"])
+@pytest.fixture(params=[(model, dtype) for model in ("llama", "qwen2", "llama-int4") for dtype in KERNEL_DTYPES or [None]],
+                ids=lambda param: f"{param[0]}-{param[1]}")
 def runner(request, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> ModelRunner:
-    runner = make_runner(tiny_llama_dir if request.param != "qwen2" else tiny_qwen2_dir, dtype=KERNEL_DTYPE)
-    if request.param == "llama-int4":
+    model, dtype = request.param
+    runner = make_runner(tiny_llama_dir if model != "qwen2" else tiny_qwen2_dir, dtype=dtype)
+    if model == "llama-int4":
         runner = ModelRunner(runner.args.replace(quantization="w4a16_int4"), model_dir=runner.model_dir)
         if not avx2_int4_preferred():  # torch's int4 kernel, up to 2 rows: the batch of 3 below goes to the small-row kernel
             assert all(layer.fused_decode_weights(2) is None for layer in runner.model.layers)
@@ -59,12 +62,14 @@ def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRu
     assert runner.attn.decode_kernel_inputs(runner.kv_pool) is not None
     assert all(layer.fused_decode_weights(len(reqs)) is not None for layer in runner.model.layers)
     fused = decode_hidden(runner, reqs, slots)
-    k_fused = runner.kv_pool.k[1][slots].clone()
+    k_fused, v_fused = runner.kv_pool.k[1][slots].clone(), runner.kv_pool.v[1][slots].clone()
     without_fusion(runner)
     runner.kv_pool.k[1][slots] = 0
+    runner.kv_pool.v[1][slots] = 0
     reference = decode_hidden(runner, reqs, slots)
     assert torch.equal(fused, reference)
-    assert torch.equal(runner.kv_pool.k[1][slots], k_fused)  # the fused op stored the same K
+    # the fused op stored the same K and V
+    assert torch.equal(runner.kv_pool.k[1][slots], k_fused) and torch.equal(runner.kv_pool.v[1][slots], v_fused)
 
 
 def test_greedy_decoding_is_the_same_with_and_without_fusion(tiny_llama_dir: Path) -> None:

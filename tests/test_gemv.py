@@ -30,7 +30,7 @@ def tolerance(expected: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 16, 17, 32, 200])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 32, 200])
 @pytest.mark.parametrize("shape", [(16, 2), (48, 64), (960, 576), (576, 1536), (80, 30)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_reference(dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool) -> None:
@@ -123,7 +123,7 @@ def bf16_arithmetic():
     ops.set_bf16_gemv_arithmetic(chosen)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40, 129])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 12, 13, 17, 25, 40, 129])
 @pytest.mark.parametrize("shape", [(16, 2), (48, 64), (960, 576), (80, 30)])
 def test_fma_arithmetic_gives_the_bits_of_vdpbf16ps(bf16_arithmetic, rows: int, shape: tuple[int, int]) -> None:
     """Two FMAs per pair (odd half first) under DAZ/FTZ are VDPBF16PS, so the probe may pick either."""

@@ -16,8 +16,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -30,6 +33,82 @@ using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// A float rounded to T and back, as ATen rounds each bf16 op's float result (to nearest even; NaN to
+// c10's quiet NaN), written without branches so that the loops below vectorize.
+inline float rounded(float x, float) { return x; }
+inline float rounded(float x, c10::BFloat16) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : nearest;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float widened(float x) { return x; }
+inline float widened(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Rotate-half RoPE on the q and k heads of qkv [n, (Hq + 2 Hkv) * D] and the KV write in one pass: q rotated
+// into q_out [n, Hq, D], k rotated and v copied into the cache rows `loc`. The ATen expression it replaces,
+// cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) then two index_copy_, costs ~10 dispatched ops a layer; this
+// rounds as it does (each product, then each sum, to T; float32 without fused multiply-adds, which would
+// round once), so the bits are the same.
+template <class T>
+__attribute__((optimize("fp-contract=off"))) void rope_store(const T* qkv, const T* cos, const T* sin, int64_t n,
+                                                             int64_t hq, int64_t hkv, int64_t dim, const int64_t* loc,
+                                                             T* q_out, T* k_cache, T* v_cache) {
+  const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = qkv + i * width;
+    const T* c = cos + i * half;
+    const T* s = sin + i * half;
+    for (int64_t h = 0; h < hq + hkv; ++h) {
+      const T* x = row + h * dim;
+      T* out = h < hq ? q_out + (i * hq + h) * dim : k_cache + (loc[i] * hkv + h - hq) * dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = widened(x[d]), x2 = widened(x[d + half]), cd = widened(c[d]), sd = widened(s[d]);
+        const float lo = rounded(rounded(x1 * cd, T()) - rounded(x2 * sd, T()), T());
+        const float hi = rounded(rounded(x2 * cd, T()) + rounded(x1 * sd, T()), T());
+        out[d] = static_cast<T>(lo);  // exact: lo and hi are already values of T
+        out[d + half] = static_cast<T>(hi);
+      }
+    }
+    std::memcpy(v_cache + loc[i] * hkv * dim, row + (hq + hkv) * dim, hkv * dim * sizeof(T));
+  }
+}
+
+// q [n, Hq, D] rotated, with k rotated and v stored in the caches: rope_store where it applies (bf16 or
+// float32, contiguous operands), else the ATen expression it stands for.
+at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t n = qkv.size(0), dim = k_cache.size(2), half = dim / 2;
+  const at::ScalarType dtype = qkv.scalar_type();
+  const bool fused = (dtype == at::kBFloat16 || dtype == at::kFloat) && qkv.is_contiguous() &&
+                     qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim && k_cache.is_contiguous() &&
+                     v_cache.is_contiguous() && out_cache_loc.scalar_type() == at::kLong && cos.scalar_type() == dtype &&
+                     sin.scalar_type() == dtype && cos.numel() == n * half && sin.numel() == n * half;
+  if (fused) {
+    at::Tensor q = at::empty({n, num_heads, dim}, qkv.options());
+    const at::Tensor c = cos.contiguous(), s = sin.contiguous(), loc = out_cache_loc.contiguous();
+    if (dtype == at::kFloat) {
+      rope_store(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, num_heads, num_kv_heads, dim,
+                 loc.data_ptr<int64_t>(), q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    } else {
+      rope_store(qkv.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n, num_heads,
+                 num_kv_heads, dim, loc.data_ptr<int64_t>(), q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+                 v_cache.data_ptr<c10::BFloat16>());
+    }
+    return q;
+  }
+  const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
+  const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim});
+  const at::Tensor x1 = qk.slice(-1, 0, half), x2 = qk.slice(-1, half);
+  const at::Tensor rotated = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+  k_cache.index_copy_(0, out_cache_loc, rotated.slice(1, num_heads));
+  v_cache.index_copy_(0, out_cache_loc, qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, dim}));
+  return rotated.slice(1, 0, num_heads).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(
@@ -56,8 +135,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   TORCH_CHECK(hidden.dim() == 2 && k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads, "decode_layer: hidden must be [n, hidden], k_cache [slots, num_kv_heads, head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == hidden.scalar_type() && v_cache.scalar_type() == hidden.scalar_type(),
               "decode_layer: the KV cache must have the model's dtype");
-  const int64_t n = hidden.size(0), dim = k_cache.size(2), half = dim / 2;
-  const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
+  const int64_t n = hidden.size(0), q_size = num_heads * k_cache.size(2);
 
   at::Tensor normed, stream;
   if (residual.has_value() && residual->defined()) {
@@ -67,14 +145,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     stream = hidden;
   }
   const at::Tensor qkv = gemv(normed, qkv_weight, qkv_bias);
-  const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim});
-  const at::Tensor x1 = qk.slice(-1, 0, half), x2 = qk.slice(-1, half);
-  const at::Tensor rotated = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
-  const at::Tensor q = rotated.slice(1, 0, num_heads), k = rotated.slice(1, num_heads);
-  const at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, dim});
-  k_cache.index_copy_(0, out_cache_loc, k);
-  v_cache.index_copy_(0, out_cache_loc, v);
-  const at::Tensor attended = attention.call(q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, scale);
+  const at::Tensor q = rotate_and_store(qkv, cos, sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads);
+  const at::Tensor attended = attention.call(q, k_cache, v_cache, kv_indptr, kv_indices, scale);
   const at::Tensor projected = gemv(attended.reshape({n, q_size}), o_weight, o_bias);
   std::tie(normed, stream) = add_norm.call(projected, stream.contiguous(), post_norm, eps);
   const at::Tensor gate_up = gemv(normed, gate_up_weight, c10::nullopt);
