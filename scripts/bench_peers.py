@@ -12,7 +12,7 @@ run, and the CPU time the server's processes used per output token, least of the
 whatever a server spends besides its forwards is taken from them), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
 tokens, 256-token shared system prompt, seeded token ids).
 
-Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
+Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
        [--no-neighbour-for llama] [--out artifacts/bench_peers.json]
 """
 
@@ -42,12 +42,14 @@ SYSTEMS = {  # name -> how to start it: a peer of ../shared/peers, or `sgl-lite 
     "vllm": ("peer", "vllm", 8013),
     "llama": ("peer", "llama", 8014),
     "sgl_lite": ("serve", [], SGL_PORT),
+    "sgl_lite_ngram": ("serve", ["--speculative-algorithm", "ngram"], SGL_PORT),
     "sgl_lite_int4": ("serve", ["--quantization", "w4a16_int4"], SGL_PORT),
     "sgl_lite_w8a8": ("serve", ["--quantization", "w8a8_int8"], SGL_PORT),
     "sgl_lite_w8a8_ngram": ("serve", ["--quantization", "w8a8_int8", "--speculative-algorithm", "ngram"], SGL_PORT),
 }
 LABELS = {"vllm": "vLLM-CPU (bf16, prefix caching)", "llama": "llama-server (Q4_1 GGUF)",
-          "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4",
+          "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_ngram": "sgl_lite serve --speculative-algorithm ngram",
+          "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4",
           "sgl_lite_w8a8": "sgl_lite serve --quantization w8a8_int8",
           "sgl_lite_w8a8_ngram": "sgl_lite serve --quantization w8a8_int8 --speculative-algorithm ngram"}
 
