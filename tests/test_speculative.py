@@ -13,7 +13,6 @@ from sgl_lite.runtime.managers.ngram_proposer import (
     MAX_FAILED_DRAFTS,
     Acceptance,
     NgramProposer,
-    StepDrafts,
     longest_suffix_match,
     worth_length,
 )
@@ -92,7 +91,7 @@ def test_acceptance_separates_the_first_token_from_the_rest_of_a_draft() -> None
     for _ in range(6):  # spans copied whole or not at all: half the drafts miss at once, half are taken whole
         proposer.record(req, 10, 10)
         proposer.record(req, 10, 0)
-    acceptance = req.spec_state.acceptance
+    acceptance = req.spec_state.acceptance()
     assert 0.3 < acceptance.first < 0.7 and acceptance.then > 0.85
     assert abs(acceptance.expected(10) - sum(acceptance.token(j) for j in range(1, 11))) < 1e-9
 
@@ -104,14 +103,27 @@ def test_draft_length_follows_acceptance_and_failing_requests_back_off() -> None
     for _ in range(4):
         proposer.record(req, 8, 8)  # a request that keeps copying drafts the cap at batch 1...
     assert len(proposer.propose(req, limit=40)) == 8 > first
-    assert len(proposer.propose(req, limit=40, step=StepDrafts(64))) < 8  # ...and less in a big batch
     for _ in range(3):
-        proposer.record(req, 8, 1)  # mostly rejected: shorter drafts
-    assert 0 < len(proposer.propose(req, limit=40, step=StepDrafts(8))) < 8
+        proposer.record(req, 8, 1)  # then mostly rejected: shorter drafts, the shorter the bigger the batch
+    lengths = [len(proposer.propose(req, limit=40, batch_size=b)) for b in (1, 8, 64)]
+    assert lengths[0] > lengths[1] > lengths[2] > 0, lengths
     for _ in range(MAX_FAILED_DRAFTS):
         proposer.record(req, 1, 0)
     assert proposer.propose(req, limit=10) == []  # backing off
     assert proposer.stats()["spec_accepted_tokens"] == 35 and req.spec_draft_tokens == 56 + MAX_FAILED_DRAFTS
+
+
+def test_a_new_request_starts_from_what_the_servers_recent_drafts_say() -> None:
+    def fresh_length(outcome: tuple[int, int]) -> int:
+        proposer = NgramProposer(num_draft_tokens=12, min_window=1, max_window=4)
+        for i in range(20):  # other requests' drafts
+            other = req_with([i])
+            proposer.propose(other, limit=1)
+            proposer.record(other, *outcome)
+        return len(proposer.propose(req_with(list(range(1, 40)) + [1, 2]), limit=40, batch_size=8))
+
+    at_the_fixed_prior = len(NgramProposer(12, 1, 4).propose(req_with(list(range(1, 40)) + [1, 2]), limit=40, batch_size=8))
+    assert fresh_length((12, 12)) > at_the_fixed_prior > fresh_length((12, 0)) == 0
 
 
 # ---------------------------------------------------------------- the verifier

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_lite.runtime.managers.ngram_proposer import Acceptance, NgramProposer, NgramState, StepDrafts, measured_worth_length, worth_length
+import itertools
+
+from sgl_lite.runtime.managers.ngram_proposer import Acceptance, NgramProposer, NgramState, allocate_draft_tokens, worth_length
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.step_cost import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW,
                                                  StepCost)
@@ -43,10 +45,10 @@ def copying_req() -> Req:
 
 def test_the_prior_decides_until_enough_forwards_are_measured() -> None:
     proposer = NgramProposer(num_draft_tokens=12, min_window=1, max_window=4)
-    chance = NgramState().acceptance  # a new request's prior
+    chance = NgramState().acceptance()  # a new request's prior
 
     def lengths() -> list[int]:
-        return [len(proposer.propose(copying_req(), limit=40, step=StepDrafts(b))) for b in (1, 2)]
+        return [len(proposer.propose(copying_req(), limit=40, batch_size=b)) for b in (1, 2)]
 
     prior = [worth_length(chance, b, 12) for b in (1, 2)]
     assert lengths() == prior == [6, 5]
@@ -62,24 +64,53 @@ def test_the_prior_decides_until_enough_forwards_are_measured() -> None:
 
 
 def test_a_convex_step_time_gives_long_drafts_alone_and_short_ones_in_a_batch() -> None:
+    steady = Acceptance(0.8, 0.8)
     for seed in range(3):
         cost = StepCost()
         measure(cost, convex_step, range(1, 65), rounds=WINDOW, seed=seed)
         times = cost.step_times(200)
-        alone = measured_worth_length(Acceptance(0.8, 0.8), 12, StepDrafts(1), times)
-        batched = measured_worth_length(Acceptance(0.8, 0.8), 12, StepDrafts(8), times)
-        assert alone >= 6 and 0 < batched < alone / 2, (seed, alone, batched)
-    # The rows granted to the requests visited earlier in the step make the later drafts shorter
-    # (noise-free timings: with noise, neighbouring lengths may swap).
+        [alone] = allocate_draft_tokens([steady], [12], 1, times)
+        [beside_decode_rows] = allocate_draft_tokens([steady], [12], 8, times)
+        assert alone >= 6 and 0 < beside_decode_rows < alone / 2, (seed, alone, beside_decode_rows)
+    # Eight requests alike share the step's rows evenly, each drafting less than one alone beside them would.
     cost = StepCost()
     measure(cost, convex_step, range(1, 65), rounds=MIN_SAMPLES, noise=0.0)
     times = cost.step_times(200)
-    step, lengths = StepDrafts(8), []
-    for _ in range(8):
-        lengths.append(measured_worth_length(Acceptance(0.8, 0.8), 12, step, times))
-        step.add(lengths[-1], Acceptance(0.8, 0.8))
-    assert lengths == sorted(lengths, reverse=True) and lengths[-1] < lengths[0], lengths
-    assert step.rows == 8 + sum(lengths)
+    lengths = allocate_draft_tokens([steady] * 8, [12] * 8, 8, times)
+    assert max(lengths) - min(lengths) <= 1 and 0 < max(lengths) <= allocate_draft_tokens([steady], [12], 8, times)[0], lengths
+
+
+def expected_rate(acceptances: list[Acceptance], lengths: tuple[int, ...], batch_size: int, times: list[float]) -> float:
+    tokens = batch_size + sum(a.expected(n) for a, n in zip(acceptances, lengths))
+    return tokens / times[batch_size + sum(lengths)]
+
+
+def test_the_joint_allocation_is_the_best_of_all_draft_lengths() -> None:
+    rng = random.Random(0)
+    for case in range(150):
+        requests = rng.randrange(1, 4)
+        acceptances = [Acceptance(rng.random(), rng.random()) for _ in range(requests)]
+        caps = [rng.randrange(0, 5) for _ in range(requests)]
+        batch_size = requests + rng.randrange(0, 6)
+        # non-decreasing step times with flat stretches and steep steps
+        times = list(np.cumsum([rng.choice([0.0, 0.1, 0.5, 3.0]) for _ in range(batch_size + sum(caps) + 1)]) + 10.0)
+        lengths = allocate_draft_tokens(acceptances, caps, batch_size, times)
+        assert all(0 <= n <= cap for n, cap in zip(lengths, caps)), (lengths, caps)
+        best = max(expected_rate(acceptances, combo, batch_size, times)
+                   for combo in itertools.product(*(range(cap + 1) for cap in caps)))
+        assert expected_rate(acceptances, tuple(lengths), batch_size, times) >= best - 1e-12, (case, lengths)
+
+
+def test_drafts_that_pay_only_together_are_taken() -> None:
+    # A step time that jumps over the first extra rows (a register tile of rows filling up) and is nearly
+    # flat after: no request's draft pays for the jump on its own, all eight together do.
+    times = [0.0] + [20.0] * 8 + [30.0 + 0.1 * r for r in range(60)]
+    likely = Acceptance(0.9, 0.9)
+    assert allocate_draft_tokens([likely], [4], 8, times) == [0]
+    assert allocate_draft_tokens([likely] * 8, [4] * 8, 8, times) == [4] * 8
+    # Unlikely drafts stay out even then, and a request with nothing to draft gets nothing.
+    assert allocate_draft_tokens([Acceptance(0.05, 0.5)] * 8, [4] * 8, 8, times) == [0] * 8
+    assert allocate_draft_tokens([likely, likely], [0, 4], 8, times)[0] == 0
 
 
 def test_stalled_forwards_do_not_move_the_estimate() -> None:

@@ -14,12 +14,12 @@ accepted, while it costs the step one more query row. Copying is bursty: a draft
 gamble (is this the span the request copies?), and once it is accepted the next ones usually are too.
 So acceptance has two rates (`Acceptance`): `first`, the chance of the first token, and `then`, the
 chance of each later one given the ones before it; token j is accepted with probability
-first * then^(j - 1). (One rate for both made a copying request draft 2-3 tokens where its spans ran 10.) Throughput is a step's expected tokens over its time, so the draft length
-chosen is the one that maximizes that (`measured_worth_length`), with the step's time read from the
-runtime's own forwards (step_cost.py) at the rows the step will really have: its decode rows, the drafts
-already granted to the requests before this one in the step (`StepDrafts`), and this draft. On a CPU the
-first few rows of a step cost little (it reads all the weights anyway) and the ones beyond much more,
-so drafts come out long at batch 1 and short or none in a big batch. Until enough forwards are measured, the fixed
+first * then^(j - 1). (One rate for both made a copying request draft 2-3 tokens where its spans ran 10.)
+Throughput is a step's expected tokens over its time, and the step's time depends only on its total
+query rows (step_cost.py: read from the runtime's own forwards), so the step's drafts are sized together
+(`allocate_draft_tokens`): the likeliest draft tokens of all its requests first, as many as raise the
+step's expected tokens per second. On a CPU the first few rows of a step cost little (it reads all the
+weights anyway) and the ones beyond much more, so drafts come out long at batch 1 and short or none in a big batch. Until enough forwards are measured, the fixed
 prior decides (`worth_length`: the last j whose chance exceeds step_cost.draft_token_cost(B)). Both
 rates are each request's own history (recent drafts weigh most), and a request whose drafts keep failing
 outright stops drafting for a while (exponential back-off), so a workload that copies nothing costs
@@ -43,12 +43,15 @@ MAX_FAILED_DRAFTS = 3
 BACKOFF_START = 4
 BACKOFF_MAX = 256
 
-# Acceptance estimates: Beta-like priors (accepted out of tried draft tokens) plus the request's own history,
-# older drafts' counts multiplied by HISTORY_DECAY at each new draft. A first token: 1 of 2. A later one,
-# given the ones before it were accepted: 2 of 3 (copied spans run on).
-PRIOR_FIRST = (1.0, 2.0)
-PRIOR_THEN = (2.0, 3.0)
+# Acceptance estimates: Beta-like priors (pseudo-counts of tried draft tokens at the prior's chance) plus
+# the request's own history, older drafts' counts multiplied by HISTORY_DECAY at each new draft. The prior is
+# what the server's recent drafts of all requests say (POPULATION_DECAY per draft: ~30 drafts' memory), itself
+# starting from a first token accepted 1 time in 2 and a later one 2 in 3 (copied spans run on). Without it, a
+# new request in a batch whose rows are dear never drafts at the fixed prior, so never learns it should.
+PRIOR_WEIGHT_FIRST = 2.0
+PRIOR_WEIGHT_THEN = 3.0
 HISTORY_DECAY = 0.5
+POPULATION_DECAY = 0.97
 
 
 @dataclass(frozen=True)
@@ -86,37 +89,58 @@ def worth_length(acceptance: Acceptance, batch_size: int, cap: int) -> int:
     return min(cap, math.ceil(math.log(cost / acceptance.first) / math.log(acceptance.then)))
 
 
-def measured_worth_length(acceptance: Acceptance, cap: int, step: StepDrafts, step_times: list[float]) -> int:
-    """The draft length j <= cap that maximizes the step's expected tokens per second,
-    (step.expected_tokens + acceptance.expected(j)) / step_times[step.rows + j]; 0 when no draft raises it.
-    A whole-curve comparison, not a per-token threshold: step times are flat over a few rows, then rise."""
-    best, best_rate = 0, step.expected_tokens / step_times[step.rows]
-    tokens = step.expected_tokens
-    for j in range(1, cap + 1):
-        tokens += acceptance.token(j)
-        rate = tokens / step_times[step.rows + j]
+def allocate_draft_tokens(acceptances: list[Acceptance], caps: list[int], batch_size: int,
+                          step_times: list[float]) -> list[int]:
+    """How many draft tokens each drafting request of a step of `batch_size` decode rows verifies (at most
+    its cap), decided for the step as a whole.
+
+    Token j of request i is accepted with chance acceptances[i].token(j), which falls along a draft. For
+    any total T of draft tokens the T likeliest tokens (a prefix of each request's draft) give the most
+    expected tokens, and the step's time depends on T alone (batch_size + T query rows). So the T that
+    maximizes (batch_size + their chances) / step_times[batch_size + T] gives the best allocation there
+    is. Deciding request by request misses it where the curve rises steeply for a few rows and then
+    flattens (a register tile of rows filling up): no single draft pays for the steep rows, the drafts
+    together do. (Before step times are measured, the prior's cost is linear in the rows: `worth_length`
+    decides each request alone, and the two agree.)
+    """
+    # (-chance, request, j): ties keep a request's tokens in draft order, so the top T is a prefix of each draft
+    ranked = sorted((-a.token(j), i, j) for i, (a, cap) in enumerate(zip(acceptances, caps)) for j in range(1, cap + 1))
+    best, best_rate, tokens = 0, batch_size / step_times[batch_size], float(batch_size)
+    for total, (negative_chance, _, _) in enumerate(ranked, start=1):
+        tokens -= negative_chance
+        rate = tokens / step_times[batch_size + total]
         if rate > best_rate:
-            best, best_rate = j, rate
-    return best
+            best, best_rate = total, rate
+    lengths = [0] * len(caps)
+    for _, i, _ in ranked[:best]:
+        lengths[i] += 1
+    return lengths
+
+
+FIXED_PRIOR = Acceptance(0.5, 2.0 / 3.0)
 
 
 @dataclass
-class StepDrafts:
-    """One decode step's drafts granted so far, the scheduler visiting its requests in order: the step's
-    query rows (a row per request plus each draft token) and the tokens it is expected to emit (one per
-    request plus each draft's expected accepted tokens)."""
+class DraftCounts:
+    """Decayed counts of accepted and of tried draft tokens: first tokens, and later ones (after an accepted one)."""
 
-    batch_size: int
-    rows: int = field(init=False)
-    expected_tokens: float = field(init=False)
+    first_accepted: float = 0.0
+    first_tried: float = 0.0
+    then_accepted: float = 0.0
+    then_tried: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.rows = self.batch_size
-        self.expected_tokens = float(self.batch_size)
+    def record(self, num_drafted: int, num_accepted: int, decay: float) -> None:
+        """A verified draft: its first `num_accepted` of `num_drafted` tokens matched the model. Tokens after
+        the first rejection were never tried on their own: they say nothing of either chance."""
+        self.first_accepted = decay * self.first_accepted + (num_accepted > 0)
+        self.first_tried = decay * self.first_tried + 1
+        later_tried = min(num_accepted + 1, num_drafted) - 1 if num_accepted else 0
+        self.then_accepted = decay * self.then_accepted + max(num_accepted - 1, 0)
+        self.then_tried = decay * self.then_tried + later_tried
 
-    def add(self, length: int, acceptance: Acceptance) -> None:
-        self.rows += length
-        self.expected_tokens += acceptance.expected(length)
+    def acceptance(self, prior: Acceptance) -> Acceptance:
+        return Acceptance((self.first_accepted + PRIOR_WEIGHT_FIRST * prior.first) / (self.first_tried + PRIOR_WEIGHT_FIRST),
+                          (self.then_accepted + PRIOR_WEIGHT_THEN * prior.then) / (self.then_tried + PRIOR_WEIGHT_THEN))
 
 
 @dataclass
@@ -125,28 +149,14 @@ class NgramState:
 
     tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     length: int = 0
-    # decayed counts of accepted and of tried draft tokens: first tokens, and later ones (after an accepted one)
-    first_accepted: float = 0.0
-    first_tried: float = 0.0
-    then_accepted: float = 0.0
-    then_tried: float = 0.0
+    counts: DraftCounts = field(default_factory=DraftCounts)
     failed_in_a_row: int = 0
     skip_steps: int = 0
     backoff: int = BACKOFF_START
 
-    @property
-    def acceptance(self) -> Acceptance:
-        return Acceptance((self.first_accepted + PRIOR_FIRST[0]) / (self.first_tried + PRIOR_FIRST[1]),
-                          (self.then_accepted + PRIOR_THEN[0]) / (self.then_tried + PRIOR_THEN[1]))
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """A verified draft: its first `num_accepted` of `num_drafted` tokens matched the model. Tokens after
-        the first rejection were never tried on their own: they say nothing of either chance."""
-        self.first_accepted = HISTORY_DECAY * self.first_accepted + (num_accepted > 0)
-        self.first_tried = HISTORY_DECAY * self.first_tried + 1
-        later_tried = min(num_accepted + 1, num_drafted) - 1 if num_accepted else 0
-        self.then_accepted = HISTORY_DECAY * self.then_accepted + max(num_accepted - 1, 0)
-        self.then_tried = HISTORY_DECAY * self.then_tried + later_tried
+    def acceptance(self, prior: Acceptance = FIXED_PRIOR) -> Acceptance:
+        """The request's chances: its own drafts' counts on top of `prior` (the server's recent drafts')."""
+        return self.counts.acceptance(prior)
 
     def sync(self, req: Req) -> np.ndarray:
         """The request's prompt + output as an array (appending only what is new since the last call)."""
@@ -209,55 +219,69 @@ class NgramProposer:
         self.num_draft_tokens_total = 0
         self.num_accepted_total = 0
         self.pool = NgramPool(pool_capacity) if pool_capacity > 0 else None
-        self.num_pool_drafts = 0  # drafts that came from the pool
+        self.num_pool_drafts = 0  # drafts (verified ones) that came from the pool
         self.step_cost = StepCost()  # the scheduler records its decode forwards here
+        self.population = DraftCounts()  # every request's drafts: a new request's prior
 
-    def propose(self, req: Req, limit: int, step: StepDrafts | None = None) -> list[int]:
-        """Draft tokens following `req`'s tokens (at most `limit`, only as many as are worth verifying in
-        `step` (default: a step of this request alone), and none its grammar forbids), or []. The draft
-        is added to `step`, so the requests visited after this one see the rows it takes."""
-        step = StepDrafts(1) if step is None else step
-        state: NgramState | None = req.spec_state
-        if state is None:
-            state = req.spec_state = NgramState()
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
-            return []
-        acceptance = state.acceptance
-        draft = self._draft(req, state, self._worth_length(acceptance, step, min(limit, self.num_draft_tokens)))
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
-        step.add(len(draft), acceptance)
-        return draft
+    def propose(self, req: Req, limit: int, batch_size: int = 1) -> list[int]:
+        """`propose_step` for one drafting request in a step of `batch_size` decode rows."""
+        return self.propose_step([(req, limit)], batch_size)[0]
 
-    def _worth_length(self, acceptance: Acceptance, step: StepDrafts, cap: int) -> int:
-        if cap <= 0:
-            return 0
-        if not self.step_cost.measured:
-            return worth_length(acceptance, step.batch_size, cap)
-        return measured_worth_length(acceptance, cap, step, self.step_cost.step_times(step.rows + cap))
+    def propose_step(self, requests: list[tuple[Req, int]], batch_size: int | None = None) -> list[list[int]]:
+        """One decode step's drafts: for each (request, limit), the tokens that follow the request's
+        tokens (at most `limit` and the proposer's cap, none its grammar forbids), as many as are worth
+        verifying in a step of `batch_size` decode rows (default: one per request), or []."""
+        batch_size = len(requests) if batch_size is None else batch_size
+        measured = self.step_cost.measured
+        prior = self.population.acceptance(FIXED_PRIOR)
+        acceptances, drafts, pooled = [], [], []
+        for req, limit in requests:
+            state: NgramState | None = req.spec_state
+            if state is None:
+                state = req.spec_state = NgramState()
+            acceptances.append(state.acceptance(prior))
+            if state.skip_steps > 0:
+                state.skip_steps -= 1
+                drafts.append([])
+                pooled.append(False)
+                continue
+            cap = max(0, min(limit, self.num_draft_tokens))
+            if not measured and cap > 0:  # the prior decides each request alone: look up only what it grants
+                cap = worth_length(acceptances[-1], batch_size, cap)
+            draft, from_pool = self._draft(req, state, cap)
+            if draft and req.grammar is not None:
+                draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
+            drafts.append(draft)
+            pooled.append(from_pool)
+        if measured and any(drafts):
+            caps = [len(d) for d in drafts]
+            times = self.step_cost.step_times(batch_size + sum(caps))
+            drafts = [d[:n] for d, n in zip(drafts, allocate_draft_tokens(acceptances, caps, batch_size, times))]
+        self.num_pool_drafts += sum(bool(d) and p for d, p in zip(drafts, pooled))
+        return drafts
 
-    def _draft(self, req: Req, state: NgramState, limit: int) -> list[int]:
-        """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool."""
+    def _draft(self, req: Req, state: NgramState, limit: int) -> tuple[list[int], bool]:
+        """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool,
+        and whether they came from the pool."""
         if limit <= 0:
-            return []
+            return [], False
         tokens = state.sync(req)
         own = suffix_match(tokens, self.min_window, self.max_window)
+        mine = [] if own is None else tokens[own[0] : own[0] + limit].tolist()
         if self.pool is None or not self.pool.size or (own is not None and own[1] == self.max_window):
-            return [] if own is None else tokens[own[0] : own[0] + limit].tolist()
+            return mine, False
         # The pool's match wins only when longer than the request's own: the pool followed by the
         # request's last tokens. A match within those last tokens is one the own search found already.
         pooled = self.pool.joined()
         shortest = self.min_window if own is None else own[1] + 1
         pool = suffix_match(np.concatenate((pooled, tokens[-self.max_window:])), shortest, self.max_window)
         if pool is None or pool[0] >= pooled.shape[0]:
-            return [] if own is None else tokens[own[0] : own[0] + limit].tolist()
+            return mine, False
         end = pool[0]
         draft = pooled[end : end + limit]
         cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
         draft = draft[: cut[0]] if cut.size else draft
-        self.num_pool_drafts += bool(draft.size)
-        return draft.tolist()
+        return draft.tolist(), True
 
     def remember(self, req: Req) -> None:
         """A finished request's output joins the shared pool (when there is one)."""
@@ -272,7 +296,8 @@ class NgramProposer:
         self.num_accepted_total += num_accepted
         req.spec_draft_tokens += num_drafted
         req.spec_accepted_tokens += num_accepted
-        state.record(num_drafted, num_accepted)
+        state.counts.record(num_drafted, num_accepted, HISTORY_DECAY)
+        self.population.record(num_drafted, num_accepted, POPULATION_DECAY)
         if num_accepted:
             state.failed_in_a_row, state.backoff = 0, BACKOFF_START
             return

@@ -4,7 +4,7 @@
 writes. `_decode_batch` makes room for one more token per running request (retracting the requests
 with the fewest outputs when free + evictable slots cannot hold them, SGLang's retract_decode) and,
 with `--speculative-algorithm ngram`, attaches n-gram drafts (ngram_proposer.py) that fit in free slots,
-each as long as it pays in a step of the rows the drafts before it already take (`StepDrafts`).
+sized together as what pays in the step (`NgramProposer.propose_step`).
 `_process_decode` appends each row's token, or a verified draft's accepted tokens up to a stop, freeing
 the slots of the draft positions it rejected.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sgl_lite.runtime.managers.ngram_proposer import StepDrafts
 from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, retraction_order
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
@@ -50,8 +49,7 @@ class DecodeScheduling(_Base):
         """N-gram drafts for the running requests ([] where a request does not draft), or None when
         the free slots cannot hold them: drafts never evict cached prefixes."""
         assert self.proposer is not None
-        drafts = []
-        step = StepDrafts(len(self.running))
+        drafting: list[tuple[Req, int]] = []
         for req in self.running:
             params = req.sampling_params
             # Requests whose next-token distribution depends on the tokens before it in ways the
@@ -62,7 +60,8 @@ class DecodeScheduling(_Base):
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
             limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            drafts.append(self.proposer.propose(req, limit, step) if plain and limit > 0 else [])
+            drafting.append((req, limit if plain else 0))
+        drafts = self.proposer.propose_step(drafting)
         if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
             return None
         return drafts
