@@ -232,9 +232,8 @@ class NgramProposer:
         tokens (at most `limit` and the proposer's cap, none its grammar forbids), as many as are worth
         verifying in a step of `batch_size` decode rows (default: one per request), or []."""
         batch_size = len(requests) if batch_size is None else batch_size
-        measured = self.step_cost.measured
         prior = self.population.acceptance(FIXED_PRIOR)
-        acceptances, drafts, pooled = [], [], []
+        acceptances, caps = [], []
         for req, limit in requests:
             state: NgramState | None = req.spec_state
             if state is None:
@@ -242,21 +241,27 @@ class NgramProposer:
             acceptances.append(state.acceptance(prior))
             if state.skip_steps > 0:
                 state.skip_steps -= 1
-                drafts.append([])
-                pooled.append(False)
-                continue
-            cap = max(0, min(limit, self.num_draft_tokens))
-            if not measured and cap > 0:  # the prior decides each request alone: look up only what it grants
-                cap = worth_length(acceptances[-1], batch_size, cap)
-            draft, from_pool = self._draft(req, state, cap)
+                caps.append(0)
+            else:
+                caps.append(max(0, min(limit, self.num_draft_tokens)))
+        # What each request is granted were every draft as long as its cap: only those are looked up (a
+        # lookup is a few numpy passes over a request's tokens; in a big batch most requests get nothing).
+        measured = self.step_cost.measured
+        times = self.step_cost.step_times(batch_size + sum(caps)) if measured else []
+        if measured:
+            caps = allocate_draft_tokens(acceptances, caps, batch_size, times)
+        else:  # the prior decides each request alone
+            caps = [worth_length(a, batch_size, cap) if cap > 0 else 0 for a, cap in zip(acceptances, caps)]
+        drafts, pooled = [], []
+        for (req, _), cap in zip(requests, caps):
+            draft, from_pool = self._draft(req, req.spec_state, cap)
             if draft and req.grammar is not None:
                 draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
             drafts.append(draft)
             pooled.append(from_pool)
-        if measured and any(drafts):
-            caps = [len(d) for d in drafts]
-            times = self.step_cost.step_times(batch_size + sum(caps))
-            drafts = [d[:n] for d, n in zip(drafts, allocate_draft_tokens(acceptances, caps, batch_size, times))]
+        if measured and any(len(d) < cap for d, cap in zip(drafts, caps)):  # drafts found short of their grant: size again
+            lengths = allocate_draft_tokens(acceptances, [len(d) for d in drafts], batch_size, times)
+            drafts = [d[:n] for d, n in zip(drafts, lengths)]
         self.num_pool_drafts += sum(bool(d) and p for d, p in zip(drafts, pooled))
         return drafts
 
