@@ -19,8 +19,8 @@
 //
 // A row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
 // Threads take the output columns in tiles of 32 (16 for a last odd block) from a shared counter; rows go
-// in register tiles of up to 12 (9-12 rows in one tile: 1.2x faster than a tile of 8 and one of 1-4), so more
-// rows re-read a tile's weights from cache, not from memory.
+// in register tiles of up to 12 (9-12 rows then take one tile, not a tile of 8 and one of 1-4 that widens
+// every weight again), so more rows re-read a tile's weights from cache, not from memory.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
