@@ -95,3 +95,13 @@ def test_fp8_pools_and_extend_batches_take_the_python_path(tiny_llama_dir: Path)
     meta = AttentionMetadata.build([req.req_pool_idx], [5], [1], torch.arange(6, 7), fp8.req_to_token)
     fp8.attn.prepare(meta)
     assert fp8.attn.decode_kernel_inputs(fp8.kv_pool) is None
+
+
+def test_an_out_of_pool_slot_is_refused_not_written(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
+    driver = Driver(runner)
+    [req] = [driver.new_req("0", ids) for ids in prompts(runner.vocab_size, [9], seed=4)]
+    driver.generate([req], 1)
+    outside = torch.tensor([runner.kv_pool.k[0].shape[0] + 5])
+    with pytest.raises(RuntimeError, match="out_cache_loc must hold one slot"):
+        decode_hidden(runner, [req], outside)

@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -92,12 +93,16 @@ at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const 
   if (fused) {
     at::Tensor q = at::empty({n, num_heads, dim}, qkv.options());
     const at::Tensor c = cos.contiguous(), s = sin.contiguous(), loc = out_cache_loc.contiguous();
+    // the loop writes rows loc[i] unchecked (index_copy_ checks its indices): an out-of-pool slot is an error, not a stray write
+    const int64_t* slots = loc.data_ptr<int64_t>();
+    TORCH_CHECK(loc.numel() == n && std::all_of(slots, slots + n, [&](int64_t slot) { return slot >= 0 && slot < k_cache.size(0); }),
+                "decode_layer: out_cache_loc must hold one slot in [0, ", k_cache.size(0), ") per row");
     if (dtype == at::kFloat) {
-      rope_store(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, num_heads, num_kv_heads, dim,
-                 loc.data_ptr<int64_t>(), q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+      rope_store(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, num_heads, num_kv_heads, dim, slots,
+                 q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     } else {
       rope_store(qkv.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n, num_heads,
-                 num_kv_heads, dim, loc.data_ptr<int64_t>(), q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+                 num_kv_heads, dim, slots, q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
                  v_cache.data_ptr<c10::BFloat16>());
     }
     return q;
