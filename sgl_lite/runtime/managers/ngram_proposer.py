@@ -19,8 +19,9 @@ Throughput is a step's expected tokens over its time, and the step's time depend
 query rows (step_cost.py: read from the runtime's own forwards), so the step's drafts are sized together
 (`allocate_draft_tokens`): the likeliest draft tokens of all its requests first, as many as raise the
 step's expected tokens per second. On a CPU the first few rows of a step cost little (it reads all the
-weights anyway) and the ones beyond much more, so drafts come out long at batch 1 and short or none in a big batch. Until enough forwards are measured, the fixed
-prior decides (`worth_length`: the last j whose chance exceeds step_cost.draft_token_cost(B)). Both
+weights anyway) and the ones beyond much more, so drafts come out long at batch 1 and short or none in a
+big batch. Until enough forwards are measured, the fixed prior decides (`worth_length`: the last j whose
+chance exceeds step_cost.draft_token_cost(B)). Both
 rates are each request's own history (recent drafts weigh most), and a request whose drafts keep failing
 outright stops drafting for a while (exponential back-off), so a workload that copies nothing costs
 almost nothing.
@@ -246,9 +247,8 @@ class NgramProposer:
                 caps.append(max(0, min(limit, self.num_draft_tokens)))
         # What each request is granted were every draft as long as its cap: only those are looked up (a
         # lookup is a few numpy passes over a request's tokens; in a big batch most requests get nothing).
-        measured = self.step_cost.measured
-        times = self.step_cost.step_times(batch_size + sum(caps)) if measured else []
-        if measured:
+        times = self.step_cost.step_times(batch_size + sum(caps)) if self.step_cost.measured else None
+        if times is not None:
             caps = allocate_draft_tokens(acceptances, caps, batch_size, times)
         else:  # the prior decides each request alone
             caps = [worth_length(a, batch_size, cap) if cap > 0 else 0 for a, cap in zip(acceptances, caps)]
@@ -259,7 +259,7 @@ class NgramProposer:
                 draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
             drafts.append(draft)
             pooled.append(from_pool)
-        if measured and any(len(d) < cap for d, cap in zip(drafts, caps)):  # drafts found short of their grant: size again
+        if times is not None and any(len(d) < cap for d, cap in zip(drafts, caps)):  # drafts found short of their grant: size again
             lengths = allocate_draft_tokens(acceptances, [len(d) for d in drafts], batch_size, times)
             drafts = [d[:n] for d, n in zip(drafts, lengths)]
         self.num_pool_drafts += sum(bool(d) and p for d, p in zip(drafts, pooled))
