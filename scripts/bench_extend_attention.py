@@ -7,6 +7,8 @@ default model's heads: 9 query and 3 KV heads of 64, bf16 unless --dtype float32
 attention for all new rows:
 - kernel: `CpuKernelBackend.forward` (layers/csrc/extend_attention.cpp, the cpu_kernel backend's extend
   path where it is built);
+- kernel in the other arithmetic (bf16 on AVX512-BF16 CPUs): the kernel follows bf16_gemv's probe, float32
+  FMAs or VDPBF16PS pairs, whichever this core runs faster; the other one is timed too, with its ratio;
 - torch: `TorchNativeBackend.forward` (the torch_native backend's extend path, and cpu_kernel's elsewhere);
 - baseline: `F.scaled_dot_product_attention` per request: `is_causal` without a prefix, else the causal
   mask that the prefix offset needs; on the same gathered K/V.
@@ -93,7 +95,24 @@ def measure(prefix: int, extend: int, num_reqs: int, dtype: torch.dtype, repeats
         row[f"{name}_ms"] = _median_ms(lambda backend=backend: backend.forward(0, q, k, v, pool), repeats)
         row[f"{name}_speedup"] = base / row[f"{name}_ms"]
         row[f"{name}_max_abs_diff"] = (backend.forward(0, q, k, v, pool).float() - reference).abs().max().item()
+    row["arithmetic"], row["other_arithmetic"], row["other_ms"] = _arithmetic(dtype, kernel), None, None
+    if row["arithmetic"] is not None:
+        other = "fma" if row["arithmetic"] == "dpbf16" else "dpbf16"
+        torch.ops.sgl_lite.set_bf16_gemv_arithmetic(other)
+        try:
+            row["other_arithmetic"] = other
+            row["other_ms"] = _median_ms(lambda: kernel.forward(0, q, k, v, pool), repeats)
+        finally:
+            torch.ops.sgl_lite.set_bf16_gemv_arithmetic(row["arithmetic"])
     return row
+
+
+def _arithmetic(dtype: torch.dtype, kernel: object | None) -> str | None:
+    """The bf16 kernel's arithmetic here (`fma` or `dpbf16`), None where it has no choice."""
+    if kernel is None or dtype != torch.bfloat16:
+        return None
+    chosen = torch.ops.sgl_lite.bf16_gemv_arithmetic()
+    return None if chosen == "none" else chosen
 
 
 def main() -> None:
@@ -106,9 +125,13 @@ def main() -> None:
     results = [measure(p, e, n, dtype, args.repeats) for p, e, n in tqdm(SHAPES, desc="shapes")]
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.dtype}, {torch.get_num_threads()} threads, "
           f"{HQ} query / {HKV} KV heads of {DIM}; one layer, median of {args.repeats} (ms)\n")
+    chosen = results[0]["arithmetic"]
+    if chosen:
+        print(f"the bf16 kernel runs in {chosen} here (bf16_gemv's probe); `kernel in {results[0]['other_arithmetic']}` "
+              "times it in the other arithmetic\n")
     print("| prefix | new tokens | requests | SDPA (baseline) | torch path | speedup | extend kernel | speedup | "
-          "max abs diff from SDPA (torch / kernel) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "kernel in the other arithmetic | chosen vs other | max abs diff from SDPA (torch / kernel) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def cell(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -116,6 +139,7 @@ def main() -> None:
     for r in results:
         print(f"| {r['prefix']} | {r['extend']} | {r['requests']} | {r['sdpa_ms']:.2f} | {cell(r['torch_ms'], '.2f')} | "
               f"{cell(r['torch_speedup'], '.2f')}x | {cell(r['kernel_ms'], '.2f')} | {cell(r['kernel_speedup'], '.2f')}x | "
+              f"{cell(r['other_ms'], '.2f')} | {cell(r['other_ms'] and r['other_ms'] / r['kernel_ms'], '.2f')}x | "
               f"{cell(r['torch_max_abs_diff'], '.3g')} / {cell(r['kernel_max_abs_diff'], '.3g')} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],

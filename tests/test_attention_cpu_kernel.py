@@ -257,6 +257,66 @@ def test_extend_kernel_matches_naive(op, case, dtype):
         assert (out.double() - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
 
 
+@pytest.fixture(params=["fma", "dpbf16"])
+def bf16_arithmetic(request):
+    """The bf16 extend kernel in float32 FMAs or in VDPBF16PS pairs: it follows bf16_gemv's probe, which
+    this sets for a test (either runs on any AVX512-BF16 CPU), then gives the probe back its choice."""
+    extend_kernel()
+    ops = torch.ops.sgl_lite
+    if ops.bf16_gemv_arithmetic() == "none":
+        pytest.skip("no AVX512-BF16 on this CPU")
+    chosen = ops.bf16_gemv_arithmetic()
+    ops.set_bf16_gemv_arithmetic(request.param)
+    yield request.param
+    ops.set_bf16_gemv_arithmetic(chosen)
+
+
+@pytest.mark.parametrize("case", sorted(EXTEND_CASES))
+def test_bf16_extend_kernel_matches_naive_in_each_arithmetic(op, case, bf16_arithmetic):
+    """Both arithmetics of the bf16 kernel within one bf16 rounding of the float64 reference (the pairs
+    path also rounds the probabilities to bf16), and each a request's rows whatever the batch and threads."""
+    prefix_lens, extend_lens, hq, hkv, d = EXTEND_CASES[case]
+    pool, meta, q, k, v = random_batch(7, prefix_lens, extend_lens, hq, hkv, d=d, dtype=torch.bfloat16)
+    backend = CpuKernelBackend(hq, hkv, d, op)
+    backend.prepare(meta)
+    out = backend.forward(0, q, k, v, pool)
+    expected = naive_attention(meta, 0, q.double(), pool)
+    assert (out.double() - expected).abs().max() <= 2**-7 * max(1.0, expected.abs().max().item())
+    table, first = backend._extend_table, backend._extend_table[0].tolist()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.zeros_like(q)
+        torch.ops.sgl_lite.extend_attention(q, pool.k[0], pool.v[0], table[:1].contiguous(), meta.kv_indices, backend.scale, alone)
+    finally:
+        torch.set_num_threads(threads)
+    rows = slice(first[0], first[0] + first[1])
+    assert torch.equal(alone[rows], out[rows])
+
+
+def test_bf16_extend_arithmetics_differ_where_pairs_apply(op):
+    """The switch is real: at head size 64 the pairs path rounds probabilities to bf16, so some output bits
+    differ from the FMA path's; at head size 16 (not a multiple of 32) both run the FMA path."""
+    extend_kernel()
+    ops = torch.ops.sgl_lite
+    if ops.bf16_gemv_arithmetic() == "none":
+        pytest.skip("no AVX512-BF16 on this CPU")
+    chosen = ops.bf16_gemv_arithmetic()
+    outs: dict[tuple[int, str], torch.Tensor] = {}
+    try:
+        for d in (64, 16):
+            pool, meta, q, k, v = random_batch(11, [30], [40], 8, 2, d=d, dtype=torch.bfloat16)
+            backend = CpuKernelBackend(8, 2, d, op)
+            backend.prepare(meta)
+            for arithmetic in ("fma", "dpbf16"):
+                ops.set_bf16_gemv_arithmetic(arithmetic)
+                outs[d, arithmetic] = backend.forward(0, q, k, v, pool)
+    finally:
+        ops.set_bf16_gemv_arithmetic(chosen)
+    assert not torch.equal(outs[64, "fma"], outs[64, "dpbf16"])
+    assert torch.equal(outs[16, "fma"], outs[16, "dpbf16"])
+
+
 def test_extend_kernel_rows_do_not_depend_on_the_batch(op):
     """A request's extend rows are the same bits alone and beside others, with one thread or two."""
     extend_kernel()

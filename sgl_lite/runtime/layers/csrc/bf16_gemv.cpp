@@ -36,6 +36,7 @@
 #include <memory>
 #include <string>
 
+#include "bf16_arithmetic.h"
 #include "row_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -294,6 +295,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const c10::o
 }
 
 }  // namespace
+
+bool sgl_lite::dpbf16_preferred() { return has_avx512_bf16() && arithmetic() == Arithmetic::kDpbf16; }
 
 TORCH_LIBRARY_FRAGMENT(sgl_lite, m) {
   m.def("bf16_gemv_supported() -> bool", &has_avx512_bf16);

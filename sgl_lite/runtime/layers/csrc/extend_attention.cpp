@@ -15,6 +15,10 @@
 // agent turn's extend (8 requests x 90 tokens on 450-token prefixes) at ~80 GFLOP/s on a 2-core
 // Xeon, a third of its prefill step.
 //
+// In bf16, on CPUs whose VDPBF16PS outruns their float32 FMAs (bf16_gemv.cpp's probe: an AMD EPYC), both
+// products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
+// interleaved by pairs of keys; half the instructions, no widening of K and V (an agent turn: 1.4x).
+//
 // A row's result depends only on its own keys and its position (tiles and blocks are fixed), not on the
 // batch or the threads. Threads take items from a shared counter.
 
@@ -29,7 +33,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "bf16_arithmetic.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -88,77 +95,110 @@ struct Request {
 // One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
 // then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
+// With VDPBF16PS (bf16 only), instead of qt, k and v: the queries transposed in bf16 pairs along D
+// ([D/2][R] words), the block's probabilities in bf16 pairs of keys ([16][R] words) and its V rows
+// interleaved by pairs of keys ([16][D] words), plus a zero row for the odd key of a short block.
 struct Scratch {
+  int64_t dim;
   std::vector<float> qt, o, k, v, st, max, sum, alpha;
-  Scratch(int64_t rows, int64_t dim)
-      : qt(dim * rows), o(rows * dim), k(kKeys * dim), v(kKeys * dim), st(kKeys * rows), max(rows), sum(rows), alpha(rows) {}
+  std::vector<uint32_t> qp, pp, vp;
+  std::vector<uint16_t> zero_row;
+  Scratch(int64_t rows, int64_t dim, bool pairs)
+      : dim(dim), qt(pairs ? 0 : dim * rows), o(rows * dim), k(pairs ? 0 : kKeys * dim), v(pairs ? 0 : kKeys * dim),
+        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), pp(pairs ? kKeys / 2 * rows : 0),
+        vp(pairs ? kKeys / 2 * dim : 0), zero_row(pairs ? dim : 0) {}
 };
 
-// S^T[j][r0 : r0 + 32] = K[j] . Q^T for keys j0..j0+3 and two vectors of rows (qt is [D][R]).
-template <int64_t C>
-inline void scores_block(const float* qt, int64_t R, const float* k, float* st) {
-  __m512 a[4][2];
-  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < C * 16; ++d) {
-    const __m512 q0 = _mm512_loadu_ps(qt + d * R), q1 = _mm512_loadu_ps(qt + d * R + 16);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512 kv = _mm512_set1_ps(k[j * C * 16 + d]);
-      a[j][0] = _mm512_fmadd_ps(kv, q0, a[j][0]);
-      a[j][1] = _mm512_fmadd_ps(kv, q1, a[j][1]);
+#include "extend_blocks.h"
+
+// The online softmax over one block of n keys for every row of a tile: st holds the block's scores
+// transposed ([32][R]); on return it holds the unnormalized probabilities (0 for hidden keys), and each
+// row's running max and sum are updated, with alpha the factor its output must be rescaled by.
+// Row i is token t0 + i / G of the tile and sees key positions <= prefix + t0 + i / G.
+inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t prefix, int64_t t0, int64_t k0, int64_t n,
+                          Scratch& s) {
+  // Only a block that reaches past the tile's first token needs the causal mask.
+  const bool causal = k0 + n > prefix + t0 + 1;
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    // row i sees key positions <= its own, prefix + t0 + i / G (padding rows: the last row's)
+    alignas(64) int32_t last_seen[16];
+    for (int64_t i = 0; i < 16; ++i) last_seen[i] = static_cast<int32_t>(prefix + t0 + std::min(r0 + i, rows - 1) / G);
+    const __m512i seen = _mm512_load_si512(last_seen);
+    __m512 block_max = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 x = _mm512_loadu_ps(st + j * R + r0);
+      if (causal) {
+        const __mmask16 hidden = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + j)), seen);
+        x = _mm512_mask_blend_ps(hidden, x, _mm512_set1_ps(kNegInf));
+        _mm512_storeu_ps(st + j * R + r0, x);
+      }
+      block_max = _mm512_max_ps(block_max, x);
     }
+    // every row sees key 0, so the running max is finite from the first block on
+    const __m512 old_max = _mm512_loadu_ps(s.max.data() + r0);
+    const __m512 new_max = _mm512_max_ps(old_max, block_max);
+    const __m512 alpha = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (exp(-inf))
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
+      _mm512_storeu_ps(st + j * R + r0, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(s.max.data() + r0, new_max);
+    _mm512_storeu_ps(s.sum.data() + r0, sum);
+    _mm512_storeu_ps(s.alpha.data() + r0, alpha);
   }
-  for (int j = 0; j < 4; ++j) {
-    _mm512_storeu_ps(st + j * R, a[j][0]);
-    _mm512_storeu_ps(st + j * R + 16, a[j][1]);
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(s.alpha[r]);
+    float* o = s.o.data() + r * s.dim;
+    for (int64_t c = 0; c < s.dim; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), a));
   }
 }
 
-// O[r] += P[r][0:n] V[0:n] for rows r0..r0+3 (pt is [32][R], v [32][D]).
-template <int64_t C>
-inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, float* o) {
-  __m512 a[kRows][C];
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(o + r * C * 16 + c * 16);
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 pv = _mm512_set1_ps(pt[j * R + r]);
-      for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pv, vv[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * C * 16 + c * 16, a[r][c]);
+// A tile's rows: (token, query head of the group), token-major: row i is token t0 + i / G, head h * G + i % G.
+struct Tile {
+  int64_t t0, t1, h, G, rows, R;  // R: rows padded to whole pairs of vectors (padding rows repeat the last row)
+};
+
+inline Tile make_tile(int64_t t0, int64_t t1, int64_t h, int64_t G) {
+  const int64_t rows = (t1 - t0) * G;
+  return {t0, t1, h, G, rows, (rows + 31) / 32 * 32};
 }
 
-// One work item: new tokens [t0, t1) of request `req`, KV head h. Rows are (token, query head of the group),
-// token-major: row i is token t0 + i / G, head h * G + i % G. Scores are kept transposed (a key's scores
-// for all rows in a run), so the online softmax runs down the rows 16 at a time with no horizontal sums.
+template <typename QT>
+inline const QT* query_row(const QT* q, const Request& req, const Tile& t, int64_t i, int64_t Hq, int64_t D) {
+  const int64_t row = std::min(i, t.rows - 1);
+  return q + ((req.q_start + t.t0 + row / t.G) * Hq + t.h * t.G + row % t.G) * D;
+}
+
+inline void start_tile(const Tile& t, int64_t D, Scratch& s) {
+  std::fill(s.o.begin(), s.o.begin() + t.R * D, 0.f);
+  std::fill(s.max.begin(), s.max.begin() + t.R, kNegInf);
+  std::fill(s.sum.begin(), s.sum.begin() + t.R, 0.f);
+}
+
+// One work item in float32 FMAs: new tokens [t0, t1) of request `req`, KV head h. Scores are kept
+// transposed (a key's scores for all rows in a run), so the online softmax runs down the rows 16 at a time
+// with no horizontal sums.
 template <int64_t C, typename QT, typename KT>
-void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_t* slots, const Request& req, int64_t t0,
-                 int64_t t1, int64_t h, int64_t Hq, int64_t Hkv, float scale, Scratch& s, QT* out) {
+void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_t* slots, const Request& req, const Tile& t,
+                 int64_t Hq, int64_t Hkv, float scale, Scratch& s, QT* out) {
   constexpr int64_t D = C * 16;
-  const int64_t G = Hq / Hkv, prefix = req.kv_len - req.num_new;
-  const int64_t rows = (t1 - t0) * G, R = (rows + 31) / 32 * 32;  // whole pairs of row vectors
+  const int64_t prefix = req.kv_len - req.num_new, R = t.R;
   for (int64_t i = 0; i < R; ++i) {
-    const int64_t row = std::min(i, rows - 1);  // padding rows repeat the last row
-    const QT* src = q + ((req.q_start + t0 + row / G) * Hq + h * G + row % G) * D;
+    const QT* src = query_row(q, req, t, i, Hq, D);
     for (int64_t d = 0; d < D; ++d) s.qt[d * R + i] = to_float(src[d]) * scale;
   }
-  std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
-  std::fill(s.max.begin(), s.max.begin() + R, kNegInf);
-  std::fill(s.sum.begin(), s.sum.begin() + R, 0.f);
-  const int64_t keys = prefix + t1;  // the tile's last token sees positions 0..prefix + t1 - 1
+  start_tile(t, D, s);
+  const int64_t keys = prefix + t.t1;  // the tile's last token sees positions 0..prefix + t1 - 1
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0), n4 = (n + 3) / 4 * 4;
     // K and V rows in float32. K rows n..n4 keep an earlier block's rows (or the zeros they start as): finite,
     // and their scores are never read; V rows past n are never read either.
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = slots[k0 + j];
-      const KT* kr = k_cache + (slot * Hkv + h) * D;
-      const KT* vr = v_cache + (slot * Hkv + h) * D;
+      const KT* kr = k_cache + (slot * Hkv + t.h) * D;
+      const KT* vr = v_cache + (slot * Hkv + t.h) * D;
       for (int64_t c = 0; c < C; ++c) {
         _mm512_storeu_ps(s.k.data() + j * D + c * 16, load16(kr + c * 16));
         _mm512_storeu_ps(s.v.data() + j * D + c * 16, load16(vr + c * 16));
@@ -167,51 +207,64 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n4; j0 += 4)
       for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block<C>(s.qt.data() + r0, R, s.k.data() + j0 * D, st + j0 * R + r0);
-    // Only a block that reaches past the tile's first token needs the causal mask.
-    const bool causal = k0 + n > prefix + t0 + 1;
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
-      // row i sees key positions <= its own, prefix + t0 + i / G (padding rows: the last row's)
-      alignas(64) int32_t last_seen[16];
-      for (int64_t i = 0; i < 16; ++i) last_seen[i] = static_cast<int32_t>(prefix + t0 + std::min(r0 + i, rows - 1) / G);
-      const __m512i seen = _mm512_load_si512(last_seen);
-      __m512 block_max = _mm512_set1_ps(kNegInf);
-      for (int64_t j = 0; j < n; ++j) {
-        __m512 x = _mm512_loadu_ps(st + j * R + r0);
-        if (causal) {
-          const __mmask16 hidden = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + j)), seen);
-          x = _mm512_mask_blend_ps(hidden, x, _mm512_set1_ps(kNegInf));
-          _mm512_storeu_ps(st + j * R + r0, x);
-        }
-        block_max = _mm512_max_ps(block_max, x);
-      }
-      // every row sees key 0, so the running max is finite from the first block on
-      const __m512 old_max = _mm512_loadu_ps(s.max.data() + r0);
-      const __m512 new_max = _mm512_max_ps(old_max, block_max);
-      const __m512 alpha = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (exp(-inf))
-      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
-        _mm512_storeu_ps(st + j * R + r0, p);
-        sum = _mm512_add_ps(sum, p);
-      }
-      _mm512_storeu_ps(s.max.data() + r0, new_max);
-      _mm512_storeu_ps(s.sum.data() + r0, sum);
-      _mm512_storeu_ps(s.alpha.data() + r0, alpha);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(s.alpha[r]);
-      float* o = s.o.data() + r * D;
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), a));
-    }
+    softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.o.data() + r0 * D);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t t = t0 + i / G, head = h * G + i % G;
-    QT* dst = out + ((req.q_start + t) * Hq + head) * D;
+  for (int64_t i = 0; i < t.rows; ++i) {
+    QT* dst = out + ((req.q_start + t.t0 + i / t.G) * Hq + t.h * t.G + i % t.G) * D;
     const float inv = 1.f / s.sum[i];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(s.o[i * D + d] * inv);
   }
 }
+
+#if SGL_LITE_HAS_DPBF16_EXTEND
+
+// attend_tile in VDPBF16PS (bf16 queries and pool, D a multiple of 32; see extend_blocks.h). The same
+// tiles, blocks and softmax, so a row still depends only on its own keys and position.
+template <int64_t C>
+void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* slots,
+                    const Request& req, const Tile& t, int64_t Hq, int64_t Hkv, float scale, Scratch& s, c10::BFloat16* out) {
+  constexpr int64_t D = C * 16;
+  static_assert(D % 32 == 0, "rows interleave 32 dims at a time");
+  const int64_t prefix = req.kv_len - req.num_new, R = t.R;
+  for (int64_t i = 0; i < R; ++i) {
+    const auto* src = reinterpret_cast<const uint16_t*>(query_row(q, req, t, i, Hq, D));
+    for (int64_t p = 0; p < D / 2; ++p) s.qp[p * R + i] = uint32_t(src[2 * p]) | uint32_t(src[2 * p + 1]) << 16;
+  }
+  start_tile(t, D, s);
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
+  const int64_t keys = prefix + t.t1;
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
+    const int64_t n = std::min(kKeys, keys - k0), n4 = (n + 3) / 4 * 4, pairs = (n + 1) / 2;
+    const uint32_t* k_rows[kKeys];
+    for (int64_t j = 0; j < n4; ++j)  // keys n..n4 repeat the block's first: finite, and their scores are never read
+      k_rows[j] = reinterpret_cast<const uint32_t*>(kp + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const uint16_t* a = vp + (slots[k0 + 2 * i] * Hkv + t.h) * D;
+      const uint16_t* b = 2 * i + 1 < n ? vp + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : s.zero_row.data();
+      interleave_rows(a, b, D, s.vp.data() + i * D);
+    }
+    float* st = s.st.data();
+    for (int64_t j0 = 0; j0 < n4; j0 += 4)
+      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, k_rows + j0, scale, st + j0 * R + r0);
+    softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
+    for (int64_t i = 0; i < pairs; ++i)
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        const __m512 pa = _mm512_loadu_ps(st + 2 * i * R + r0);
+        const __m512 pb = 2 * i + 1 < n ? _mm512_loadu_ps(st + (2 * i + 1) * R + r0) : _mm512_setzero_ps();
+        _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
+      }
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.o.data() + r0 * D);
+  }
+  for (int64_t i = 0; i < t.rows; ++i) {
+    c10::BFloat16* dst = out + ((req.q_start + t.t0 + i / t.G) * Hq + t.h * t.G + i % t.G) * D;
+    const float inv = 1.f / s.sum[i];
+    for (int64_t m = 0; m < D; ++m) dst[interleaved_dim(m)] = static_cast<c10::BFloat16>(s.o[i * D + m] * inv);
+  }
+}
+
+#endif
 
 template <int64_t C, typename QT, typename KT>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<Request>& reqs,
@@ -232,14 +285,27 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const auto* kp = k_cache.data_ptr<KT>();
   const auto* vp = v_cache.data_ptr<KT>();
   auto* op = out.data_ptr<QT>();
+  bool pairs = false;  // VDPBF16PS, where this CPU runs it faster than float32 FMAs (bf16_gemv.cpp's probe)
+#if SGL_LITE_HAS_DPBF16_EXTEND
+  if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0) pairs = sgl_lite::dpbf16_preferred();
+#endif
   std::atomic<int64_t> next{0};
   const int64_t num_items = int64_t(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    Scratch scratch((kTileTokens * G + 31) / 32 * 32, C * 16);
+    Scratch scratch((kTileTokens * G + 31) / 32 * 32, C * 16, pairs);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const Request& req = reqs[it.req];
-      attend_tile<C>(qp, kp, vp, indices + req.kv_begin, req, it.t0, it.t1, it.head, Hq, Hkv, scale, scratch, op);
+      const Tile tile = make_tile(it.t0, it.t1, it.head, G);
+#if SGL_LITE_HAS_DPBF16_EXTEND
+      if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0) {
+        if (pairs) {
+          attend_tile_dp<C>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
+          continue;
+        }
+      }
+#endif
+      attend_tile<C>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
     }
   });
 }
