@@ -236,9 +236,10 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   const int64_t keys = prefix + t.t1;
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
-    const int64_t n = std::min(kKeys, keys - k0), n4 = (n + 3) / 4 * 4, pairs = (n + 1) / 2;
+    const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
+    static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
     const uint32_t* k_rows[kKeys];
-    for (int64_t j = 0; j < n4; ++j)  // keys n..n4 repeat the block's first: finite, and their scores are never read
+    for (int64_t j = 0; j < n8; ++j)  // keys n..n8 repeat the block's first: finite, and their scores are never read
       k_rows[j] = reinterpret_cast<const uint32_t*>(kp + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D);
     for (int64_t i = 0; i < pairs; ++i) {
       const uint16_t* a = vp + (slots[k0 + 2 * i] * Hkv + t.h) * D;
@@ -246,7 +247,7 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       interleave_rows(a, b, D, s.vp.data() + i * D);
     }
     float* st = s.st.data();
-    for (int64_t j0 = 0; j0 < n4; j0 += 4)
+    for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
       for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, k_rows + j0, scale, st + j0 * R + r0);
     softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t i = 0; i < pairs; ++i)

@@ -54,23 +54,25 @@ inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, 
 #if defined(__AVX512BF16__)
 #define SGL_LITE_HAS_DPBF16_EXTEND 1
 
-// As scores_block from bf16 pairs: qp is Q^T as [D/2][R] words (a row's dims 2p, 2p + 1), k[j] key j's row
-// in the pool as D/2 words; the scale is applied to the sums.
+// As scores_block from bf16 pairs, for keys j0..j0+7 (kPairKeys): qp is Q^T as [D/2][R] words (a row's dims
+// 2p, 2p + 1), k[j] key j's row in the pool as D/2 words; the scale is applied to the sums. Eight keys, not
+// four: VDPBF16PS's latency needs 16 independent sums in flight to issue every cycle.
+constexpr int64_t kPairKeys = 8;
 template <int64_t C>
 inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* const* k, float scale, float* st) {
-  __m512 a[4][2];
-  for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  __m512 a[kPairKeys][2];
+  for (int j = 0; j < kPairKeys; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < C * 8; ++p) {
     const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * R), q1 = (__m512bh)_mm512_loadu_si512(qp + p * R + 16);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kPairKeys; ++j) {
       const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j][p]));
       a[j][0] = _mm512_dpbf16_ps(a[j][0], kv, q0);
       a[j][1] = _mm512_dpbf16_ps(a[j][1], kv, q1);
     }
   }
   const __m512 s = _mm512_set1_ps(scale);
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kPairKeys; ++j) {
     _mm512_storeu_ps(st + j * R, _mm512_mul_ps(a[j][0], s));
     _mm512_storeu_ps(st + j * R + 16, _mm512_mul_ps(a[j][1], s));
   }
