@@ -6,7 +6,8 @@
 // e4m3fn / e5m2 storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows.
 // Scores, the online softmax and the P.V accumulation are fp32.
 //
-// Work items are (request, kv head, chunk of the context); contexts are cut into chunks of a fixed length
+// Work items are (request, chunk of the context) with all KV heads, reading each slot's row whole, or
+// (request, kv head, chunk) when that leaves threads idle; contexts are cut into chunks of a fixed length
 // (so that long ones make several items, and a row's arithmetic never depends on its batch). Threads take
 // items from a shared counter (a thread that loses its core to another process does not hold up the
 // others), and the last chunk of a (request, kv head) to finish merges the chunks' partial softmax states
@@ -246,17 +247,20 @@ struct Shape {
   int64_t group, dim, row_stride;  // row_stride: elements between consecutive slots (Hkv * D)
 };
 
-// One chunk: q_scaled [G, D/kLanes] (already times the softmax scale) against `n` slots of one kv head.
+// One chunk of `n` slots for H consecutive kv heads (1, or all of them: see run()): q_scaled [H * G, D/kLanes]
+// (already times the softmax scale; the query heads of those kv heads, in order), k_base / v_base the
+// first of those heads' part of slot 0's row, outs[h] the h-th head's partial. Each head's sums are the
+// same, in the same order, whatever H is. row_bytes: how much of each slot's K and V rows to prefetch.
 // kC: the vectors per row (D / kLanes) when known at compile time (0: read from `shape`); with it the
 // compiler keeps a row and each head's accumulator in registers instead of memory (~2x at D = 64).
 // kG: the query heads per KV head when known at compile time (0: from `shape`); with it the P.V pass keeps
-// every head's accumulator in registers and adds each V row to all of them as it is decoded, so that the
+// a kv head's accumulators in registers and adds each V row to all of them as it is decoded, so that the
 // heads' FMA chains interleave (one head at a time waited on each FMA's latency).
 template <class Kv, int64_t kC, int64_t kG>
-void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const typename Kv::T* v_head,
-                  const int64_t* slots, int64_t n, const Shape& shape, Partial out) {
-  const int64_t G = kG ? kG : shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride;
-  const int64_t row_bytes = shape.dim * int64_t(sizeof(typename Kv::T));
+void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const typename Kv::T* v_base,
+                  const int64_t* slots, int64_t n, const Shape& shape, int64_t H, int64_t row_bytes, Partial* outs) {
+  const int64_t G = kG ? kG : shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride, D = shape.dim;
+  const int64_t Q = H * G;  // query heads, at most kMaxGroup
   vfloat acc[kMaxGroup * kMaxChunksPerRow];
   vfloat row[kMaxChunksPerRow];
   static_assert(kBlock % kLanes == 0, "a block is whole vectors");
@@ -265,11 +269,11 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
     float at[kBlock];
   } scores[kMaxGroup];
   float run_max[kMaxGroup], run_sum[kMaxGroup];
-  for (int64_t j = 0; j < G * C; ++j) acc[j] = vfloat{};
-  std::fill(run_max, run_max + G, kNegInf);
-  std::fill(run_sum, run_sum + G, 0.f);
+  for (int64_t j = 0; j < Q * C; ++j) acc[j] = vfloat{};
+  std::fill(run_max, run_max + Q, kNegInf);
+  std::fill(run_sum, run_sum + Q, 0.f);
   // the chunk's first rows, which the loop's look-ahead prefetch never covers
-  for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_head + slots[t] * stride, row_bytes);
+  for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_base + slots[t] * stride, row_bytes);
   vfloat dots[kMaxGroup][kLanes];  // per query head, kLanes tokens' unreduced q.k products
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t nb = std::min(kBlock, n - start);
@@ -277,23 +281,25 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
       for (int64_t i = 0; i < kLanes; ++i) {
         const int64_t t = start + v * kLanes + i;
         if (t >= n) {  // past the end: any finite value, masked to -inf below
-          for (int64_t g = 0; g < G; ++g) dots[g][i] = vfloat{};
+          for (int64_t g = 0; g < Q; ++g) dots[g][i] = vfloat{};
           continue;
         }
-        if (t + kPrefetchAhead < n) prefetch_row(k_head + slots[t + kPrefetchAhead] * stride, row_bytes);
-        prefetch_row(v_head + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
-        const typename Kv::T* k_row = k_head + slots[t] * stride;
-        for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
-        for (int64_t g = 0; g < G; ++g) {
-          const vfloat* qg = q_scaled + g * C;
-          vfloat dot = qg[0] * row[0];
-          for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
-          dots[g][i] = dot;
+        if (t + kPrefetchAhead < n) prefetch_row(k_base + slots[t + kPrefetchAhead] * stride, row_bytes);
+        prefetch_row(v_base + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
+        for (int64_t h = 0; h < H; ++h) {
+          const typename Kv::T* k_row = k_base + slots[t] * stride + h * D;
+          for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
+          for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+            const vfloat* qg = q_scaled + g * C;
+            vfloat dot = qg[0] * row[0];
+            for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
+            dots[g][i] = dot;
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
+      for (int64_t g = 0; g < Q; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < Q; ++g) {
       // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
       for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
       vfloat lanes_max = scores[g].vec[0];
@@ -315,42 +321,47 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_head, const ty
       for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
       run_sum[g] += hsum(sum);
     }
-    // P.V. Every head's accumulator adds the tokens in order, whichever way the loops nest (the same bits).
-    if constexpr (kG != 0 && kC != 0) {
-      // each V row decoded into registers and added to every head's accumulator (all in registers)
-      vfloat a[kG * kC];
-      for (int64_t j = 0; j < kG * kC; ++j) a[j] = acc[j];
-      for (int64_t i = 0; i < nb; ++i) {
-        const typename Kv::T* v_row = v_head + slots[start + i] * stride;
-        vfloat vr[kC];
-        for (int64_t c = 0; c < kC; ++c) vr[c] = Kv::decode(v_row + c * kLanes);
-        for (int64_t g = 0; g < kG; ++g) {
-          const float p = scores[g].at[i];
-          for (int64_t c = 0; c < kC; ++c) a[g * kC + c] += p * vr[c];
-        }
-      }
-      for (int64_t j = 0; j < kG * kC; ++j) acc[j] = a[j];
-    } else {
-      // the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
-      vfloat values[kBlock * kMaxChunksPerRow];
-      for (int64_t i = 0; i < nb; ++i) {
-        const typename Kv::T* v_row = v_head + slots[start + i] * stride;
-        for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        vfloat a[kMaxChunksPerRow];
-        for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
+    // P.V, one kv head at a time. Every head's accumulator adds the tokens in order, whichever way the loops
+    // nest (the same bits).
+    for (int64_t h = 0; h < H; ++h) {
+      if constexpr (kG != 0 && kC != 0) {
+        // each V row decoded into registers and added to every head's accumulator (all in registers)
+        vfloat a[kG * kC];
+        for (int64_t j = 0; j < kG * kC; ++j) a[j] = acc[h * kG * kC + j];
         for (int64_t i = 0; i < nb; ++i) {
-          const float p = scores[g].at[i];
-          for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
+          const typename Kv::T* v_row = v_base + slots[start + i] * stride + h * D;
+          vfloat vr[kC];
+          for (int64_t c = 0; c < kC; ++c) vr[c] = Kv::decode(v_row + c * kLanes);
+          for (int64_t g = 0; g < kG; ++g) {
+            const float p = scores[h * kG + g].at[i];
+            for (int64_t c = 0; c < kC; ++c) a[g * kC + c] += p * vr[c];
+          }
         }
-        for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
+        for (int64_t j = 0; j < kG * kC; ++j) acc[h * kG * kC + j] = a[j];
+      } else {
+        // the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
+        vfloat values[kBlock * kMaxChunksPerRow];
+        for (int64_t i = 0; i < nb; ++i) {
+          const typename Kv::T* v_row = v_base + slots[start + i] * stride + h * D;
+          for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
+        }
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          vfloat a[kMaxChunksPerRow];
+          for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
+          for (int64_t i = 0; i < nb; ++i) {
+            const float p = scores[g].at[i];
+            for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
+          }
+          for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
+        }
       }
     }
   }
-  std::memcpy(out.acc, acc, G * C * sizeof(vfloat));
-  std::memcpy(out.max, run_max, G * sizeof(float));
-  std::memcpy(out.sum, run_sum, G * sizeof(float));
+  for (int64_t h = 0; h < H; ++h) {
+    std::memcpy(outs[h].acc, acc + h * G * C, G * C * sizeof(vfloat));
+    std::memcpy(outs[h].max, run_max + h * G, G * sizeof(float));
+    std::memcpy(outs[h].sum, run_sum + h * G, G * sizeof(float));
+  }
 }
 
 // Combine the chunks of one (request, kv head) and write its G output rows.
@@ -375,8 +386,9 @@ void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, O
   }
 }
 
+// A chunk of one request's context for the KV heads [head_begin, head_end); chunk: its index in the request.
 struct Item {
-  int64_t request, head, chunk_begin, chunk_end, part;  // part: index of its Partial
+  int64_t request, head_begin, head_end, chunk_begin, chunk_end, chunk;
 };
 
 // attend_chunk for a head size kC compiled for the group size G where it is a common one (MHA, and the GQA
@@ -401,16 +413,27 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const Shape shape{Hq / Hkv, D, Hkv * D};
   const int64_t G = shape.group;
 
-  std::vector<Item> items;
-  std::vector<int64_t> first_part(B * Hkv + 1, 0);
+  // Where there are enough chunks to keep every thread busy, an item takes all KV heads of its chunk and
+  // reads each slot's row whole (every head's K, then V, one contiguous run): reading one head's 128 bytes
+  // of each 384-byte row got 11-12 GB/s from memory on a 2-core EPYC, whole rows 25-27 GB/s. Otherwise (one
+  // short request, say) items are single heads, as many as there are. Either way each (request, head,
+  // chunk) is computed alike, so the bits do not depend on the choice. (The kernel, whose arithmetic
+  // overlaps its reads less well than a plain sum does, gained 1.05-1.08x from it at 8-32 x 480-2000.)
+  std::vector<int64_t> first_part(B * Hkv + 1, 0), chunks_of(B);
+  int64_t num_chunks = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = indptr[b + 1] - indptr[b];
-    const int64_t chunks = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t bh = b * Hkv + h;
-      first_part[bh + 1] = first_part[bh] + chunks;
+    chunks_of[b] = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
+    num_chunks += chunks_of[b];
+    for (int64_t h = 0; h < Hkv; ++h) first_part[b * Hkv + h + 1] = first_part[b * Hkv + h] + chunks_of[b];
+  }
+  const bool whole_rows = Hkv > 1 && Hq <= kMaxGroup && num_chunks >= 2 * at::get_num_threads();
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = indptr[b + 1] - indptr[b], chunks = chunks_of[b];
+    for (int64_t h = 0; h < (whole_rows ? 1 : Hkv); ++h) {
       for (int64_t c = 0; c < chunks; ++c) {
-        items.push_back({b, h, indptr[b] + c * len / chunks, indptr[b] + (c + 1) * len / chunks, first_part[bh] + c});
+        items.push_back({b, h, whole_rows ? Hkv : h + 1, indptr[b] + c * len / chunks, indptr[b] + (c + 1) * len / chunks, c});
       }
     }
   }
@@ -422,6 +445,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (int64_t bh = 0; bh < B * Hkv; ++bh) remaining[bh].store(first_part[bh + 1] - first_part[bh], std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
 
+  const int64_t row_bytes = D * int64_t(sizeof(typename Kv::T));  // one head's part of a slot row
   const auto* q_ptr = q.data_ptr<QT>();
   const auto* k_ptr = reinterpret_cast<const typename Kv::T*>(k_cache.data_ptr());
   const auto* v_ptr = reinterpret_cast<const typename Kv::T*>(v_cache.data_ptr());
@@ -436,15 +460,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= num_items) break;
       const Item& it = items[i];
-      const QT* qh = q_ptr + (it.request * Hq + it.head * G) * D;
-      for (int64_t j = 0; j < G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
-      attend(q_scaled, k_ptr + it.head * D, v_ptr + it.head * D, indices + it.chunk_begin, it.chunk_end - it.chunk_begin,
-             shape, parts[it.part]);
-      const int64_t bh = it.request * Hkv + it.head;
-      // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
-      if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        merge_chunks(&parts[first_part[bh]], first_part[bh + 1] - first_part[bh], shape,
-                     out_ptr + (it.request * Hq + it.head * G) * D);
+      const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin;
+      const QT* qh = q_ptr + (it.request * Hq + h0 * G) * D;
+      for (int64_t j = 0; j < H * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
+      Partial outs[kMaxGroup];
+      for (int64_t h = 0; h < H; ++h) outs[h] = parts[first_part[it.request * Hkv + h0 + h] + it.chunk];
+      attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, indices + it.chunk_begin, it.chunk_end - it.chunk_begin, shape, H,
+             H * row_bytes, outs);
+      for (int64_t h = h0; h < h0 + H; ++h) {
+        const int64_t bh = it.request * Hkv + h;
+        // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
+        if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          merge_chunks(&parts[first_part[bh]], first_part[bh + 1] - first_part[bh], shape, out_ptr + (it.request * Hq + h * G) * D);
+        }
       }
     }
   });
