@@ -257,6 +257,20 @@ def test_extend_kernel_matches_naive(op, case, dtype):
         assert (out.double() - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
 
 
+def first_request_alone(backend: CpuKernelBackend, q: torch.Tensor, pool: KVPool, meta) -> torch.Tensor:
+    """The first extend request of a prepared batch through the kernel by itself, on one thread (its rows of
+    the result; the others stay zero)."""
+    alone = torch.zeros_like(q)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.ops.sgl_lite.extend_attention(q, pool.k[0], pool.v[0], backend._extend_table[:1].contiguous(), meta.kv_indices,
+                                            backend.scale, alone)
+    finally:
+        torch.set_num_threads(threads)
+    return alone
+
+
 @pytest.fixture(params=["fma", "dpbf16"])
 def bf16_arithmetic(request):
     """The bf16 extend kernel in float32 FMAs or in VDPBF16PS pairs: it follows bf16_gemv's probe, which
@@ -282,16 +296,9 @@ def test_bf16_extend_kernel_matches_naive_in_each_arithmetic(op, case, bf16_arit
     out = backend.forward(0, q, k, v, pool)
     expected = naive_attention(meta, 0, q.double(), pool)
     assert (out.double() - expected).abs().max() <= 2**-7 * max(1.0, expected.abs().max().item())
-    table, first = backend._extend_table, backend._extend_table[0].tolist()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.zeros_like(q)
-        torch.ops.sgl_lite.extend_attention(q, pool.k[0], pool.v[0], table[:1].contiguous(), meta.kv_indices, backend.scale, alone)
-    finally:
-        torch.set_num_threads(threads)
+    first = backend._extend_table[0].tolist()
     rows = slice(first[0], first[0] + first[1])
-    assert torch.equal(alone[rows], out[rows])
+    assert torch.equal(first_request_alone(backend, q, pool, meta)[rows], out[rows])
 
 
 def test_bf16_extend_arithmetics_differ_where_pairs_apply(op):
@@ -324,15 +331,7 @@ def test_extend_kernel_rows_do_not_depend_on_the_batch(op):
     backend = CpuKernelBackend(9, 3, 64, op)
     backend.prepare(meta)
     both = backend.forward(0, q, k, v, pool)
-    table = backend._extend_table
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.zeros_like(q)
-        torch.ops.sgl_lite.extend_attention(q, pool.k[0], pool.v[0], table[:1].contiguous(), meta.kv_indices, backend.scale, alone)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(alone[:33], both[:33])
+    assert torch.equal(first_request_alone(backend, q, pool, meta)[:33], both[:33])
 
 
 def test_extend_kernel_rejects_bad_metadata(op):
