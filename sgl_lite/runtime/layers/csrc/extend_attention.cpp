@@ -165,10 +165,14 @@ inline Tile make_tile(int64_t t0, int64_t t1, int64_t h, int64_t G) {
   return {t0, t1, h, G, rows, (rows + 31) / 32 * 32};
 }
 
+// Where row i of the tile (i < rows) sits in q and out [N, Hq, D].
+inline int64_t row_offset(const Request& req, const Tile& t, int64_t i, int64_t Hq, int64_t D) {
+  return ((req.q_start + t.t0 + i / t.G) * Hq + t.h * t.G + i % t.G) * D;
+}
+
 template <typename QT>
 inline const QT* query_row(const QT* q, const Request& req, const Tile& t, int64_t i, int64_t Hq, int64_t D) {
-  const int64_t row = std::min(i, t.rows - 1);
-  return q + ((req.q_start + t.t0 + row / t.G) * Hq + t.h * t.G + row % t.G) * D;
+  return q + row_offset(req, t, std::min(i, t.rows - 1), Hq, D);
 }
 
 inline void start_tile(const Tile& t, int64_t D, Scratch& s) {
@@ -211,7 +215,7 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
     for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < t.rows; ++i) {
-    QT* dst = out + ((req.q_start + t.t0 + i / t.G) * Hq + t.h * t.G + i % t.G) * D;
+    QT* dst = out + row_offset(req, t, i, Hq, D);
     const float inv = 1.f / s.sum[i];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(s.o[i * D + d] * inv);
   }
@@ -259,7 +263,7 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
     for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < t.rows; ++i) {
-    c10::BFloat16* dst = out + ((req.q_start + t.t0 + i / t.G) * Hq + t.h * t.G + i % t.G) * D;
+    c10::BFloat16* dst = out + row_offset(req, t, i, Hq, D);
     const float inv = 1.f / s.sum[i];
     for (int64_t m = 0; m < D; ++m) dst[interleaved_dim(m)] = static_cast<c10::BFloat16>(s.o[i * D + m] * inv);
   }
@@ -288,7 +292,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto* op = out.data_ptr<QT>();
   bool pairs = false;  // VDPBF16PS, where this CPU runs it faster than float32 FMAs (bf16_gemv.cpp's probe)
 #if SGL_LITE_HAS_DPBF16_EXTEND
-  if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0) pairs = sgl_lite::dpbf16_preferred();
+  constexpr bool kPairable = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0;
+  if constexpr (kPairable) pairs = sgl_lite::dpbf16_preferred();
 #endif
   std::atomic<int64_t> next{0};
   const int64_t num_items = int64_t(items.size());
@@ -299,7 +304,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const Request& req = reqs[it.req];
       const Tile tile = make_tile(it.t0, it.t1, it.head, G);
 #if SGL_LITE_HAS_DPBF16_EXTEND
-      if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0) {
+      if constexpr (kPairable) {
         if (pairs) {
           attend_tile_dp<C>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
           continue;
