@@ -1,0 +1,92 @@
+"""How many tokens per step n-gram drafts could give on bench_speculative's copy workload, whatever they cost.
+
+Greedy output does not depend on speculation, so each prompt's output is generated once (speculation
+off) and the drafting is replayed offline: at every step the drafter proposes from the prompt and the
+output so far, the draft is accepted up to its first token that differs from the real output, and the
+step yields that many tokens plus one. Drafters compared, each with up to --cap tokens, every step
+drafting (no cost model, so an upper bound of what the runtime's policy can reach):
+- latest: the runtime's lookup (ngram_proposer.suffix_match: the latest match of the longest suffix);
+- best of 2 / best of all: an oracle picking, among the two latest / all earlier matches of that
+  suffix, the one that would be accepted longest (what a verifier of several drafts at once could reach).
+Usage: python scripts/replay_ngram_drafts.py [--prompts 8] [--max-new-tokens 64] [--caps 4 8 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import chat, copy_prompts  # noqa: E402
+
+from sgl_lite.runtime.managers.ngram_proposer import suffix_match  # noqa: E402
+from sgl_lite.runtime.server.engine import Engine  # noqa: E402
+
+MIN_WINDOW, MAX_WINDOW = 1, 12  # the server's defaults (--speculative-ngram-{min,max}-match-window-size)
+
+
+def earlier_matches(tokens: np.ndarray) -> list[int]:
+    """End positions of every earlier occurrence of the longest matching suffix, latest first."""
+    length = tokens.shape[0]
+    for n in range(min(MAX_WINDOW, length - 1), MIN_WINDOW - 1, -1):
+        suffix = tokens[length - n :]
+        ends = [e for e in range(n, length) if np.array_equal(tokens[e - n : e], suffix)]
+        if ends:
+            return ends[::-1]
+    return []
+
+
+def accepted(draft: list[int], output: list[int], pos: int) -> int:
+    count = 0
+    while count < len(draft) and pos + count < len(output) and draft[count] == output[pos + count]:
+        count += 1
+    return count
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], cap: int, drafter: str) -> tuple[int, int]:
+    """(output tokens, steps) over all (prompt, output) pairs."""
+    tokens_total = steps = 0
+    for prompt, output in pairs:
+        pos = 0
+        while pos < len(output):
+            tokens = np.array(prompt + output[:pos], dtype=np.int64)
+            if drafter == "latest":
+                match = suffix_match(tokens, MIN_WINDOW, MAX_WINDOW)
+                ends = [] if match is None else [match[0]]
+            else:
+                ends = earlier_matches(tokens)[: 2 if drafter == "best of 2" else None]
+            best = max((accepted(tokens[e : e + cap].tolist(), output, pos) for e in ends), default=0)
+            step = min(best + 1, len(output) - pos)
+            pos, steps, tokens_total = pos + step, steps + 1, tokens_total + step
+    return tokens_total, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--caps", type=int, nargs="+", default=[4, 8, 12])
+    args = parser.parse_args()
+    engine = Engine(model_path=args.model, log_level="warning")
+    tokenizer = engine.core.tokenizer
+    prompts = [chat(engine, [{"role": "user", "content": p}]) + tokenizer(start, add_special_tokens=False)["input_ids"]
+               for p, start in copy_prompts(args.prompts)]
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens})
+    engine.shutdown()
+    pairs = [(p, o["output_ids"]) for p, o in zip(prompts, outs)]
+    print(f"copy workload: {len(pairs)} prompts, {sum(len(o) for _, o in pairs)} output tokens (greedy)")
+    print("| draft cap | drafter | steps | tokens per step |")
+    print("|---:|---|---:|---:|")
+    for cap in args.caps:
+        for drafter in ("latest", "best of 2", "best of all"):
+            tokens, steps = replay(pairs, cap, drafter)
+            print(f"| {cap} | {drafter} | {steps} | {tokens / steps:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
