@@ -53,9 +53,9 @@ constexpr int64_t kMaxTileRows = 12;  // rows of x held in registers at once (2 
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
 // Weights are prefetched this far ahead of the loads: a tile's run is short (18-50 KB at 135M's shapes),
 // too short for the hardware prefetcher to reach full speed on its own (measured: 2 KB beat 1 and 4 KB).
-// Into L2 (_MM_HINT_T1): the hardware's L1 prefetcher brings lines the last step, and a software
-// prefetch into L1 holds an L1 miss buffer for a whole memory latency (a 2-core EPYC, Zen 4: batch-1
-// matmuls 1.03-1.4x, measured with bench_decode_kernels, interleaved builds, 2026-11-25).
+// Into L2 (_MM_HINT_T1), leaving the last step to the hardware's L1 prefetcher: a software prefetch into
+// L1 holds an L1 miss buffer for a whole memory latency (a 2-core EPYC, Zen 4: 1-row matmuls 1.05-1.3x,
+// 8 rows ~1.07x, bench_decode_kernels with interleaved builds, 2026-11-25).
 constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Arithmetic : int { kAuto = 0, kDpbf16 = 1, kFma = 2 };
