@@ -62,24 +62,25 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// exp(x) for x <= 0 in 16 lanes (the decode kernel's polynomial: Cody-Waite reduction, Cephes' degree 6,
-// ~1 ulp); -inf gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 dead = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~dead), p, _mm512_castsi512_ps(e));
+// 2^x for x <= 0 in 16 lanes: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to f^6
+// (relative error < 2e-7, about an ulp), times 2^n by VSCALEFPS, which also underflows to 0 exactly. Inputs
+// below -200 (masked keys' -inf included) are clamped there: 0. The scores are kept in base 2 (the query
+// scale carries log2(e)), so this is the softmax's exp with nine instructions where exp(x) took seventeen.
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln(2)^k / k!, k = 6 down to 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
+
+constexpr float kLog2e = 1.44269504088896341f;
 
 // 16 stored K/V elements as float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -112,8 +113,9 @@ struct Scratch {
 #include "extend_blocks.h"
 
 // The online softmax over one block of n keys for every row of a tile: st holds the block's scores
-// transposed ([32][R]); on return it holds the unnormalized probabilities (0 for hidden keys), and each
-// row's running max and sum are updated, with alpha the factor its output must be rescaled by.
+// transposed ([32][R], in base 2: scores times log2(e)); on return it holds the unnormalized probabilities
+// (0 for hidden keys), and each row's running max and sum are updated, with alpha the factor its output
+// must be rescaled by (the value products apply it as they load the outputs).
 // Row i is token t0 + i / G of the tile and sees key positions <= prefix + t0 + i / G.
 inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t prefix, int64_t t0, int64_t k0, int64_t n,
                           Scratch& s) {
@@ -137,21 +139,16 @@ inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t
     // every row sees key 0, so the running max is finite from the first block on
     const __m512 old_max = _mm512_loadu_ps(s.max.data() + r0);
     const __m512 new_max = _mm512_max_ps(old_max, block_max);
-    const __m512 alpha = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (exp(-inf))
+    const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (2^-inf)
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
+      const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
       _mm512_storeu_ps(st + j * R + r0, p);
       sum = _mm512_add_ps(sum, p);
     }
     _mm512_storeu_ps(s.max.data() + r0, new_max);
     _mm512_storeu_ps(s.sum.data() + r0, sum);
     _mm512_storeu_ps(s.alpha.data() + r0, alpha);
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    const __m512 a = _mm512_set1_ps(s.alpha[r]);
-    float* o = s.o.data() + r * s.dim;
-    for (int64_t c = 0; c < s.dim; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), a));
   }
 }
 
@@ -191,7 +188,7 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
   const int64_t prefix = req.kv_len - req.num_new, R = t.R;
   for (int64_t i = 0; i < R; ++i) {
     const QT* src = query_row(q, req, t, i, Hq, D);
-    for (int64_t d = 0; d < D; ++d) s.qt[d * R + i] = to_float(src[d]) * scale;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * R + i] = to_float(src[d]) * (scale * kLog2e);
   }
   start_tile(t, D, s);
   const int64_t keys = prefix + t.t1;  // the tile's last token sees positions 0..prefix + t1 - 1
@@ -212,7 +209,7 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
     for (int64_t j0 = 0; j0 < n4; j0 += 4)
       for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block<C>(s.qt.data() + r0, R, s.k.data() + j0 * D, st + j0 * R + r0);
     softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
-    for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.o.data() + r0 * D);
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.alpha.data() + r0, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < t.rows; ++i) {
     QT* dst = out + row_offset(req, t, i, Hq, D);
@@ -252,7 +249,7 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
     }
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
-      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, k_rows + j0, scale, st + j0 * R + r0);
+      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, k_rows + j0, scale * kLog2e, st + j0 * R + r0);
     softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t i = 0; i < pairs; ++i)
       for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -260,7 +257,8 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
         const __m512 pb = 2 * i + 1 < n ? _mm512_loadu_ps(st + (2 * i + 1) * R + r0) : _mm512_setzero_ps();
         _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
       }
-    for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.o.data() + r0 * D);
+    for (int64_t r0 = 0; r0 < R; r0 += kRows)
+      values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.alpha.data() + r0, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < t.rows; ++i) {
     c10::BFloat16* dst = out + row_offset(req, t, i, Hq, D);

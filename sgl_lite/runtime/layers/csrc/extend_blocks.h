@@ -32,12 +32,15 @@ inline void scores_block(const float* qt, int64_t R, const float* k, float* st) 
   }
 }
 
-// O[r] += P[r][0:n] V[0:n] for rows r0..r0+3 (pt is [32][R], v [32][D]).
+// O[r] = alpha[r] O[r] + P[r][0:n] V[0:n] for rows r0..r0+3 (pt is [32][R], v [32][D]): the online
+// softmax's rescale applied as the outputs are loaded, not in a pass of its own.
 template <int64_t C>
-inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, float* o) {
+inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, const float* alpha, float* o) {
   __m512 a[kRows][C];
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(o + r * C * 16 + c * 16);
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * C * 16 + c * 16), scale);
+  }
   for (int64_t j = 0; j < n; ++j) {
     __m512 vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
@@ -81,10 +84,12 @@ inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* const
 // As values_block over `pairs` pairs of keys: pp is P^T as [16][R] words (a row's probabilities of keys 2i
 // and 2i + 1 in bf16), vp the V rows interleaved ([16][D] words), o in interleaved dim order.
 template <int64_t C>
-inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, int64_t pairs, float* o) {
+inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, int64_t pairs, const float* alpha, float* o) {
   __m512 a[kRows][C];
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(o + r * C * 16 + c * 16);
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * C * 16 + c * 16), scale);
+  }
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + i * C * 16 + c * 16);
