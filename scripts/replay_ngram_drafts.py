@@ -5,7 +5,11 @@ off) and the drafting is replayed offline: at every step the drafter proposes fr
 output so far, the draft is accepted up to its first token that differs from the real output, and the
 step yields that many tokens plus one. Drafters compared, each with up to --cap tokens, every step
 drafting (no cost model, so an upper bound of what the runtime's policy can reach):
-- latest: the runtime's lookup (ngram_proposer.suffix_match: the latest match of the longest suffix);
+- latest: the runtime's lookup in the request's own tokens (ngram_proposer.suffix_match: the latest
+  match of the longest suffix);
+- latest + pool: the runtime's lookup with its shared pool of earlier outputs (NgramProposer.lookup, at
+  the server's --speculative-ngram-capacity; the prompts run one after another, each output joining the
+  pool when it ends);
 - best of 2 / best of all: an oracle picking, among the two latest / all earlier matches of that
   suffix, the one that would be accepted longest (what a verifier of several drafts at once could reach).
 Usage: python scripts/replay_ngram_drafts.py [--prompts 8] [--max-new-tokens 64] [--caps 4 8 12]
@@ -23,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import chat, copy_prompts  # noqa: E402
 
-from sgl_lite.runtime.managers.ngram_proposer import suffix_match  # noqa: E402
+from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, suffix_match  # noqa: E402
+from sgl_lite.runtime.managers.request import Req  # noqa: E402
+from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
+from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 
 MIN_WINDOW, MAX_WINDOW = 1, 12  # the server's defaults (--speculative-ngram-{min,max}-match-window-size)
@@ -50,18 +57,26 @@ def accepted(draft: list[int], output: list[int], pos: int) -> int:
 def replay(pairs: list[tuple[list[int], list[int]]], cap: int, drafter: str) -> tuple[int, int]:
     """(output tokens, steps) over all (prompt, output) pairs."""
     tokens_total = steps = 0
+    proposer = NgramProposer(cap, MIN_WINDOW, MAX_WINDOW, ServerArgs.speculative_ngram_capacity)
     for prompt, output in pairs:
         pos = 0
+        req = Req(rid="replay", input_ids=list(prompt), sampling_params=SamplingParams())
         while pos < len(output):
             tokens = np.array(prompt + output[:pos], dtype=np.int64)
-            if drafter == "latest":
+            if drafter == "latest + pool":
+                req.output_ids = output[:pos]
+                drafts = [proposer.lookup(req, cap)[0]]
+            elif drafter == "latest":
                 match = suffix_match(tokens, MIN_WINDOW, MAX_WINDOW)
-                ends = [] if match is None else [match[0]]
+                drafts = [] if match is None else [tokens[match[0] : match[0] + cap].tolist()]
             else:
                 ends = earlier_matches(tokens)[: 2 if drafter == "best of 2" else None]
-            best = max((accepted(tokens[e : e + cap].tolist(), output, pos) for e in ends), default=0)
+                drafts = [tokens[e : e + cap].tolist() for e in ends]
+            best = max((accepted(draft, output, pos) for draft in drafts), default=0)
             step = min(best + 1, len(output) - pos)
             pos, steps, tokens_total = pos + step, steps + 1, tokens_total + step
+        req.output_ids = list(output)
+        proposer.remember(req)
     return tokens_total, steps
 
 
@@ -83,7 +98,7 @@ def main() -> None:
     print("| draft cap | drafter | steps | tokens per step |")
     print("|---:|---|---:|---:|")
     for cap in args.caps:
-        for drafter in ("latest", "best of 2", "best of all"):
+        for drafter in ("latest", "latest + pool", "best of 2", "best of all"):
             tokens, steps = replay(pairs, cap, drafter)
             print(f"| {cap} | {drafter} | {steps} | {tokens / steps:.2f} |")
 

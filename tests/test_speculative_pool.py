@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
-from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
+from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, suffix_match
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine
@@ -37,6 +39,26 @@ def test_pool_keeps_the_newest_outputs_within_capacity() -> None:
         NgramPool(0)
 
 
+def brute_force_pool_match(tokens: list[int], pool: list[int], min_window: int, max_window: int) -> tuple[int, int] | None:
+    for n in range(min(max_window, len(tokens)), min_window - 1, -1):
+        for end in range(len(pool), n - 1, -1):
+            if pool[end - n : end] == tokens[len(tokens) - n :]:
+                return end, n
+    return None
+
+
+def test_a_suffix_looked_up_in_the_pool_equals_brute_force() -> None:
+    rng = random.Random(1)
+    for case in range(400):
+        alphabet = 3 if case % 2 else 8
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 12))]
+        pool = [rng.choice([SEPARATOR] + list(range(alphabet))) for _ in range(rng.randrange(0, 60))]
+        lo = rng.randrange(1, 4)
+        hi = rng.randrange(lo, 8)
+        found = suffix_match(np.array(tokens), lo, hi, haystack=np.array(pool, dtype=np.int64))
+        assert found == brute_force_pool_match(tokens, pool, lo, hi), (tokens, pool, lo, hi)
+
+
 def test_a_request_without_its_own_match_drafts_from_other_requests_outputs() -> None:
     proposer = NgramProposer(num_draft_tokens=4, min_window=1, max_window=4, pool_capacity=100)
     without_pool = NgramProposer(num_draft_tokens=4, min_window=1, max_window=4)
@@ -52,6 +74,10 @@ def test_a_request_without_its_own_match_drafts_from_other_requests_outputs() ->
     longer = req_with([51, 99, 3], [50, 51])
     assert without_pool.propose(longer, limit=2) == [99, 3]
     assert proposer.propose(longer, limit=2) == [52, 53]
+    # The pool's longer match ends its output ("52 53 54" then the separator): nothing follows it there,
+    # so the request's own draft stands.
+    ending = req_with([54, 77, 3], [53, 54])
+    assert proposer.propose(ending, limit=2) == [77, 3]
 
 
 @pytest.fixture(scope="module")

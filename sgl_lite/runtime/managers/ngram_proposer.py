@@ -186,23 +186,26 @@ def longest_suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -
     return None if match is None else match[0]
 
 
-def suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -> tuple[int, int] | None:
-    """(e, n) of longest_suffix_match: the end position and the number of tokens matched."""
+def suffix_match(tokens: np.ndarray, min_window: int, max_window: int,
+                 haystack: np.ndarray | None = None) -> tuple[int, int] | None:
+    """(e, n) of longest_suffix_match: the end position and the number of tokens matched. With `haystack`,
+    the suffix of `tokens` is looked up there instead (any end e <= len(haystack); -1 never matches)."""
     length = tokens.shape[0]
-    if length < min_window + 1:
+    if length < min_window + (haystack is None):
         return None
-    # Candidate ends e in [min_window, L): tokens[e - 1] equals the last token.
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) + 1
+    hay = tokens[: length - 1] if haystack is None else haystack
+    # Candidate ends e in [min_window, len(hay)]: hay[e - 1] equals the last token.
+    ends = np.flatnonzero(hay == tokens[length - 1]) + 1
     ends = ends[ends >= min_window]
     best: tuple[int, int] | None = None
     n = 1
     while ends.size and n <= max_window:
         if n >= min_window:
             best = int(ends[-1]), n  # latest end matching n tokens
-        if n == max_window:
+        if n == max_window or n == length:
             break
         ends = ends[ends - n - 1 >= 0]
-        ends = ends[tokens[ends - n - 1] == tokens[length - n - 1]]
+        ends = ends[hay[ends - n - 1] == tokens[length - n - 1]]
         n += 1
     return best
 
@@ -254,7 +257,7 @@ class NgramProposer:
             caps = [worth_length(a, batch_size, cap) if cap > 0 else 0 for a, cap in zip(acceptances, caps)]
         drafts, pooled = [], []
         for (req, _), cap in zip(requests, caps):
-            draft, from_pool = self._draft(req, req.spec_state, cap)
+            draft, from_pool = self.lookup(req, cap)
             if draft and req.grammar is not None:
                 draft = draft[: req.grammar.allowed_prefix(draft)]  # a token the grammar forbids ends the draft
             drafts.append(draft)
@@ -265,28 +268,29 @@ class NgramProposer:
         self.num_pool_drafts += sum(bool(d) and p for d, p in zip(drafts, pooled))
         return drafts
 
-    def _draft(self, req: Req, state: NgramState, limit: int) -> tuple[list[int], bool]:
+    def lookup(self, req: Req, limit: int) -> tuple[list[int], bool]:
         """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool,
-        and whether they came from the pool."""
+        and whether they came from the pool (no policy: what a draft of `limit` would be)."""
         if limit <= 0:
             return [], False
-        tokens = state.sync(req)
+        if req.spec_state is None:
+            req.spec_state = NgramState()
+        tokens = req.spec_state.sync(req)
         own = suffix_match(tokens, self.min_window, self.max_window)
         mine = [] if own is None else tokens[own[0] : own[0] + limit].tolist()
         if self.pool is None or not self.pool.size or (own is not None and own[1] == self.max_window):
             return mine, False
-        # The pool's match wins only when longer than the request's own: the pool followed by the
-        # request's last tokens. A match within those last tokens is one the own search found already.
+        # The pool's match wins only when longer than the request's own.
         pooled = self.pool.joined()
         shortest = self.min_window if own is None else own[1] + 1
-        pool = suffix_match(np.concatenate((pooled, tokens[-self.max_window:])), shortest, self.max_window)
-        if pool is None or pool[0] >= pooled.shape[0]:
+        pool = suffix_match(tokens[-self.max_window:], shortest, self.max_window, haystack=pooled)
+        if pool is None:
             return mine, False
         end = pool[0]
         draft = pooled[end : end + limit]
         cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
         draft = draft[: cut[0]] if cut.size else draft
-        return draft.tolist(), True
+        return (draft.tolist(), True) if draft.size else (mine, False)
 
     def remember(self, req: Req) -> None:
         """A finished request's output joins the shared pool (when there is one)."""
