@@ -39,7 +39,9 @@ RECORDS = [("alpha", 42, "ok", "eu-west"), ("beta", 7, "pending", "us-east"), ("
 def copy_prompts(n: int) -> list[tuple[str, str]]:
     """(user message, start of the answer) pairs whose answers copy from the message: a tool's JSON
     repeated with one field changed, code re-emitted with a variable renamed (the answer begun, as an
-    agent framework does to pin the format), log lines quoted. The default model does copy these."""
+    agent framework does to pin the format), log lines quoted. The default model copies most of them:
+    it repeats the JSON (pretty-printed) and renames the code, but closes two of the begun code fences at
+    once and answers the log prompts partly with times (docs/speculative.md shows its outputs' effect)."""
     out = []
     for i in range(n):
         name, ident, status, region = RECORDS[i % len(RECORDS)]
