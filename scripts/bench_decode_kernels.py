@@ -10,6 +10,9 @@
 - decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model);
+  and a speculative verification row: one request's 1 + k queries (its last token and k draft tokens,
+  query j seeing j more keys, each a decode query of its own, as the runtime runs them) at 150-2000
+  tokens of context, with what each draft query adds to the layer;
 - the decoder layer of a decode step as one C++ op (`layers/csrc/decode_layer.cpp`) against the same
   layer called op by op from Python, on the default model (ms per decode step, 480-token contexts).
 
@@ -145,6 +148,30 @@ def bench_attention(repeats: int) -> list[dict]:
     return out
 
 
+VERIFY_CONTEXTS = [150, 500, 2000]
+VERIFY_QUERIES = [1, 5, 9]  # a verification row's queries: the last token, then 0, 4 or 8 draft tokens
+
+
+def bench_verify_attention(repeats: int) -> list[dict]:
+    op = load_paged_decode_op()
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for context in tqdm(VERIFY_CONTEXTS, desc="verification rows"):
+        slots = context + max(VERIFY_QUERIES)
+        pools = [(torch.randn(slots, 3, 64, generator=g).bfloat16(), torch.randn(slots, 3, 64, generator=g).bfloat16()) for _ in range(LAYERS)]
+        row: dict = {"context": context}
+        for queries in VERIFY_QUERIES:
+            q = torch.randn(queries, 9, 64, generator=g).bfloat16()
+            lengths = [context + j for j in range(queries)]
+            indices = torch.cat([torch.arange(n) for n in lengths])
+            indptr = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+            seconds = best_seconds(lambda: [op(q, k, v, indptr, indices, 0.125) for k, v in pools], repeats) / LAYERS
+            row[f"us_{queries}_queries"] = seconds * 1e6
+        row["us_per_draft_query"] = (row[f"us_{VERIFY_QUERIES[-1]}_queries"] - row["us_1_queries"]) / (VERIFY_QUERIES[-1] - 1)
+        out.append(row)
+    return out
+
+
 def bench_fused_layer(repeats: int) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_model import RunnerBench
@@ -185,6 +212,7 @@ def main() -> None:
     matmuls = bench_matmuls(args.repeats) + bench_int4(args.repeats)
     bandwidth = read_bandwidth(args.repeats)
     attention = bench_attention(args.repeats)
+    verify = bench_verify_attention(args.repeats)
     layer = bench_fused_layer(args.repeats)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {torch.get_num_threads()} threads, best of {args.repeats}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
@@ -196,12 +224,16 @@ def main() -> None:
     print("\n| requests x context | decode attention us per layer | K/V GB/s |\n|---|---:|---:|")
     for r in attention:
         print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} |")
+    print("\n| context | verification row, us per layer: " + " | ".join(f"{n} queries" for n in VERIFY_QUERIES)
+          + " | per draft query |\n|---:|" + "---:|" * (len(VERIFY_QUERIES) + 1))
+    for r in verify:
+        print(f"| {r['context']} | " + " | ".join(f"{r[f'us_{n}_queries']:.0f}" for n in VERIFY_QUERIES) + f" | {r['us_per_draft_query']:.1f} |")
     print("\n| batch | decode step, one op per layer (ms) | op by op (ms) | speedup |\n|---:|---:|---:|---:|")
     for r in layer:
         print(f"| {r['batch']} | {r['one op per layer ms']:.2f} | {r['op by op ms']:.2f} | {r['speedup']:.2f}x |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "read_bandwidth_GBps": bandwidth / 1e9, "matmuls": matmuls,
-                               "attention": attention, "decode_layer": layer}, indent=2))
+                               "attention": attention, "verification_rows": verify, "decode_layer": layer}, indent=2))
     print(f"\nwrote {out}")
     try:
         import matplotlib
