@@ -40,8 +40,8 @@ def copy_prompts(n: int) -> list[tuple[str, str]]:
     """(user message, start of the answer) pairs whose answers copy from the message: a tool's JSON
     repeated with one field changed, code re-emitted with a variable renamed (the answer begun, as an
     agent framework does to pin the format), log lines quoted. The default model copies most of them:
-    it repeats the JSON (pretty-printed) and renames the code, but closes two of the begun code fences at
-    once and answers the log prompts partly with times (docs/speculative.md shows its outputs' effect)."""
+    it repeats the JSON (pretty-printed) and quotes the log lines (some fields changed), but closes two of
+    the three begun code fences at once and restarts the third (docs/speculative.md)."""
     out = []
     for i in range(n):
         name, ident, status, region = RECORDS[i % len(RECORDS)]
