@@ -176,6 +176,13 @@ class NgramState:
         return self.tokens[: self.length]
 
 
+def state_of(req: Req) -> NgramState:
+    """The request's drafting state, made on its first use."""
+    if req.spec_state is None:
+        req.spec_state = NgramState()
+    return req.spec_state
+
+
 def longest_suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -> int | None:
     """End position e < len(tokens) of the latest earlier occurrence of the longest suffix of `tokens`
     with at least `min_window` and at most `max_window` tokens; None when even the shortest has none.
@@ -239,9 +246,7 @@ class NgramProposer:
         prior = self.population.acceptance(FIXED_PRIOR)
         acceptances, caps = [], []
         for req, limit in requests:
-            state: NgramState | None = req.spec_state
-            if state is None:
-                state = req.spec_state = NgramState()
+            state = state_of(req)
             acceptances.append(state.acceptance(prior))
             if state.skip_steps > 0:
                 state.skip_steps -= 1
@@ -273,9 +278,7 @@ class NgramProposer:
         and whether they came from the pool (no policy: what a draft of `limit` would be)."""
         if limit <= 0:
             return [], False
-        if req.spec_state is None:
-            req.spec_state = NgramState()
-        tokens = req.spec_state.sync(req)
+        tokens = state_of(req).sync(req)
         own = suffix_match(tokens, self.min_window, self.max_window)
         mine = [] if own is None else tokens[own[0] : own[0] + limit].tolist()
         if self.pool is None or not self.pool.size or (own is not None and own[1] == self.max_window):
