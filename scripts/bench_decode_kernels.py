@@ -9,7 +9,8 @@
   on CPUs without AVX-512, else torch's) against the bf16 small-row kernel on the same weights;
 - decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
-  GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model);
+  GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model); in
+  bf16 on AVX512-BF16 CPUs also the arithmetic bf16_gemv's probe did not pick (VDPBF16PS pairs or float32 FMAs);
   and a speculative verification row: one request's 1 + k queries (its last token and k draft tokens,
   query j seeing j more keys, each a decode query of its own, as the runtime runs them) at 150-2000
   tokens of context, with what each draft query adds to the layer;
@@ -136,15 +137,29 @@ def bench_attention(repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     slots = 20000
     pools = [(torch.randn(slots, 3, 64, generator=g).bfloat16(), torch.randn(slots, 3, 64, generator=g).bfloat16()) for _ in range(LAYERS)]
+    chosen = torch.ops.sgl_lite.bf16_gemv_arithmetic()
     out = []
     for requests, context in tqdm(ATTENTION, desc="attention"):
         q = torch.randn(requests, 9, 64, generator=g).bfloat16()
         starts = torch.randperm(slots // (context + 8), generator=g)[:requests] * (context + 8) + 1
         indices = torch.cat([torch.arange(s, s + context) for s in starts.tolist()])
         indptr = torch.arange(0, requests * context + 1, context, dtype=torch.int32)
-        seconds = best_seconds(lambda: [op(q, k, v, indptr, indices, 0.125) for k, v in pools], repeats) / LAYERS
+        def layers() -> None:
+            for k, v in pools:
+                op(q, k, v, indptr, indices, 0.125)
+
+        seconds = best_seconds(layers, repeats) / LAYERS
         kv_bytes = requests * context * 3 * 64 * 2 * 2
-        out.append({"requests": requests, "context": context, "us_per_layer": seconds * 1e6, "kv_GBps": kv_bytes / seconds / 1e9})
+        row = {"requests": requests, "context": context, "us_per_layer": seconds * 1e6, "kv_GBps": kv_bytes / seconds / 1e9,
+               "arithmetic": chosen, "other_arithmetic": None, "other_us_per_layer": None}
+        if chosen != "none":  # bf16 on AVX512-BF16: the kernel follows bf16_gemv's probe; time the arithmetic it did not pick
+            row["other_arithmetic"] = other = "fma" if chosen == "dpbf16" else "dpbf16"
+            torch.ops.sgl_lite.set_bf16_gemv_arithmetic(other)
+            try:
+                row["other_us_per_layer"] = best_seconds(layers, repeats) / LAYERS * 1e6
+            finally:
+                torch.ops.sgl_lite.set_bf16_gemv_arithmetic(chosen)
+        out.append(row)
     return out
 
 
@@ -221,9 +236,12 @@ def main() -> None:
     for r in matmuls:
         print(f"| {r['dtype']} | {r['rows']} | {r['kernel']} | {r['kernel_ms']:.2f} | {r['baseline']} | {r['baseline_ms']:.2f} "
               f"| {r['speedup']:.2f}x | {r['kernel_GBps']:.1f} |")
-    print("\n| requests x context | decode attention us per layer | K/V GB/s |\n|---|---:|---:|")
+    print("\n| requests x context | decode attention us per layer | K/V GB/s | arithmetic | the other one, us | chosen vs other |"
+          "\n|---|---:|---:|---|---:|---:|")
     for r in attention:
-        print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} |")
+        other = (f"{r['other_arithmetic']}: {r['other_us_per_layer']:.0f} | {r['other_us_per_layer'] / r['us_per_layer']:.2f}x"
+                 if r["other_us_per_layer"] else "- | -")
+        print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} | {r['arithmetic']} | {other} |")
     print("\n| context | verification row, us per layer: " + " | ".join(f"{n} queries" for n in VERIFY_QUERIES)
           + " | per draft query |\n|---:|" + "---:|" * (len(VERIFY_QUERIES) + 1))
     for r in verify:

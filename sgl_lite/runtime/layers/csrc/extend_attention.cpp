@@ -263,7 +263,7 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
   for (int64_t i = 0; i < t.rows; ++i) {
     c10::BFloat16* dst = out + row_offset(req, t, i, Hq, D);
     const float inv = 1.f / s.sum[i];
-    for (int64_t m = 0; m < D; ++m) dst[interleaved_dim(m)] = static_cast<c10::BFloat16>(s.o[i * D + m] * inv);
+    for (int64_t m = 0; m < D; ++m) dst[sgl_lite::interleaved_dim(m)] = static_cast<c10::BFloat16>(s.o[i * D + m] * inv);
   }
 }
 

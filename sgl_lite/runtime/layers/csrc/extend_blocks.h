@@ -113,12 +113,6 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uin
   }
 }
 
-// The dim that position m of an interleaved row holds.
-inline int64_t interleaved_dim(int64_t m) {
-  const int64_t lane = m % 16, high = (m % 32) / 16;
-  return m / 32 * 32 + lane / 4 * 8 + high * 4 + lane % 4;
-}
-
 // 16 rows' probabilities of keys a and b as bf16 pairs (a in the low half), rounded to nearest even.
 inline __m512i probability_pairs(__m512 pa, __m512 pb) {
   const __m512i wa = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pa));

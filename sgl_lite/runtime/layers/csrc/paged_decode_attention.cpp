@@ -32,7 +32,10 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
+
+#include "bf16_arithmetic.h"
 
 namespace {
 
@@ -242,6 +245,41 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
+// One block's scores for each query head, as vectors or as floats.
+union BlockScores {
+  vfloat vec[kBlock / kLanes];
+  float at[kBlock];
+};
+static_assert(kBlock % kLanes == 0, "a block is whole vectors");
+
+// The online softmax step of a block of nb scores for Q query heads: each head's running max rises to the
+// block's (its C accumulator vectors and its sum rescaled), and its scores become exp(score - max), exactly
+// 0 past nb.
+__attribute__((always_inline)) inline void softmax_block(BlockScores* scores, int64_t Q, int64_t nb, int64_t C, vfloat* acc, float* run_max, float* run_sum) {
+  for (int64_t g = 0; g < Q; ++g) {
+    // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
+    for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
+    vfloat lanes_max = scores[g].vec[0];
+    for (int64_t v = 1; v < kBlock / kLanes; ++v) lanes_max = vmax(lanes_max, scores[g].vec[v]);
+    const float block_max = hmax(lanes_max);
+    if (block_max > run_max[g]) {
+      // exp(-inf) = 0 on the first block: acc and the sum are still zero then
+      const float alpha = run_max[g] == kNegInf ? 0.f : std::exp(run_max[g] - block_max);
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= alpha;
+      run_sum[g] *= alpha;
+      run_max[g] = block_max;
+    }
+    const float m = run_max[g];
+    vfloat sum{};
+    for (int64_t v = 0; v < kBlock / kLanes; ++v) {
+      scores[g].vec[v] = exp_nonpositive(scores[g].vec[v] - m);
+    }
+    for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = 0.f;
+    for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
+    run_sum[g] += hsum(sum);
+  }
+}
+
 // Softmax state of one (request, kv head, chunk): G running maxima and sums and G unnormalized outputs.
 struct Partial {
   float* acc;  // [G, D]
@@ -269,11 +307,7 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
   const int64_t Q = H * G;  // query heads, at most kMaxGroup
   vfloat acc[kMaxGroup * kMaxChunksPerRow];
   vfloat row[kMaxChunksPerRow];
-  static_assert(kBlock % kLanes == 0, "a block is whole vectors");
-  union {
-    vfloat vec[kBlock / kLanes];
-    float at[kBlock];
-  } scores[kMaxGroup];
+  BlockScores scores[kMaxGroup];
   float run_max[kMaxGroup], run_sum[kMaxGroup];
   for (int64_t j = 0; j < Q * C; ++j) acc[j] = vfloat{};
   std::fill(run_max, run_max + Q, kNegInf);
@@ -305,28 +339,7 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
       }
       for (int64_t g = 0; g < Q; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
     }
-    for (int64_t g = 0; g < Q; ++g) {
-      // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
-      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
-      vfloat lanes_max = scores[g].vec[0];
-      for (int64_t v = 1; v < kBlock / kLanes; ++v) lanes_max = vmax(lanes_max, scores[g].vec[v]);
-      const float block_max = hmax(lanes_max);
-      if (block_max > run_max[g]) {
-        // exp(-inf) = 0 on the first block: acc and the sum are still zero then
-        const float alpha = run_max[g] == kNegInf ? 0.f : std::exp(run_max[g] - block_max);
-        for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= alpha;
-        run_sum[g] *= alpha;
-        run_max[g] = block_max;
-      }
-      const float m = run_max[g];
-      vfloat sum{};
-      for (int64_t v = 0; v < kBlock / kLanes; ++v) {
-        scores[g].vec[v] = exp_nonpositive(scores[g].vec[v] - m);
-      }
-      for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = 0.f;
-      for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
-      run_sum[g] += hsum(sum);
-    }
+    softmax_block(scores, Q, nb, C, acc, run_max, run_sum);
     // P.V, one kv head at a time. Every head's accumulator adds the tokens in order, whichever way the loops
     // nest (the same bits).
     for (int64_t h = 0; h < H; ++h) {
@@ -391,6 +404,8 @@ void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, O
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<OutT>(acc[d] * inv);
   }
 }
+
+#include "decode_pairs.h"
 
 // A chunk of one request's context for the KV heads [head_begin, head_end); chunk: its index in the request.
 struct Item {
@@ -460,6 +475,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
   // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) and groups compiled for their size
   const auto attend = D == 64 ? for_group<Kv, 64 / kLanes>(G) : D == 128 ? for_group<Kv, 128 / kLanes>(G) : attend_chunk<Kv, 0, 0>;
+#if SGL_LITE_HAS_DPBF16_DECODE
+  // bf16 queries and K/V in VDPBF16PS where bf16_gemv.cpp's probe found it the faster arithmetic
+  PairsAttend attend_pairs = nullptr;
+  if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<Kv, Bf16Kv>) {
+    if (sgl_lite::dpbf16_preferred()) attend_pairs = pairs_for(D, G);
+  }
+#endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
     for (;;) {
@@ -468,11 +490,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const Item& it = items[i];
       const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin;
       const QT* qh = q_ptr + (it.request * Hq + h0 * G) * D;
-      for (int64_t j = 0; j < H * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
       Partial outs[kMaxGroup];
       for (int64_t h = 0; h < H; ++h) outs[h] = parts[first_part[it.request * Hkv + h0 + h] + it.chunk];
-      attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, indices + it.chunk_begin, it.chunk_end - it.chunk_begin, shape, H,
-             H * row_bytes, outs);
+      const int64_t* slots = indices + it.chunk_begin;
+      const int64_t n = it.chunk_end - it.chunk_begin;
+#if SGL_LITE_HAS_DPBF16_DECODE
+      if (attend_pairs != nullptr) {
+        attend_pairs(reinterpret_cast<const uint16_t*>(qh), scale, reinterpret_cast<const uint16_t*>(k_ptr + h0 * D),
+                     reinterpret_cast<const uint16_t*>(v_ptr + h0 * D), slots, n, shape, H, H * row_bytes, outs);
+      } else
+#endif
+      {
+        for (int64_t j = 0; j < H * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
+        attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, slots, n, shape, H, H * row_bytes, outs);
+      }
       for (int64_t h = h0; h < h0 + H; ++h) {
         const int64_t bh = it.request * Hkv + h;
         // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
