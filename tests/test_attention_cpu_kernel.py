@@ -326,9 +326,9 @@ def test_bf16_extend_arithmetics_differ_where_pairs_apply(op):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_bf16_decode_kernel_matches_reference_in_each_arithmetic(op, shape, bf16_arithmetic):
-    """The decode kernel in both bf16 arithmetics within one bf16 rounding of the float64 reference (the
-    pairs path, csrc/decode_pairs.h, rounds the probabilities to bf16 too), and each request's output the
-    same bits alone as in its batch."""
+    """The decode kernel in both bf16 arithmetics (float32 FMAs, or VDPBF16PS pairs: csrc/decode_pairs.h)
+    within one bf16 rounding of the float64 reference, and each request's output the same bits alone as in
+    its batch."""
     lens, hq, hkv, dim = SHAPES[shape]
     q, k_cache, v_cache, indptr, indices = random_paged_inputs(len(shape), lens, hq, hkv, dim, torch.bfloat16, torch.bfloat16)
     out = op(q, k_cache, v_cache, indptr, indices, dim**-0.5)
@@ -341,8 +341,8 @@ def test_bf16_decode_kernel_matches_reference_in_each_arithmetic(op, shape, bf16
 
 
 def test_bf16_decode_arithmetics_differ_where_pairs_apply(op):
-    """The switch reaches the decode kernel: at head size 64 (GQA 3) and 128 (GQA 4) the pairs path rounds
-    probabilities to bf16, so some output bits differ from the FMA path's; at head size 16 both run FMAs."""
+    """The switch reaches the decode kernel: at head size 64 (GQA 3) and 128 (GQA 4) the pairs path sums in
+    another order, so some output bits differ from the FMA path's; at head size 16 both run FMAs."""
     ops = torch.ops.sgl_lite
     if ops.bf16_gemv_arithmetic() == "none":
         pytest.skip("no AVX512-BF16 on this CPU")
@@ -350,7 +350,7 @@ def test_bf16_decode_arithmetics_differ_where_pairs_apply(op):
     outs: dict[tuple[int, str], torch.Tensor] = {}
     try:
         for hq, hkv, dim in ((9, 3, 64), (8, 2, 128), (8, 1, 16)):
-            inputs = random_paged_inputs(5, [40, 300], hq, hkv, dim, torch.bfloat16, torch.bfloat16)
+            inputs = random_paged_inputs(5, [40, 300, 2000, 700, 1000, 5, 1500, 90], hq, hkv, dim, torch.bfloat16, torch.bfloat16)
             for arithmetic in ("fma", "dpbf16"):
                 ops.set_bf16_gemv_arithmetic(arithmetic)
                 outs[dim, arithmetic] = op(*inputs, dim**-0.5)
