@@ -7,6 +7,8 @@ since CI runs on the machine class it targets.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -301,27 +303,35 @@ def test_bf16_extend_kernel_matches_naive_in_each_arithmetic(op, case, bf16_arit
     assert torch.equal(first_request_alone(backend, q, pool, meta)[rows], out[rows])
 
 
-def test_bf16_extend_arithmetics_differ_where_pairs_apply(op):
-    """The switch is real: at head size 64 the pairs path rounds probabilities to bf16, so some output bits
-    differ from the FMA path's; at head size 16 (not a multiple of 32) both run the FMA path."""
-    extend_kernel()
+def in_each_bf16_arithmetic(compute: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compute() with the bf16 kernels in float32 FMAs and in VDPBF16PS pairs (bf16_gemv's probe overridden,
+    then given back its choice); skips the test on CPUs without AVX512-BF16."""
     ops = torch.ops.sgl_lite
     if ops.bf16_gemv_arithmetic() == "none":
         pytest.skip("no AVX512-BF16 on this CPU")
     chosen = ops.bf16_gemv_arithmetic()
-    outs: dict[tuple[int, str], torch.Tensor] = {}
+    outs: dict[str, torch.Tensor] = {}
     try:
-        for d in (64, 16):
-            pool, meta, q, k, v = random_batch(11, [30], [40], 8, 2, d=d, dtype=torch.bfloat16)
-            backend = CpuKernelBackend(8, 2, d, op)
-            backend.prepare(meta)
-            for arithmetic in ("fma", "dpbf16"):
-                ops.set_bf16_gemv_arithmetic(arithmetic)
-                outs[d, arithmetic] = backend.forward(0, q, k, v, pool)
+        for arithmetic in ("fma", "dpbf16"):
+            ops.set_bf16_gemv_arithmetic(arithmetic)
+            outs[arithmetic] = compute()
     finally:
         ops.set_bf16_gemv_arithmetic(chosen)
-    assert not torch.equal(outs[64, "fma"], outs[64, "dpbf16"])
-    assert torch.equal(outs[16, "fma"], outs[16, "dpbf16"])
+    return outs
+
+
+def test_bf16_extend_arithmetics_differ_where_pairs_apply(op):
+    """The switch is real: at head size 64 the pairs path rounds probabilities to bf16, so some output bits
+    differ from the FMA path's; at head size 16 (not a multiple of 32) both run the FMA path."""
+    extend_kernel()
+    outs: dict[int, dict[str, torch.Tensor]] = {}
+    for d in (64, 16):
+        pool, meta, q, k, v = random_batch(11, [30], [40], 8, 2, d=d, dtype=torch.bfloat16)
+        backend = CpuKernelBackend(8, 2, d, op)
+        backend.prepare(meta)
+        outs[d] = in_each_bf16_arithmetic(partial(backend.forward, 0, q, k, v, pool))
+    assert not torch.equal(outs[64]["fma"], outs[64]["dpbf16"])
+    assert torch.equal(outs[16]["fma"], outs[16]["dpbf16"])
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -343,22 +353,13 @@ def test_bf16_decode_kernel_matches_reference_in_each_arithmetic(op, shape, bf16
 def test_bf16_decode_arithmetics_differ_where_pairs_apply(op):
     """The switch reaches the decode kernel: at head size 64 (GQA 3) and 128 (GQA 4) the pairs path sums in
     another order, so some output bits differ from the FMA path's; at head size 16 both run FMAs."""
-    ops = torch.ops.sgl_lite
-    if ops.bf16_gemv_arithmetic() == "none":
-        pytest.skip("no AVX512-BF16 on this CPU")
-    chosen = ops.bf16_gemv_arithmetic()
-    outs: dict[tuple[int, str], torch.Tensor] = {}
-    try:
-        for hq, hkv, dim in ((9, 3, 64), (8, 2, 128), (8, 1, 16)):
-            inputs = random_paged_inputs(5, [40, 300, 2000, 700, 1000, 5, 1500, 90], hq, hkv, dim, torch.bfloat16, torch.bfloat16)
-            for arithmetic in ("fma", "dpbf16"):
-                ops.set_bf16_gemv_arithmetic(arithmetic)
-                outs[dim, arithmetic] = op(*inputs, dim**-0.5)
-    finally:
-        ops.set_bf16_gemv_arithmetic(chosen)
-    assert not torch.equal(outs[64, "fma"], outs[64, "dpbf16"])
-    assert not torch.equal(outs[128, "fma"], outs[128, "dpbf16"])
-    assert torch.equal(outs[16, "fma"], outs[16, "dpbf16"])
+    outs: dict[int, dict[str, torch.Tensor]] = {}
+    for hq, hkv, dim in ((9, 3, 64), (8, 2, 128), (8, 1, 16)):
+        inputs = random_paged_inputs(5, [40, 300, 2000, 700, 1000, 5, 1500, 90], hq, hkv, dim, torch.bfloat16, torch.bfloat16)
+        outs[dim] = in_each_bf16_arithmetic(partial(op, *inputs, dim**-0.5))
+    assert not torch.equal(outs[64]["fma"], outs[64]["dpbf16"])
+    assert not torch.equal(outs[128]["fma"], outs[128]["dpbf16"])
+    assert torch.equal(outs[16]["fma"], outs[16]["dpbf16"])
 
 
 def test_extend_kernel_rows_do_not_depend_on_the_batch(op):
