@@ -4,7 +4,8 @@
 // kv_indices[kv_indptr[b] : kv_indptr[b+1]] of k_cache/v_cache [num_slots, Hkv, D]. K/V rows are read
 // straight from the pool (no gather copy) and converted to fp32 in registers (bf16, fp16, fp32, fp8
 // e4m3fn / e5m2 storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows.
-// Scores, the online softmax and the P.V accumulation are fp32.
+// Scores, the online softmax and the P.V accumulation are fp32; for bf16 queries and K/V, where bf16_gemv's
+// probe prefers VDPBF16PS, the products are taken in bf16 pairs and summed in fp32 (decode_pairs.h).
 //
 // Work items are (request, chunk of the context) with all KV heads, reading each slot's row whole, or
 // (request, kv head, chunk) when that leaves threads idle; contexts are cut into chunks of a fixed length
