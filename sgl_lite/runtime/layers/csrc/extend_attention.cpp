@@ -56,6 +56,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool has_extend_kernel() { return SGL_LITE_HAS_EXTEND_KERNEL; }
 
+// An extend request, as the op's `requests` rows give it (checked on every target, the kernel only with AVX-512).
+struct Request {
+  int64_t q_start, num_new, kv_begin, kv_len;
+};
+
 #if SGL_LITE_HAS_EXTEND_KERNEL
 
 inline float to_float(float x) { return x; }
@@ -88,10 +93,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
-struct Request {
-  int64_t q_start, num_new, kv_begin, kv_len;
-};
 
 // One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
