@@ -1,0 +1,128 @@
+"""Where a served agent run's time goes: every forward of `sgl-lite serve` timed while the workload runs.
+
+Starts `sgl-lite serve` (with --serve-args) in a child process whose `ModelRunner.forward` records each
+forward (start, end, decode or prefill, requests, tokens), warms it up with one session, then drives it with
+bench_peers.py's workload (`sgl-lite bench`'s multi-turn agent over streaming OpenAI chat, --sessions
+sessions) and prints: the run's span and the time spent in forwards, the prefill batches (requests, tokens,
+ms, tok/s), decode steps by batch size (count, mean and least ms) and the time between forwards (the
+scheduler's own work, and waits for the next turn's requests). A diagnostic like profile_step.py: no
+baseline, and on a shared box the split moves with the load. Writes JSON.
+
+Usage: python scripts/profile_serving.py [--sessions 8] [--serve-args "--quantization w8a8_int8"] [--out artifacts/profile_serving.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_peers import _wait_ready, bench  # noqa: E402
+
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+
+PORT = 30195
+# Run in the child: wrap ModelRunner.forward, write the records to $TRACE on SIGUSR1, then serve as the CLI does.
+CHILD = """
+import json, os, signal, sys, time
+from sgl_lite.runtime.model_executor import model_runner
+records, forward = [], model_runner.ModelRunner.forward
+def timed(self, batch):
+    start = time.perf_counter()
+    out = forward(self, batch)
+    records.append((start, time.perf_counter(), batch.is_decode, len(batch.reqs), batch.num_tokens))
+    return out
+model_runner.ModelRunner.forward = timed
+signal.signal(signal.SIGUSR1, lambda *_: open(os.environ["TRACE"], "w").write(json.dumps(records)))
+from sgl_lite.cli import main
+sys.argv = ["sgl-lite", *sys.argv[1:]]
+main()
+"""
+
+
+def records(proc: subprocess.Popen, trace: Path) -> list[list]:
+    """The child's records so far (it writes them when signalled)."""
+    trace.unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(trace.read_text())
+        except (OSError, ValueError):  # not written yet, or half written
+            time.sleep(0.1)
+    raise TimeoutError("the server did not write its forward records")
+
+
+def summarize(forwards: list[list]) -> dict:
+    prefill = [f for f in forwards if not f[2]]
+    decode = [f for f in forwards if f[2]]
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    for start, end, _, reqs, _ in decode:
+        by_batch[reqs].append(1e3 * (end - start))
+    gaps = [forwards[i + 1][0] - forwards[i][1] for i in range(len(forwards) - 1)]
+    return {
+        "span_s": forwards[-1][1] - forwards[0][0],
+        "forward_s": sum(end - start for start, end, *_ in forwards),
+        "prefill": [{"requests": reqs, "tokens": tokens, "ms": 1e3 * (end - start), "tok_s": tokens / (end - start)}
+                    for start, end, _, reqs, tokens in prefill],
+        "decode": [{"batch": b, "steps": len(ms), "mean_ms": statistics.fmean(ms), "least_ms": min(ms)} for b, ms in sorted(by_batch.items())],
+        "between_forwards_s": sum(gaps), "longest_gap_ms": 1e3 * max(gaps, default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--serve-args", default="", help="extra `sgl-lite serve` flags, one string")
+    parser.add_argument("--out", default=artifact_path("profile_serving.json"))
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="profile_serving-"))
+    trace, log = workdir / "forwards.json", workdir / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "serve", "--port", str(PORT), *shlex.split(args.serve_args)],
+                            env={**os.environ, "TRACE": str(trace)}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{PORT}"
+        if not _wait_ready(url, 300):
+            raise SystemExit(f"the server did not come up; see {log}")
+        bench(url, 1, workdir, proc.pid)  # warm-up: first requests pay one-time costs
+        warm = len(records(proc, trace))
+        served = bench(url, args.sessions, workdir, proc.pid)
+        summary = summarize(records(proc, trace)[warm:])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    prefill_s = sum(p["ms"] for p in summary["prefill"]) / 1e3
+    decode_s = sum(d["steps"] * d["mean_ms"] for d in summary["decode"]) / 1e3
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, `sgl-lite serve {args.serve_args}`, {args.sessions} sessions: "
+          f"{served['output_tok_s']:.1f} output tok/s\n")
+    print("| | seconds | share of the span |\n|---|---:|---:|")
+    for name, seconds in (("span (first forward's start to last one's end)", summary["span_s"]), ("in forwards", summary["forward_s"]),
+                          ("prefill forwards", prefill_s), ("decode forwards", decode_s), ("between forwards", summary["between_forwards_s"])):
+        print(f"| {name} | {seconds:.2f} | {seconds / summary['span_s']:.0%} |")
+    print("\n| prefill batch | requests | tokens | ms | tok/s |\n|---:|---:|---:|---:|---:|")
+    for i, p in enumerate(summary["prefill"]):
+        print(f"| {i + 1} | {p['requests']} | {p['tokens']} | {p['ms']:.0f} | {p['tok_s']:.0f} |")
+    print("\n| decode batch | steps | mean ms | least ms |\n|---:|---:|---:|---:|")
+    for d in summary["decode"]:
+        print(f"| {d['batch']} | {d['steps']} | {d['mean_ms']:.1f} | {d['least_ms']:.1f} |")
+    out = output_file(args.out)
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "served": served, **summary}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
