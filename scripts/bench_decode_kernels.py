@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
-from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op  # noqa: E402
+from sgl_lite.runtime.layers.cpu_ops import bf16_arithmetic, load_paged_decode_op  # noqa: E402
 from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
     cpu_packed_linear_supported,
@@ -154,11 +154,8 @@ def bench_attention(repeats: int) -> list[dict]:
                "arithmetic": chosen, "other_arithmetic": None, "other_us_per_layer": None}
         if chosen != "none":  # bf16 on AVX512-BF16: the kernel follows bf16_gemv's probe; time the arithmetic it did not pick
             row["other_arithmetic"] = other = "fma" if chosen == "dpbf16" else "dpbf16"
-            torch.ops.sgl_lite.set_bf16_gemv_arithmetic(other)
-            try:
+            with bf16_arithmetic(other):
                 row["other_us_per_layer"] = best_seconds(layers, repeats) / LAYERS * 1e6
-            finally:
-                torch.ops.sgl_lite.set_bf16_gemv_arithmetic(chosen)
         out.append(row)
     return out
 

@@ -36,6 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from sgl_lite.runtime.layers.cpu_ops import bf16_arithmetic  # noqa: E402
 
 HQ, HKV, DIM = 9, 3, 64
 SHAPES = [  # (prefix, new tokens per request, requests)
@@ -98,12 +99,9 @@ def measure(prefix: int, extend: int, num_reqs: int, dtype: torch.dtype, repeats
     row["arithmetic"], row["other_arithmetic"], row["other_ms"] = _arithmetic(dtype, kernel), None, None
     if row["arithmetic"] is not None:
         other = "fma" if row["arithmetic"] == "dpbf16" else "dpbf16"
-        torch.ops.sgl_lite.set_bf16_gemv_arithmetic(other)
-        try:
-            row["other_arithmetic"] = other
+        row["other_arithmetic"] = other
+        with bf16_arithmetic(other):
             row["other_ms"] = _fastest_ms(lambda: kernel.forward(0, q, k, v, pool), repeats)
-        finally:
-            torch.ops.sgl_lite.set_bf16_gemv_arithmetic(row["arithmetic"])
     return row
 
 

@@ -278,13 +278,10 @@ def bf16_arithmetic(request):
     """The bf16 extend kernel in float32 FMAs or in VDPBF16PS pairs: it follows bf16_gemv's probe, which
     this sets for a test (either runs on any AVX512-BF16 CPU), then gives the probe back its choice."""
     extend_kernel()
-    ops = torch.ops.sgl_lite
-    if ops.bf16_gemv_arithmetic() == "none":
+    if torch.ops.sgl_lite.bf16_gemv_arithmetic() == "none":
         pytest.skip("no AVX512-BF16 on this CPU")
-    chosen = ops.bf16_gemv_arithmetic()
-    ops.set_bf16_gemv_arithmetic(request.param)
-    yield request.param
-    ops.set_bf16_gemv_arithmetic(chosen)
+    with cpu_ops.bf16_arithmetic(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("case", sorted(EXTEND_CASES))
@@ -306,17 +303,12 @@ def test_bf16_extend_kernel_matches_naive_in_each_arithmetic(op, case, bf16_arit
 def in_each_bf16_arithmetic(compute: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
     """compute() with the bf16 kernels in float32 FMAs and in VDPBF16PS pairs (bf16_gemv's probe overridden,
     then given back its choice); skips the test on CPUs without AVX512-BF16."""
-    ops = torch.ops.sgl_lite
-    if ops.bf16_gemv_arithmetic() == "none":
+    if torch.ops.sgl_lite.bf16_gemv_arithmetic() == "none":
         pytest.skip("no AVX512-BF16 on this CPU")
-    chosen = ops.bf16_gemv_arithmetic()
     outs: dict[str, torch.Tensor] = {}
-    try:
-        for arithmetic in ("fma", "dpbf16"):
-            ops.set_bf16_gemv_arithmetic(arithmetic)
+    for arithmetic in ("fma", "dpbf16"):
+        with cpu_ops.bf16_arithmetic(arithmetic):
             outs[arithmetic] = compute()
-    finally:
-        ops.set_bf16_gemv_arithmetic(chosen)
     return outs
 
 

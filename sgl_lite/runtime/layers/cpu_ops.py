@@ -23,7 +23,8 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,6 +103,19 @@ def load_cpu_ops() -> bool:
 def load_paged_decode_op() -> Callable[..., torch.Tensor] | None:
     """The op `paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)`, or None if it cannot be built."""
     return torch.ops.sgl_lite.paged_decode_attention if load_cpu_ops() else None
+
+
+@contextmanager
+def bf16_arithmetic(name: str) -> Iterator[None]:
+    """The bf16 kernels in `name` ("fma" or "dpbf16") inside the block, whatever bf16_gemv's probe chose
+    (benchmarks and tests time or check the arithmetic it did not pick); the earlier choice after it."""
+    ops = torch.ops.sgl_lite
+    before = ops.bf16_gemv_arithmetic()
+    ops.set_bf16_gemv_arithmetic(name)
+    try:
+        yield
+    finally:
+        ops.set_bf16_gemv_arithmetic(before)
 
 
 if __name__ == "__main__":
