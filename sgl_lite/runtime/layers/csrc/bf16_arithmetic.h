@@ -6,17 +6,35 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace sgl_lite {
 
 // True where VDPBF16PS is built and the probe (or an override) chose it; false without AVX512-BF16.
 bool dpbf16_preferred();
 
+#if defined(__AVX512F__)
+
 // Rows paired for VDPBF16PS with VPUNPCKL/HWD (which work within 128-bit lanes) hold, per 32 dims, the
-// low unpack's dims 0-3, 8-11, 16-19, 24-27 then the high one's 4-7, 12-15, 20-23, 28-31: the dim that
-// position m of such a row holds.
-inline int64_t interleaved_dim(int64_t m) {
-  const int64_t lane = m % 16, high = (m % 32) / 16;
-  return m / 32 * 32 + lane / 4 * 8 + high * 4 + lane % 4;
+// low unpack's dims 0-3, 8-11, 16-19, 24-27 then the high one's 4-7, 12-15, 20-23, 28-31 (the interleaved
+// order). Those two vectors back in dim order: dims 0-15 in `first`, 16-31 in `second`; two VPERMT2PS.
+inline void deinterleave_dims(__m512 lo, __m512 hi, __m512& first, __m512& second) {
+  first = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
+  second = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
 }
+
+// 16 floats as bf16 bits, rounded as torch rounds a float to bf16: to nearest even, subnormals kept and
+// NaN made quiet (VCVTNEPS2BF16 would flush subnormals, and it needs AVX512-BF16).
+inline __m256i round_to_bf16(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+#endif
 
 }  // namespace sgl_lite

@@ -4,7 +4,7 @@
 // Scores pair Q and K along D as both are stored (no widening of K, the scale applied to the sums; the
 // products of two bf16 are exact in float32). P.V pairs two tokens: the two V rows are interleaved with
 // VPUNPCKL/HWD in registers, which works within 128-bit lanes, so the accumulators hold the dims in
-// `interleaved_dim` order until the chunk's partial is written; each probability is taken as its bf16
+// the interleaved order (bf16_arithmetic.h) until the chunk's partial is written; each probability is taken as its bf16
 // rounding plus the bf16 rounding of what that leaves out (two products, ~16 significant bits). With the
 // probabilities rounded to bf16 once, as the extend kernel's pairs path and flash attention on GPUs do,
 // the bf16 outputs' RMS error against a float64 reference was 9% above that of rounding the exact result
@@ -98,16 +98,16 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
     }
   }
   // back in dim order: per 32 dims, the low unpack's vector holds dims 0-3, 8-11, 16-19, 24-27 and the high
-  // one's 4-7, 12-15, 20-23, 28-31 (sgl_lite::interleaved_dim), four at a time
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  // one's 4-7, 12-15, 20-23, 28-31, four at a time
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t g = 0; g < kG; ++g) {
       for (int64_t p = 0; p < kP; ++p) {
         const __m512 lo = reinterpret_cast<__m512>(acc[(h * kG + g) * C + 2 * p]);
         const __m512 hi = reinterpret_cast<__m512>(acc[(h * kG + g) * C + 2 * p + 1]);
-        _mm512_storeu_ps(outs[h].acc + g * D + p * 32, _mm512_permutex2var_ps(lo, first, hi));
-        _mm512_storeu_ps(outs[h].acc + g * D + p * 32 + 16, _mm512_permutex2var_ps(lo, second, hi));
+        __m512 first, second;
+        sgl_lite::deinterleave_dims(lo, hi, first, second);
+        _mm512_storeu_ps(outs[h].acc + g * D + p * 32, first);
+        _mm512_storeu_ps(outs[h].acc + g * D + p * 32 + 16, second);
       }
     }
     std::memcpy(outs[h].max, run_max + h * kG, kG * sizeof(float));

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -98,16 +99,16 @@ inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_s
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
 // then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
 // With VDPBF16PS (bf16 only), instead of qt, k and v: the queries transposed in bf16 pairs along D
-// ([D/2][R] words), the block's probabilities in bf16 pairs of keys ([16][R] words) and its V rows
+// ([D/2][R] words), the block's K rows ([32][D/2] words), the block's probabilities in bf16 pairs of keys ([16][R] words) and its V rows
 // interleaved by pairs of keys ([16][D] words), plus a zero row for the odd key of a short block.
 struct Scratch {
   int64_t dim;
   std::vector<float> qt, o, k, v, st, max, sum, alpha;
-  std::vector<uint32_t> qp, pp, vp;
+  std::vector<uint32_t> qp, kb, pp, vp;
   std::vector<uint16_t> zero_row;
   Scratch(int64_t rows, int64_t dim, bool pairs)
       : dim(dim), qt(pairs ? 0 : dim * rows), o(rows * dim), k(pairs ? 0 : kKeys * dim), v(pairs ? 0 : kKeys * dim),
-        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), pp(pairs ? kKeys / 2 * rows : 0),
+        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), kb(pairs ? kKeys * dim / 2 : 0), pp(pairs ? kKeys / 2 * rows : 0),
         vp(pairs ? kKeys / 2 * dim : 0), zero_row(pairs ? dim : 0) {}
 };
 
@@ -240,9 +241,8 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
     static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
-    const uint32_t* k_rows[kKeys];
     for (int64_t j = 0; j < n8; ++j)  // keys n..n8 repeat the block's first: finite, and their scores are never read
-      k_rows[j] = reinterpret_cast<const uint32_t*>(kp + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D);
+      std::memcpy(s.kb.data() + j * D / 2, kp + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D * sizeof(uint16_t));
     for (int64_t i = 0; i < pairs; ++i) {
       const uint16_t* a = vp + (slots[k0 + 2 * i] * Hkv + t.h) * D;
       const uint16_t* b = 2 * i + 1 < n ? vp + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : s.zero_row.data();
@@ -250,7 +250,7 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
     }
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
-      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, k_rows + j0, scale * kLog2e, st + j0 * R + r0);
+      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, s.kb.data() + j0 * D / 2, scale * kLog2e, st + j0 * R + r0);
     softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t i = 0; i < pairs; ++i)
       for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -261,10 +261,15 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
     for (int64_t r0 = 0; r0 < R; r0 += kRows)
       values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.alpha.data() + r0, s.o.data() + r0 * D);
   }
-  for (int64_t i = 0; i < t.rows; ++i) {
-    c10::BFloat16* dst = out + row_offset(req, t, i, Hq, D);
-    const float inv = 1.f / s.sum[i];
-    for (int64_t m = 0; m < D; ++m) dst[sgl_lite::interleaved_dim(m)] = static_cast<c10::BFloat16>(s.o[i * D + m] * inv);
+  for (int64_t i = 0; i < t.rows; ++i) {  // in dim order again, rounded as static_cast<c10::BFloat16> rounds
+    auto* dst = reinterpret_cast<__m256i*>(out + row_offset(req, t, i, Hq, D));
+    const __m512 inv = _mm512_set1_ps(1.f / s.sum[i]);
+    for (int64_t p = 0; p < C / 2; ++p) {
+      __m512 first, second;
+      sgl_lite::deinterleave_dims(_mm512_loadu_ps(s.o.data() + i * D + p * 32), _mm512_loadu_ps(s.o.data() + i * D + p * 32 + 16), first, second);
+      _mm256_storeu_si256(dst + 2 * p, sgl_lite::round_to_bf16(_mm512_mul_ps(first, inv)));
+      _mm256_storeu_si256(dst + 2 * p + 1, sgl_lite::round_to_bf16(_mm512_mul_ps(second, inv)));
+    }
   }
 }
 

@@ -6,7 +6,7 @@
 // The scores pair Q and K along D as they are stored (Q^T rearranged into pairs once per tile, K read
 // straight from the pool). The outputs pair two keys: the block's probabilities are rounded to bf16 (as
 // flash attention does on GPUs) and its V rows interleaved two by two with VPUNPCKL/HWD, which works
-// within 128-bit lanes, so O's dims sit in the order `interleaved_dim` gives until the tile is written.
+// within 128-bit lanes, so O's dims sit in the interleaved order (bf16_arithmetic.h) until the tile is written.
 //
 // Not a standalone header: extend_attention.cpp includes it inside its anonymous namespace, after its
 // constants (kRows) and AVX-512 includes.
@@ -58,18 +58,19 @@ inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, 
 #define SGL_LITE_HAS_DPBF16_EXTEND 1
 
 // As scores_block from bf16 pairs, for keys j0..j0+7 (kPairKeys): qp is Q^T as [D/2][R] words (a row's dims
-// 2p, 2p + 1), k[j] key j's row in the pool as D/2 words; the scale is applied to the sums. Eight keys, not
-// four: VDPBF16PS's latency needs 16 independent sums in flight to issue every cycle.
+// 2p, 2p + 1), kb the keys' rows copied together ([8][D/2] words: one base register for the broadcasts,
+// where eight row pointers were reloaded from the stack every step); the scale is applied to the sums.
+// Eight keys, not four: VDPBF16PS's latency needs 16 independent sums in flight to issue every cycle.
 constexpr int64_t kPairKeys = 8;
 template <int64_t C>
-inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* const* k, float scale, float* st) {
+inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* kb, float scale, float* st) {
   __m512 a[kPairKeys][2];
   for (int j = 0; j < kPairKeys; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < C * 8; ++p) {
     const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * R), q1 = (__m512bh)_mm512_loadu_si512(qp + p * R + 16);
 #pragma GCC unroll 8
     for (int j = 0; j < kPairKeys; ++j) {
-      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j][p]));
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(kb[j * C * 8 + p]));
       a[j][0] = _mm512_dpbf16_ps(a[j][0], kv, q0);
       a[j][1] = _mm512_dpbf16_ps(a[j][1], kv, q1);
     }
@@ -92,7 +93,13 @@ inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, i
   }
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + i * C * 16 + c * 16);
+    for (int64_t c = 0; c < C; ++c) {
+      __m512i line = _mm512_loadu_si512(vp + i * C * 16 + c * 16);
+      // Opaque to GCC, which otherwise reloads the V line for every row: a load per product, where the
+      // loads, not VDPBF16PS, then bound the loop (perf on a Zen 4 EPYC).
+      __asm__("" : "+v"(line));
+      vv[c] = (__m512bh)line;
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * R + r]));

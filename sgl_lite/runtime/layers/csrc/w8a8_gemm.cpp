@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_arithmetic.h"
 #include "row_tiles.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -89,15 +90,7 @@ void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
 }
 
 inline void store(__m512 y, float* out) { _mm512_storeu_ps(out, y); }
-// Rounded to nearest even, subnormals kept and NaN made quiet, as torch's float -> bf16 conversion does
-// (VCVTNEPS2BF16 would flush subnormals, and it needs AVX512-BF16).
-inline void store(__m512 y, c10::BFloat16* out) {
-  const __m512i bits = _mm512_castps_si512(y);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
-}
+inline void store(__m512 y, c10::BFloat16* out) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sgl_lite::round_to_bf16(y)); }
 inline void store(__m512 y, c10::Half* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -117,10 +110,12 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
   __m512i acc[R][NB];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_si512();
   const int64_t ldx = o.k4 * 4;
   for (int64_t p = 0; p < o.k4; ++p) {
     __m512i wv[NB];
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const int8_t* line = w + b * o.block_bytes + p * 64;
       _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
@@ -131,9 +126,14 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
       int32_t quad;
       std::memcpy(&quad, xq + r * ldx + p * 4, sizeof(quad));
       const __m512i xv = _mm512_set1_epi32(quad);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], xv, wv[b]);
+      // VPDPBUSD in asm, and every loop over acc unrolled: with the intrinsic, GCC 12 kept two registers per
+      // sum and copied between them every step, and spilled one to the stack (a third of the loop's
+      // instructions were moves); the "+v" pins each sum to one register.
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc[r][b]) : "v"(xv), "v"(wv[b]));
     }
   }
+#pragma GCC unroll 8
   for (int b = 0; b < NB; ++b) {
     const int8_t* trailer = w + b * o.block_bytes + o.k4 * 64;
     const __m512 col_scale = _mm512_loadu_ps(reinterpret_cast<const float*>(trailer));
