@@ -8,7 +8,8 @@ Workloads (greedy, chat-templated text on the default model, in-process Engine):
 Each is run at several concurrencies (requests in flight at once: 1 = one request after another);
 the two systems alternate per measurement, --repeats times, and each reports its fastest run, so
 that drift on a shared box hits both alike. Greedy outputs of the two systems are compared token by
-token (they must be identical). The copy and random workloads hold max(--concurrency) prompts.
+token (they must be identical). The copy and random workloads hold max(--num-prompts, --concurrency)
+prompts: at concurrency 1 a single prompt would make the cell one request.
 
 Usage: python scripts/bench_speculative.py [--concurrency 1 8 32] [--max-new-tokens 64] [--repeats 3] [--out artifacts/bench_speculative.json]
        python scripts/bench_speculative.py --step-cost   (step time by rows: the draft-length policy's prior and its online estimate)
@@ -165,6 +166,7 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference on both systems")
     parser.add_argument("--ngram-capacity", type=int, default=None, help="--speculative-ngram-capacity: the shared pool of recent outputs (default: the server's; 0: none)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "agent", "random"])
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts of the copy and random workloads (at least the largest --concurrency)")
     parser.add_argument("--out", default=artifact_path("bench_speculative.json"))
     parser.add_argument("--step-cost", action="store_true", help="only measure what a draft token and a decode row add to a step (the draft-length policy's prior) "
                         "and print the runtime's online estimate of step time by rows")
@@ -180,7 +182,7 @@ def main() -> None:
                                                          **({} if args.ngram_capacity is None else {"speculative_ngram_capacity": args.ngram_capacity}))}
     tokenizer = systems["off"].core.tokenizer
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": False}
-    n = max(args.concurrency)
+    n = max(args.num_prompts, *args.concurrency)
     vocab = Vocabulary.from_tokenizer(tokenizer)
     data = {
         "copy": [chat(systems["off"], [{"role": "user", "content": p}]) + tokenizer(start, add_special_tokens=False)["input_ids"]
