@@ -101,7 +101,8 @@ def main() -> None:
         bench(url, 1, workdir, proc.pid)  # warm-up: first requests pay one-time costs
         warm = len(records(proc, trace))
         served = bench(url, args.sessions, workdir, proc.pid)
-        summary = summarize(records(proc, trace)[warm:])
+        forwards = records(proc, trace)[warm:]
+        summary = summarize(forwards)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
@@ -120,7 +121,8 @@ def main() -> None:
     for d in summary["decode"]:
         print(f"| {d['batch']} | {d['steps']} | {d['mean_ms']:.1f} | {d['least_ms']:.1f} |")
     out = output_file(args.out)
-    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "served": served, **summary}, indent=2))
+    # the raw records too ([start, end, is_decode, requests, tokens], perf_counter seconds): per-step timelines
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "served": served, **summary, "forwards": forwards}, indent=2))
     print(f"\nwrote {out}")
 
 

@@ -228,6 +228,7 @@ EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
     "prefill": ([0, 0], [9, 40], 9, 3, 64),
     "agent_turns": ([45, 90, 3], [17, 33, 2], 9, 3, 64),  # tiles of 16 tokens, blocks of 32 keys, ragged ends
     "long_prefix": ([700], [50], 4, 4, 128),
+    "head_256": ([40], [20], 4, 2, 256),
     "mqa": ([20, 5], [11, 64], 8, 1, 32),
     "wide_group": ([31], [5], 16, 1, 16),
     "mixed_with_decode": ([0, 12, 30, 7, 0], [6, 1, 5, 1, 1], 6, 2, 64),
