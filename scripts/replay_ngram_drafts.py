@@ -10,6 +10,8 @@ drafting (no cost model, so an upper bound of what the runtime's policy can reac
 - latest + pool: the runtime's lookup with its shared pool of earlier outputs (NgramProposer.lookup, at
   the server's --speculative-ngram-capacity; the prompts run one after another, each output joining the
   pool when it ends);
+- latest + pool + layout: the same with the runtime's layout-free lookup as well (ngram_layout.py: tokens
+  keyed by their text without whitespace, so that a copy laid out anew still matches its source);
 - best of 2 / best of all: an oracle picking, among the two latest / all earlier matches of that
   suffix, the one that would be accepted longest (what a verifier of several drafts at once could reach).
 Usage: python scripts/replay_ngram_drafts.py [--prompts 8] [--max-new-tokens 64] [--caps 4 8 12]
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import chat, copy_prompts  # noqa: E402
 
+from sgl_lite.runtime.managers.ngram_layout import layout_free_keys  # noqa: E402
 from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, suffix_match  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
@@ -54,16 +57,17 @@ def accepted(draft: list[int], output: list[int], pos: int) -> int:
     return count
 
 
-def replay(pairs: list[tuple[list[int], list[int]]], cap: int, drafter: str) -> tuple[int, int]:
+def replay(pairs: list[tuple[list[int], list[int]]], cap: int, drafter: str, layout_keys: np.ndarray | None) -> tuple[int, int]:
     """(output tokens, steps) over all (prompt, output) pairs."""
     tokens_total = steps = 0
-    proposer = NgramProposer(cap, MIN_WINDOW, MAX_WINDOW, ServerArgs.speculative_ngram_capacity)
+    proposer = NgramProposer(cap, MIN_WINDOW, MAX_WINDOW, ServerArgs.speculative_ngram_capacity,
+                             layout_keys if drafter == "latest + pool + layout" else None)
     for prompt, output in pairs:
         pos = 0
         req = Req(rid="replay", input_ids=list(prompt), sampling_params=SamplingParams())
         while pos < len(output):
             tokens = np.array(prompt + output[:pos], dtype=np.int64)
-            if drafter == "latest + pool":
+            if drafter.startswith("latest + pool"):
                 req.output_ids = output[:pos]
                 drafts = [proposer.lookup(req, cap)[0]]
             elif drafter == "latest":
@@ -89,6 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(model_path=args.model, log_level="warning")
     tokenizer = engine.core.tokenizer
+    layout_keys = layout_free_keys(tokenizer, len(tokenizer))
     prompts = [chat(engine, [{"role": "user", "content": p}]) + tokenizer(start, add_special_tokens=False)["input_ids"]
                for p, start in copy_prompts(args.prompts)]
     outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens})
@@ -98,8 +103,8 @@ def main() -> None:
     print("| draft cap | drafter | steps | tokens per step |")
     print("|---:|---|---:|---:|")
     for cap in args.caps:
-        for drafter in ("latest", "latest + pool", "best of 2", "best of all"):
-            tokens, steps = replay(pairs, cap, drafter)
+        for drafter in ("latest", "latest + pool", "latest + pool + layout", "best of 2", "best of all"):
+            tokens, steps = replay(pairs, cap, drafter, layout_keys)
             print(f"| {cap} | {drafter} | {steps} | {tokens / steps:.2f} |")
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_lite.runtime.managers.ngram_layout import LayoutFreeView
 from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.step_cost import StepCost, draft_token_cost
@@ -154,6 +155,7 @@ class NgramState:
     failed_in_a_row: int = 0
     skip_steps: int = 0
     backoff: int = BACKOFF_START
+    layout: LayoutFreeView = field(default_factory=LayoutFreeView)
 
     def acceptance(self, prior: Acceptance = FIXED_PRIOR) -> Acceptance:
         """The request's chances: its own drafts' counts on top of `prior` (the server's recent drafts')."""
@@ -218,7 +220,9 @@ def suffix_match(tokens: np.ndarray, min_window: int, max_window: int,
 
 
 class NgramProposer:
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, pool_capacity: int = 0) -> None:
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, pool_capacity: int = 0,
+                 layout_keys: np.ndarray | None = None) -> None:
+        """`layout_keys`: ngram_layout.layout_free_keys of the served tokenizer, or None (no layout-free lookup)."""
         if num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1; got {num_draft_tokens}")
         if not 1 <= min_window <= max_window:
@@ -231,6 +235,7 @@ class NgramProposer:
         self.num_accepted_total = 0
         self.pool = NgramPool(pool_capacity) if pool_capacity > 0 else None
         self.num_pool_drafts = 0  # drafts (verified ones) that came from the pool
+        self.layout_keys = layout_keys
         self.step_cost = StepCost()  # the scheduler records its decode forwards here
         self.population = DraftCounts()  # every request's drafts: a new request's prior
 
@@ -275,25 +280,37 @@ class NgramProposer:
 
     def lookup(self, req: Req, limit: int) -> tuple[list[int], bool]:
         """Up to `limit` tokens after the longest match of `req`'s suffix, in its own tokens or the pool,
-        and whether they came from the pool (no policy: what a draft of `limit` would be)."""
+        or else of its layout-free suffix in its own tokens (ngram_layout.py), and whether they came from
+        the pool (no policy: what a draft of `limit` would be)."""
         if limit <= 0:
             return [], False
-        tokens = state_of(req).sync(req)
+        state = state_of(req)
+        tokens = state.sync(req)
         own = suffix_match(tokens, self.min_window, self.max_window)
-        mine = [] if own is None else tokens[own[0] : own[0] + limit].tolist()
-        if self.pool is None or not self.pool.size or (own is not None and own[1] == self.max_window):
-            return mine, False
-        # The pool's match wins only when longer than the request's own.
-        pooled = self.pool.joined()
-        shortest = self.min_window if own is None else own[1] + 1
-        pool = suffix_match(tokens[-self.max_window:], shortest, self.max_window, haystack=pooled)
-        if pool is None:
-            return mine, False
-        end = pool[0]
-        draft = pooled[end : end + limit]
-        cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
-        draft = draft[: cut[0]] if cut.size else draft
-        return (draft.tolist(), True) if draft.size else (mine, False)
+        if own is not None and own[1] == self.max_window:
+            return tokens[own[0] : own[0] + limit].tolist(), False
+        if self.pool is not None and self.pool.size:
+            # The pool's match wins only when longer than the request's own.
+            pooled = self.pool.joined()
+            shortest = self.min_window if own is None else own[1] + 1
+            pool = suffix_match(tokens[-self.max_window:], shortest, self.max_window, haystack=pooled)
+            if pool is not None:
+                draft = pooled[pool[0] : pool[0] + limit]
+                cut = np.flatnonzero(draft == SEPARATOR)  # a draft ends with the output it came from
+                if cut.size:
+                    draft = draft[: cut[0]]
+                if draft.size:
+                    return draft.tolist(), True
+        own_length = 0 if own is None else own[1]
+        if self.layout_keys is not None:
+            # Layout-free, it must match more tokens than the exact match did, and two at least: one key
+            # alone (a quote, a comma) is everywhere.
+            keys, positions = state.layout.update(tokens, self.layout_keys)
+            free = suffix_match(keys, max(self.min_window, own_length + 1, 2), self.max_window)
+            if free is not None:
+                start = int(positions[free[0] - 1]) + 1  # the source's token after the last one matched
+                return tokens[start : start + limit].tolist(), False
+        return ([] if own is None else tokens[own[0] : own[0] + limit].tolist()), False
 
     def remember(self, req: Req) -> None:
         """A finished request's output joins the shared pool (when there is one)."""

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
+from sgl_lite.runtime.managers.ngram_layout import layout_free_keys
 from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
 from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
@@ -76,7 +77,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         # SGLang's default: as many draft tokens as the longest match window.
         self.proposer = NgramProposer(args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size,
                                       args.speculative_ngram_min_match_window_size,
-                                      args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity) \
+                                      args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
+                                      layout_free_keys(tokenizer, runner.vocab_size)) \
             if args.speculative_algorithm == "ngram" else None
         self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
