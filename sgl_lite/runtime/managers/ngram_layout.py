@@ -41,11 +41,13 @@ def layout_free_keys(tokenizer: Any, vocab_size: int) -> np.ndarray | None:
 
 class LayoutFreeView:
     """A request's tokens as layout-free keys, whitespace-only tokens left out, with each kept token's
-    position in the request's tokens; grown by the tokens new since the last call."""
+    position in the request's tokens; grown by the tokens new since the last call (buffers doubling, so a
+    step costs what is new, not the whole request)."""
 
     def __init__(self) -> None:
-        self.keys = np.empty(0, dtype=np.int64)
-        self.positions = np.empty(0, dtype=np.int64)
+        self._keys = np.empty(0, dtype=np.int64)
+        self._positions = np.empty(0, dtype=np.int64)
+        self.length = 0  # keys held
         self.done = 0  # request tokens seen
 
     def update(self, tokens: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +55,12 @@ class LayoutFreeView:
         if tokens.shape[0] > self.done:
             new = table[tokens[self.done :]]
             kept = np.flatnonzero(new != WHITESPACE)
-            self.keys = np.concatenate([self.keys, new[kept]])
-            self.positions = np.concatenate([self.positions, kept + self.done])
-            self.done = tokens.shape[0]
-        return self.keys, self.positions
+            end = self.length + kept.shape[0]
+            if end > self._keys.shape[0]:
+                size = max(end, 2 * self._keys.shape[0], 64)
+                self._keys = np.resize(self._keys, size)
+                self._positions = np.resize(self._positions, size)
+            self._keys[self.length : end] = new[kept]
+            self._positions[self.length : end] = kept + self.done
+            self.length, self.done = end, tokens.shape[0]
+        return self._keys[: self.length], self._positions[: self.length]
