@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sgl_lite.runtime.layers import cpu_ops
-from sgl_lite.runtime.models.llama import RMSNorm
+from sgl_lite.runtime.layers.layernorm import RMSNorm
 
 
 def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

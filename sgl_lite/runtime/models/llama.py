@@ -9,7 +9,6 @@ new token; `compute_logits` runs the LM head only on the rows that are sampled o
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, DecodeKernelInputs
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.layers.layernorm import RMSNorm
 from sgl_lite.runtime.layers.linear import (
     GemvLinear,
     QuantizedLinear,
@@ -29,72 +28,10 @@ from sgl_lite.runtime.layers.linear import (
     quantize_linear,
 )
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
+from sgl_lite.runtime.layers.rotary_embedding import apply_rope, rope_inv_freq, rope_parameters
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 logger = logging.getLogger(__name__)
-
-
-def rope_parameters(config) -> dict:
-    """RoPE settings from transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and not params.get("rope_type"):
-        params.update(scaling)
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
-def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied.
-
-    Computed in float32 exactly as transformers does, so fp32 logits match it closely at long positions.
-    """
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        factor = float(params["factor"])
-        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        # Between the two wavelength thresholds, interpolate between scaled and unscaled.
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm, optionally of `x + residual` (returning that sum too, the next residual).
-
-    On CPU it runs the C++ op of layers/csrc/rms_norm.cpp when it is built: one pass per row with
-    transformers' roundings, ~2-3 us at decode sizes against ~10-20 us for torch's composite rms_norm,
-    which a decode step calls twice per layer. Elsewhere torch's rms_norm (float32 accumulation; in bf16
-    one rounding step apart from transformers, which casts back before scaling).
-    """
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
-        self.cpu_op = device.type == "cpu" and load_cpu_ops()
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.cpu_op:
-            if residual is None:
-                return torch.ops.sgl_lite.rms_norm(x.contiguous(), self.weight, self.eps)
-            return torch.ops.sgl_lite.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
-        if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        total = x + residual
-        return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -192,13 +129,6 @@ class LlamaDecoderLayer(nn.Module):
                 return None
             weights.append(form.gemv_weight)
         return weights
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the HF layout). x [N, H, D]; cos/sin [N, 1, D/2] in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
