@@ -4,7 +4,9 @@ Agents copy: they quote tool output, restate the task, re-emit code and fill JSO
 holds. The last few tokens of such a request have usually been seen before in its prompt or output, and
 what followed them then is a good guess of what follows now. For a request whose tokens are
 `t[0..L)`, the proposer takes the longest suffix `t[L-n..L)` (n from the max window down to the min
-window) that also ends at an earlier position e < L, the latest such e, and proposes `t[e..e+k)`.
+window) that also ends at an earlier position e < L, the latest such e, and proposes `t[e..e+k)`. A
+longer match in the shared pool of recent outputs (ngram_pool.py) wins over it; failing both, the suffix
+is looked up layout-free (ngram_layout.py: a copy laid out anew still matches its source).
 
 Work per proposal is a few vectorized numpy passes over the request's tokens (no per-token Python),
 kept in a per-request buffer that grows by the new outputs only.
