@@ -39,10 +39,19 @@ def layout_free_keys(tokenizer: Any, vocab_size: int) -> np.ndarray | None:
     return keys
 
 
+def grown(buffer: np.ndarray, needed: int, kept: int) -> np.ndarray:
+    """`buffer` if it holds `needed` entries, else a new one of at least twice its size (64 at least) with
+    its first `kept` entries: a buffer that grows by appends costs what is appended, not what it holds."""
+    if needed <= buffer.shape[0]:
+        return buffer
+    bigger = np.empty(max(needed, 2 * buffer.shape[0], 64), dtype=buffer.dtype)
+    bigger[:kept] = buffer[:kept]
+    return bigger
+
+
 class LayoutFreeView:
     """A request's tokens as layout-free keys, whitespace-only tokens left out, with each kept token's
-    position in the request's tokens; grown by the tokens new since the last call (buffers doubling, so a
-    step costs what is new, not the whole request)."""
+    position in the request's tokens; grown by the tokens new since the last call (`grown` buffers)."""
 
     def __init__(self) -> None:
         self._keys = np.empty(0, dtype=np.int64)
@@ -56,10 +65,8 @@ class LayoutFreeView:
             new = table[tokens[self.done :]]
             kept = np.flatnonzero(new != WHITESPACE)
             end = self.length + kept.shape[0]
-            if end > self._keys.shape[0]:
-                size = max(end, 2 * self._keys.shape[0], 64)
-                self._keys = np.resize(self._keys, size)
-                self._positions = np.resize(self._positions, size)
+            self._keys = grown(self._keys, end, self.length)
+            self._positions = grown(self._positions, end, self.length)
             self._keys[self.length : end] = new[kept]
             self._positions[self.length : end] = kept + self.done
             self.length, self.done = end, tokens.shape[0]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_lite.runtime.managers.ngram_layout import LayoutFreeView
+from sgl_lite.runtime.managers.ngram_layout import LayoutFreeView, grown
 from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.step_cost import StepCost, draft_token_cost
@@ -165,11 +165,7 @@ class NgramState:
 
     def sync(self, req: Req) -> np.ndarray:
         """The request's prompt + output as an array (appending only what is new since the last call)."""
-        total = len(req.input_ids) + len(req.output_ids)
-        if total > self.tokens.shape[0]:
-            grown = np.empty(max(total, 2 * self.tokens.shape[0], 64), dtype=np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
+        self.tokens = grown(self.tokens, len(req.input_ids) + len(req.output_ids), self.length)
         if self.length < len(req.input_ids):
             self.tokens[self.length : len(req.input_ids)] = req.input_ids[self.length :]
             self.length = len(req.input_ids)

@@ -25,6 +25,9 @@ inline void deinterleave_dims(__m512 lo, __m512 hi, __m512& first, __m512& secon
   second = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
 }
 
+// 16 bf16 (their bits) as float32, exactly: a bf16 is the upper half of a float32. One widening move.
+inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
 // 16 floats as bf16 bits, rounded as torch rounds a float to bf16: to nearest even, subnormals kept and
 // NaN made quiet (VCVTNEPS2BF16 would flush subnormals, and it needs AVX512-BF16).
 inline __m256i round_to_bf16(__m512 y) {

@@ -67,9 +67,9 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
       const __m512 p0 = reinterpret_cast<__m512>(scores[g].vec[0]), p1 = reinterpret_cast<__m512>(scores[g].vec[1]);
       const __m512bh p = _mm512_cvtne2ps_pbh(p1, p0);
       _mm512_store_si512(pairs[g], reinterpret_cast<__m512i>(p));
-      const __m512i bits = reinterpret_cast<__m512i>(p);  // back to float32: a bf16 is the upper half of one
-      const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16)));
-      const __m512 r1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16)));
+      const __m512i bits = reinterpret_cast<__m512i>(p);
+      const __m512 r0 = _mm512_sub_ps(p0, sgl_lite::widen_bf16(_mm512_castsi512_si256(bits)));
+      const __m512 r1 = _mm512_sub_ps(p1, sgl_lite::widen_bf16(_mm512_extracti64x4_epi64(bits, 1)));
       _mm512_store_si512(rests[g], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0)));
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -97,8 +97,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
       for (int64_t j = 0; j < kG * C; ++j) acc[h * kG * C + j] = reinterpret_cast<vfloat>(a[j]);
     }
   }
-  // back in dim order: per 32 dims, the low unpack's vector holds dims 0-3, 8-11, 16-19, 24-27 and the high
-  // one's 4-7, 12-15, 20-23, 28-31, four at a time
+  // back in dim order (bf16_arithmetic.h's deinterleave_dims)
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t g = 0; g < kG; ++g) {
       for (int64_t p = 0; p < kP; ++p) {

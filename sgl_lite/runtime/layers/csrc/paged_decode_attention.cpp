@@ -90,7 +90,7 @@ struct Bf16Kv {
   static inline vfloat decode(const T* p) {
 #if defined(__AVX512F__)
     // one widening move (GCC 12 lowers the vector conversion below to two half-width ones and an insert)
-    return reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    return reinterpret_cast<vfloat>(sgl_lite::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #else
     return reinterpret_cast<vfloat>(__builtin_convertvector(load_vec<vu16>(p), vu32) << 16);
 #endif

@@ -52,7 +52,7 @@ bool has_vnni() { return SGL_LITE_HAS_VNNI; }
 #if SGL_LITE_HAS_VNNI
 
 // Activations and outputs: float32, bf16 (its bits) or fp16.
-inline __m512 widen(__m256i bits, c10::BFloat16*) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 widen(__m256i bits, c10::BFloat16*) { return sgl_lite::widen_bf16(bits); }
 inline __m512 widen(__m256i bits, c10::Half*) { return _mm512_cvtph_ps(bits); }
 inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
 template <typename T>
