@@ -12,8 +12,8 @@
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model); in
   bf16 on AVX512-BF16 CPUs also the arithmetic bf16_gemv's probe did not pick (VDPBF16PS pairs or float32 FMAs);
   and a speculative verification row: one request's 1 + k queries (its last token and k draft tokens,
-  query j seeing j more keys, each a decode query of its own, as the runtime runs them) at 150-2000
-  tokens of context, with what each draft query adds to the layer;
+  query j seeing j more keys) as one kernel row, as the runtime runs them, at 150-2000 tokens of context,
+  with what each draft query adds to the layer; its baseline is the same queries as separate decode rows;
 - the decoder layer of a decode step as one C++ op (`layers/csrc/decode_layer.cpp`) against the same
   layer called op by op from Python, on the default model (ms per decode step, 480-token contexts).
 
@@ -165,6 +165,8 @@ VERIFY_QUERIES = [1, 5, 9]  # a verification row's queries: the last token, then
 
 
 def bench_verify_attention(repeats: int) -> list[dict]:
+    """Verification rows as the runtime runs them (one kernel row of 1 + k queries, qo_indptr), against
+    the same queries as separate decode rows (the baseline: how rows ran before they shared their reads)."""
     op = load_paged_decode_op()
     g = torch.Generator().manual_seed(2)
     out = []
@@ -174,11 +176,15 @@ def bench_verify_attention(repeats: int) -> list[dict]:
         row: dict = {"context": context}
         for queries in VERIFY_QUERIES:
             q = torch.randn(queries, 9, 64, generator=g).bfloat16()
+            length = context + queries - 1  # query j sees context + j keys
+            one_row = (torch.tensor([0, length], dtype=torch.int32), torch.arange(length), 0.125,
+                       torch.tensor([0, queries], dtype=torch.int32))
             lengths = [context + j for j in range(queries)]
-            indices = torch.cat([torch.arange(n) for n in lengths])
-            indptr = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-            seconds = best_seconds(lambda: [op(q, k, v, indptr, indices, 0.125) for k, v in pools], repeats) / LAYERS
-            row[f"us_{queries}_queries"] = seconds * 1e6
+            separate = (torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32),
+                        torch.cat([torch.arange(n) for n in lengths]), 0.125)
+            for name, args in (("queries", one_row), ("separate", separate)):
+                seconds = best_seconds(lambda args=args: [op(q, k, v, *args) for k, v in pools], repeats) / LAYERS
+                row[f"us_{queries}_{name}"] = seconds * 1e6
         row["us_per_draft_query"] = (row[f"us_{VERIFY_QUERIES[-1]}_queries"] - row["us_1_queries"]) / (VERIFY_QUERIES[-1] - 1)
         out.append(row)
     return out
@@ -239,10 +245,12 @@ def main() -> None:
         other = (f"{r['other_arithmetic']}: {r['other_us_per_layer']:.0f} | {r['other_us_per_layer'] / r['us_per_layer']:.2f}x"
                  if r["other_us_per_layer"] else "- | -")
         print(f"| {r['requests']} x {r['context']} | {r['us_per_layer']:.0f} | {r['kv_GBps']:.1f} | {r['arithmetic']} | {other} |")
+    last = VERIFY_QUERIES[-1]
     print("\n| context | verification row, us per layer: " + " | ".join(f"{n} queries" for n in VERIFY_QUERIES)
-          + " | per draft query |\n|---:|" + "---:|" * (len(VERIFY_QUERIES) + 1))
+          + f" | per draft query | {last} queries as separate rows | row vs separate |\n|---:|" + "---:|" * (len(VERIFY_QUERIES) + 3))
     for r in verify:
-        print(f"| {r['context']} | " + " | ".join(f"{r[f'us_{n}_queries']:.0f}" for n in VERIFY_QUERIES) + f" | {r['us_per_draft_query']:.1f} |")
+        print(f"| {r['context']} | " + " | ".join(f"{r[f'us_{n}_queries']:.0f}" for n in VERIFY_QUERIES)
+              + f" | {r['us_per_draft_query']:.1f} | {r[f'us_{last}_separate']:.0f} | {r[f'us_{last}_separate'] / r[f'us_{last}_queries']:.2f}x |")
     print("\n| batch | decode step, one op per layer (ms) | op by op (ms) | speedup |\n|---:|---:|---:|---:|")
     for r in layer:
         print(f"| {r['batch']} | {r['one op per layer ms']:.2f} | {r['op by op ms']:.2f} | {r['speedup']:.2f}x |")

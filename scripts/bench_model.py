@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -197,6 +198,21 @@ class RunnerBench:
         out = self.runner.forward(batch)
         for req, extend, tok in zip(reqs, extend_lens, out.next_token_ids):
             req.kv_len += extend
+            req.output_ids.append(tok)
+
+    def _verify_step(self, reqs: list[Req], draft_len: int, rng: random.Random) -> None:
+        """A decode step in which every request verifies `draft_len` random draft tokens (a speculative step's
+        shape and cost): the drafts' slots are freed after it and each request advances by one token."""
+        extend = 1 + draft_len
+        slots = self.alloc.alloc(len(reqs) * extend)
+        for i, req in enumerate(reqs):
+            self.runner.req_to_token.table[req.req_pool_idx, req.kv_len : req.kv_len + extend] = slots[i * extend : (i + 1) * extend]
+        batch = ForwardBatch(reqs=reqs, prefix_lens=[r.kv_len for r in reqs], extend_lens=[extend] * len(reqs), out_cache_loc=slots,
+                             sample=[True] * len(reqs), draft_ids=[[rng.randrange(1000, 40000) for _ in range(draft_len)] for _ in reqs])
+        out = self.runner.forward(batch)
+        for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
+            self.alloc.free(slots[i * extend + 1 : (i + 1) * extend])
+            req.kv_len += 1
             req.output_ids.append(tok)
 
     def _release(self, reqs: list[Req]) -> None:

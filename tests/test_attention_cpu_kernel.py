@@ -99,10 +99,67 @@ def test_kernel_rejects_bad_metadata(op):
     q, k_cache, v_cache, indptr, indices = random_paged_inputs(0, [3, 4], 4, 2, 16, torch.float32, torch.float32)
     with pytest.raises(RuntimeError, match="outside"):
         op(q, k_cache, v_cache, indptr, torch.tensor([1, 2, 3, 4, 5, 6, k_cache.shape[0]]), 0.25)
-    with pytest.raises(RuntimeError, match="has no KV slots"):
+    with pytest.raises(RuntimeError, match="fewer KV slots than queries"):
         op(q, k_cache, v_cache, torch.tensor([0, 0, 7], dtype=torch.int32), indices, 0.25)
     with pytest.raises(RuntimeError, match="multiple of (8|16)"):  # the vector width: 16 lanes on AVX-512, else 8
         op(q[..., :12].contiguous(), k_cache[..., :12].contiguous(), v_cache[..., :12].contiguous(), indptr, indices, 0.25)
+
+
+# Verification rows (queries, context length): one query; queries straddling the 256-token chunk boundary
+# (their contexts end on both sides of it) and the 512 one; more queries than one work item takes (32 query
+# vectors: tiles); a row whose every slot is one of its queries; short and long contexts.
+VERIFY_ROWS = [(1, 40), (9, 262), (13, 520), (20, 300), (5, 5), (3, 31), (9, 1000), (2, 257)]
+
+
+def verification_inputs(seed: int, rows: list[tuple[int, int]], hq: int, hkv: int, dim: int, dtype: torch.dtype,
+                        kv_dtype: torch.dtype):
+    """Rows of several queries over a random pool, and the same queries as decode rows of their own (query j
+    of n over a context of L slots sees the first L - (n - 1 - j))."""
+    q, k_cache, v_cache, kv_indptr, indices = random_paged_inputs(seed, [length for _, length in rows], hq, hkv, dim, dtype, kv_dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(n for n, _ in rows), hq, dim, generator=g).to(dtype)
+    qo_indptr = torch.tensor([0, *torch.tensor([n for n, _ in rows]).cumsum(0).tolist()], dtype=torch.int32)
+    alone = []
+    for (n, length), start in zip(rows, kv_indptr.tolist()):
+        alone += [indices[start : start + length - (n - 1 - j)] for j in range(n)]
+    alone_indptr = torch.tensor([0, *torch.tensor([len(a) for a in alone]).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, (kv_indptr, indices, qo_indptr), (alone_indptr, torch.cat(alone))
+
+
+@pytest.mark.parametrize("arithmetic", ["fma", "dpbf16"])
+@pytest.mark.parametrize("kv", ["same", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 32)], ids=["gqa3", "mqa8", "mha"])
+def test_verification_rows_give_each_query_the_bits_of_decoding_it_alone(op, heads, dtype, kv, arithmetic):
+    """A verification row's queries share its reads of K/V; each must still sum what it sees in the order
+    a decode row of its own does, so that speculation cannot change a greedy token."""
+    if dtype == torch.float32 and arithmetic == "dpbf16":
+        pytest.skip("the pairs arithmetic is for bf16 queries and K/V")
+    hq, hkv, dim = heads
+    q, k_cache, v_cache, rows, alone = verification_inputs(hq + dim, VERIFY_ROWS, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
+    with cpu_ops.bf16_arithmetic(arithmetic):
+        together = op(q, k_cache, v_cache, rows[0], rows[1], dim**-0.5, rows[2])
+        expected = op(q, k_cache, v_cache, alone[0], alone[1], dim**-0.5)
+        # one row at a time too: the batch (which picks the work items' shape) must not matter either
+        first = op(q[:1], k_cache, v_cache, rows[0][:2], rows[1], dim**-0.5, rows[2][:2])
+    assert torch.equal(together, expected)
+    assert torch.equal(first, expected[:1])
+    reference_rows = reference(q, k_cache, v_cache, alone[0], alone[1], dim**-0.5)
+    assert (together.double() - reference_rows).abs().max() < TOLERANCE[dtype]
+
+
+def test_kernel_rejects_bad_verification_rows(op):
+    q, k_cache, v_cache, rows, _ = verification_inputs(0, [(3, 10), (2, 4)], 4, 2, 16, torch.float32, torch.float32)
+    kv_indptr, indices, qo_indptr = rows
+    op(q, k_cache, v_cache, kv_indptr, indices, 0.25, qo_indptr)
+    with pytest.raises(RuntimeError, match="from 0 to the number of q rows"):
+        op(q, k_cache, v_cache, kv_indptr, indices, 0.25, torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="has no queries"):
+        op(q, k_cache, v_cache, torch.tensor([0, 0, 14], dtype=torch.int32), indices, 0.25, torch.tensor([0, 0, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="fewer KV slots than queries"):
+        op(q, k_cache, v_cache, torch.tensor([0, 2, 14], dtype=torch.int32), indices, 0.25, qo_indptr)
+    with pytest.raises(RuntimeError, match="one entry per row"):
+        op(q, k_cache, v_cache, kv_indptr, indices, 0.25, torch.tensor([0, 5], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])

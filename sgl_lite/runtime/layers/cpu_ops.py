@@ -101,7 +101,8 @@ def load_cpu_ops() -> bool:
 
 
 def load_paged_decode_op() -> Callable[..., torch.Tensor] | None:
-    """The op `paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)`, or None if it cannot be built."""
+    """The op `paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale, qo_indptr=None)`, or None
+    if it cannot be built."""
     return torch.ops.sgl_lite.paged_decode_attention if load_cpu_ops() else None
 
 

@@ -107,6 +107,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
             qkv, self.qkv_bias, o, self.o_bias, gate_up, down, cos, sin, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id],
             kernel.out_cache_loc, kernel.kv_indptr, kernel.kv_indices, self.num_heads, self.num_kv_heads, kernel.scale,
+            kernel.qo_indptr,
         )
 
     def fused_decode_weights(self, rows: int) -> list[torch.Tensor] | None:

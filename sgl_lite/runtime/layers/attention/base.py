@@ -120,12 +120,14 @@ class AttentionMetadata:
 @dataclass
 class DecodeKernelInputs:
     """What a fused decode layer (layers/csrc/decode_layer.cpp) needs to run this batch's attention itself:
-    every row is one decode query, attended by the paged decode kernel over the pool in the model's dtype."""
+    every request is a decode row or a speculative verification row, attended by the paged decode kernel
+    over the pool in the model's dtype."""
 
-    out_cache_loc: torch.Tensor  # int64 [B]
+    out_cache_loc: torch.Tensor  # int64 [N]
     kv_indptr: torch.Tensor  # int32 [B+1]
     kv_indices: torch.Tensor  # int64 [total_kv]
     scale: float
+    qo_indptr: torch.Tensor | None = None  # int32 [B+1]: each request's q rows; None when each has one
 
 
 class AttentionBackend(abc.ABC):

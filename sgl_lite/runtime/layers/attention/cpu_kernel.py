@@ -5,7 +5,8 @@ torch path pays for a gather copy of every request's K/V per layer plus small pe
 kernel (layers/csrc/paged_decode_attention.cpp, built by layers/cpu_ops.py) reads each KV row once, straight
 from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts
 8-bit pools in registers; the few tokens of a speculative verification row (meta.verify_rows) go through
-it as one decode query each. Prefill and extend chunks (an agent's next turn over its cached conversation)
+it as one row of several queries, which share its reads of K/V and each give the bits of that token
+decoded alone. Prefill and extend chunks (an agent's next turn over its cached conversation)
 go through layers/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
 metadata, where it is built (AVX-512) and the pool holds the model's dtype; else the torch path.
 """
@@ -31,9 +32,10 @@ EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)  # the extend kernel's compiled head s
 
 @dataclass
 class _KernelDecodeGroup:
-    rows: torch.Tensor | None  # q rows of the decode requests; None when they are the whole batch in order
+    rows: torch.Tensor | None  # q rows of the decode and verification requests; None when they are the whole batch
     kv_indptr: torch.Tensor  # int32 [G+1]
     kv_indices: torch.Tensor  # int64 [total_kv]
+    qo_indptr: torch.Tensor | None  # int32 [G+1]: each request's queries among those rows; None when one each
 
 
 @functools.cache
@@ -79,23 +81,29 @@ class CpuKernelBackend(TorchNativeBackend):
                                             self.scale, out)
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
-        if len(single) == meta.batch_size and meta.is_decode:
-            return _KernelDecodeGroup(rows=None, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices)
+        # A verification row is one kernel row of several queries: they share its reads of K/V.
+        qo_indptr = None if meta.is_decode else meta.qo_indptr
+        if len(single) == meta.batch_size:
+            return _KernelDecodeGroup(rows=None, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices, qo_indptr=qo_indptr)
         device = meta.padded_kv_indices.device
-        rows, req_idx, seq = meta.decode_queries(single)
-        slots = meta.padded_kv_indices[req_idx, : int(seq.max())]
+        rows, _, _ = meta.decode_queries(single)
+        idx = torch.tensor(single, dtype=torch.int64, device=device)
+        seq = meta.seq_lens[idx]
+        slots = meta.padded_kv_indices[idx, : int(seq.max())]
         valid = torch.arange(slots.shape[1], device=device)[None, :] < seq[:, None]
         zero = torch.zeros(1, dtype=torch.int32, device=device)
+        extend = torch.tensor([meta.extend_lens[i] for i in single], dtype=torch.int32, device=device)
         return _KernelDecodeGroup(
             rows=rows,
             kv_indptr=torch.cat((zero, torch.cumsum(seq, 0).to(torch.int32))),
             kv_indices=slots[valid],
+            qo_indptr=torch.cat((zero, torch.cumsum(extend, 0).to(torch.int32))),
         )
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _KernelDecodeGroup
     ) -> torch.Tensor:
-        return self._op(q.contiguous(), k_cache, v_cache, group.kv_indptr, group.kv_indices, self.scale)
+        return self._op(q.contiguous(), k_cache, v_cache, group.kv_indptr, group.kv_indices, self.scale, group.qo_indptr)
 
     def decode_kernel_inputs(self, kv_pool: KVPool) -> DecodeKernelInputs | None:
         group, meta = self._decode, self._meta
@@ -104,4 +112,4 @@ class CpuKernelBackend(TorchNativeBackend):
             return None
         if kv_pool.dtype in FP8_KV_DTYPES.values():
             return None
-        return DecodeKernelInputs(meta.out_cache_loc, group.kv_indptr, group.kv_indices, self.scale)
+        return DecodeKernelInputs(meta.out_cache_loc, group.kv_indptr, group.kv_indices, self.scale, group.qo_indptr)

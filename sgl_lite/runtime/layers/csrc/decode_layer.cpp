@@ -10,7 +10,8 @@
 // Steps (hidden and residual [n, hidden]; the layer's output and the residual before it, as in Python):
 //   normed, residual = rms_norm(hidden) or add_rms_norm(hidden, residual)
 //   qkv = gemv(normed, qkv_weight, qkv_bias); rotate-half RoPE on the q and k heads
-//   k, v -> k_cache, v_cache at out_cache_loc; attention = paged_decode_attention(q, ...)
+//   k, v -> k_cache, v_cache at out_cache_loc; attention = paged_decode_attention(q, ...) (decode rows, or
+//   speculative verification rows of several queries each: qo_indptr)
 //   normed, residual = add_rms_norm(gemv(attention, o_weight, o_bias), residual)
 //   gate_up = gemv(normed, gate_up_weight); out = gemv(silu(gate) * up, down_weight)
 
@@ -29,7 +30,8 @@ namespace {
 using Gemv = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
-using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                             const c10::optional<at::Tensor>&);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -122,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& o_weight, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up_weight,
     const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& out_cache_loc, const at::Tensor& kv_indptr, const at::Tensor& kv_indices, int64_t num_heads,
-    int64_t num_kv_heads, double scale) {
+    int64_t num_kv_heads, double scale, const c10::optional<at::Tensor>& qo_indptr) {
   static const auto bf16_gemv = op<Gemv>("sgl_lite::bf16_gemv");
   static const auto avx2_gemv = op<Gemv>("sgl_lite::avx2_gemv");
   static const auto avx2_q4_gemv = op<Gemv>("sgl_lite::avx2_q4_gemv");
@@ -151,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   }
   const at::Tensor qkv = gemv(normed, qkv_weight, qkv_bias);
   const at::Tensor q = rotate_and_store(qkv, cos, sin, k_cache, v_cache, out_cache_loc, num_heads, num_kv_heads);
-  const at::Tensor attended = attention.call(q, k_cache, v_cache, kv_indptr, kv_indices, scale);
+  const at::Tensor attended = attention.call(q, k_cache, v_cache, kv_indptr, kv_indices, scale, qo_indptr);
   const at::Tensor projected = gemv(attended.reshape({n, q_size}), o_weight, o_bias);
   std::tie(normed, stream) = add_norm.call(projected, stream.contiguous(), post_norm, eps);
   const at::Tensor gate_up = gemv(normed, gate_up_weight, c10::nullopt);
@@ -167,7 +169,7 @@ TORCH_LIBRARY_FRAGMENT(sgl_lite, m) {
       "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_weight, "
       "Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor gate_up_weight, Tensor down_weight, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, Tensor kv_indptr, Tensor kv_indices, int num_heads, "
-      "int num_kv_heads, float scale) -> (Tensor, Tensor)");
+      "int num_kv_heads, float scale, Tensor? qo_indptr=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sgl_lite, CPU, m) { m.impl("decode_layer", &decode_layer); }

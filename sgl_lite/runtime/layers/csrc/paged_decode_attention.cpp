@@ -1,18 +1,22 @@
-// Paged decode attention on CPU: one query token per request against its KV slots in the pool.
+// Paged decode attention on CPU: rows of a few query tokens each against their KV slots in the pool.
 //
-// Inputs are FlashInfer's page-size-1 metadata: request b attends over the slots
-// kv_indices[kv_indptr[b] : kv_indptr[b+1]] of k_cache/v_cache [num_slots, Hkv, D]. K/V rows are read
-// straight from the pool (no gather copy) and converted to fp32 in registers (bf16, fp16, fp32, fp8
-// e4m3fn / e5m2 storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows.
-// Scores, the online softmax and the P.V accumulation are fp32; for bf16 queries and K/V, where bf16_gemv's
-// probe prefers VDPBF16PS, the products are taken in bf16 pairs and summed in fp32 (decode_pairs.h).
+// Inputs are FlashInfer's page-size-1 metadata: row r attends over the slots
+// kv_indices[kv_indptr[r] : kv_indptr[r+1]] of k_cache/v_cache [num_slots, Hkv, D] with the queries
+// q[qo_indptr[r] : qo_indptr[r+1]] (one for a decode row; 1 + draft for a speculative verification row,
+// whose last query sees every slot and each earlier one a slot fewer). K/V rows are read straight from
+// the pool (no gather copy) and converted to fp32 in registers (bf16, fp16, fp32, fp8 e4m3fn / e5m2
+// storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows, and a verification
+// row's queries share it too. Scores, the online softmax and the P.V accumulation are fp32; for bf16 queries
+// and K/V, where bf16_gemv's probe prefers VDPBF16PS, the products are taken in bf16 pairs and summed in
+// fp32 (decode_pairs.h).
 //
-// Work items are (request, chunk of the context) with all KV heads, reading each slot's row whole, or
-// (request, kv head, chunk) when that leaves threads idle; contexts are cut into chunks of a fixed length
-// (so that long ones make several items, and a row's arithmetic never depends on its batch). Threads take
-// items from a shared counter (a thread that loses its core to another process does not hold up the
-// others), and the last chunk of a (request, kv head) to finish merges the chunks' partial softmax states
-// in chunk order.
+// Work items are (row, chunk of the context) with all KV heads, reading each slot's row whole, or (row, kv
+// head, chunk) when that leaves threads idle or a verification row has too many query vectors for one
+// item (then its queries go in tiles); contexts are cut into chunks at fixed positions (so that long ones
+// make several items, and a query's arithmetic never depends on its batch, its row or its row's other
+// queries). Threads take items from a shared counter (a thread that loses its core to another process
+// does not hold up the others), and the last item of a (row, kv head) to finish merges each query's chunks'
+// partial softmax states in chunk order.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,10 +55,15 @@ constexpr int64_t kLanes = 8;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxChunksPerRow = kMaxHeadDim / kLanes;
 constexpr int64_t kMaxGroup = 16;
+// Query vectors (query heads x queries of a verification row) one work item attends together: they share
+// each K/V row it reads. 32 x 16 lanes of a block's unreduced products fill a 32 KB L1.
+constexpr int64_t kMaxVectors = 32;
+static_assert(kMaxVectors >= kMaxGroup, "a decode row's query heads of one kv head fit one item");
 constexpr int64_t kBlock = 32;  // tokens scored between two online-softmax updates
-// Contexts are cut into chunks of about this many tokens, whatever the batch and the thread count, so that
-// a request's result does not depend on either (the same sums in the same order): decoding alone, in a
-// batch, or as a speculative verification row gives the same bits.
+// Contexts are cut into chunks at multiples of this many positions, whatever the batch, the thread count
+// and the context's length, so that a query's result depends on none of them (the same sums in the same
+// order): decoding alone, in a batch, or as one query of a speculative verification row (whose queries see
+// contexts of different lengths) gives the same bits.
 constexpr int64_t kChunk = 256;
 // Tokens: slots are scattered, so the hardware prefetcher cannot follow. Into L2 (see prefetch_row), 48,
 // 96 and 160 ran alike on a 2-core EPYC (Zen 4); 96 was a little ahead.
@@ -246,20 +255,25 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
-// One block's scores for each query head, as vectors or as floats.
+// One block's scores for each query vector, as vectors or as floats.
 union BlockScores {
   vfloat vec[kBlock / kLanes];
   float at[kBlock];
 };
 static_assert(kBlock % kLanes == 0, "a block is whole vectors");
 
-// The online softmax step of a block of nb scores for Q query heads: each head's running max rises to the
-// block's (its C accumulator vectors and its sum rescaled), and its scores become exp(score - max), exactly
-// 0 past nb.
-__attribute__((always_inline)) inline void softmax_block(BlockScores* scores, int64_t Q, int64_t nb, int64_t C, vfloat* acc, float* run_max, float* run_sum) {
+// The online softmax step of a block for Q query vectors, vector g having nb[g] valid scores: each one's
+// running max rises to the block's (its C accumulator vectors and its sum rescaled), and its scores become
+// exp(score - max), exactly 0 past nb[g]. A vector with no valid score in the block (a verification query
+// whose context ends before it) keeps its state, and its probabilities are all 0.
+__attribute__((always_inline)) inline void softmax_block(BlockScores* scores, int64_t Q, const int64_t* nb, int64_t C, vfloat* acc, float* run_max, float* run_sum) {
   for (int64_t g = 0; g < Q; ++g) {
+    if (nb[g] <= 0) {
+      for (int64_t v = 0; v < kBlock / kLanes; ++v) scores[g].vec[v] = vfloat{};
+      continue;
+    }
     // A short last block: its unused lanes hold stale scores; they must come out as exactly 0.
-    for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = kNegInf;
+    for (int64_t i = nb[g]; i < kBlock; ++i) scores[g].at[i] = kNegInf;
     vfloat lanes_max = scores[g].vec[0];
     for (int64_t v = 1; v < kBlock / kLanes; ++v) lanes_max = vmax(lanes_max, scores[g].vec[v]);
     const float block_max = hmax(lanes_max);
@@ -275,13 +289,13 @@ __attribute__((always_inline)) inline void softmax_block(BlockScores* scores, in
     for (int64_t v = 0; v < kBlock / kLanes; ++v) {
       scores[g].vec[v] = exp_nonpositive(scores[g].vec[v] - m);
     }
-    for (int64_t i = nb; i < kBlock; ++i) scores[g].at[i] = 0.f;
+    for (int64_t i = nb[g]; i < kBlock; ++i) scores[g].at[i] = 0.f;
     for (int64_t v = 0; v < kBlock / kLanes; ++v) sum += scores[g].vec[v];
     run_sum[g] += hsum(sum);
   }
 }
 
-// Softmax state of one (request, kv head, chunk): G running maxima and sums and G unnormalized outputs.
+// Softmax state of one (row, kv head, chunk, query): G running maxima and sums and G unnormalized outputs.
 struct Partial {
   float* acc;  // [G, D]
   float* max;  // [G]
@@ -292,32 +306,51 @@ struct Shape {
   int64_t group, dim, row_stride;  // row_stride: elements between consecutive slots (Hkv * D)
 };
 
-// One chunk of `n` slots for H consecutive kv heads (1, or all of them: see run()): q_scaled [H * G, D/kLanes]
-// (already times the softmax scale; the query heads of those kv heads, in order), k_base / v_base the
-// first of those heads' part of slot 0's row, outs[h] the h-th head's partial. Each head's sums are the
-// same, in the same order, whatever H is. row_bytes: how much of each slot's K and V rows to prefetch.
+// What a work item attends within one chunk of a row's context: `heads` consecutive KV heads and `queries`
+// consecutive queries of the row, query j seeing the chunk's first limits[j] tokens (non-decreasing in j;
+// a decode row is one query seeing the whole chunk). Its query vectors are ordered (head, query, group
+// member): Q = heads * queries * G of them, at most kMaxVectors; unit u = head * queries + query owns the
+// vectors u * G .. u * G + G - 1 and the partial outs[u].
+struct Tile {
+  int64_t heads, queries;
+  const int64_t* limits;
+  int64_t tokens() const { return limits[queries - 1]; }
+  // per query vector (G per unit): how many of the block at `start` it sees (<= 0: none)
+  void block_counts(int64_t start, int64_t G, int64_t* nb) const {
+    for (int64_t u = 0; u < heads * queries; ++u) {
+      const int64_t count = std::min(kBlock, limits[u % queries] - start);
+      for (int64_t g = 0; g < G; ++g) nb[u * G + g] = count;
+    }
+  }
+};
+
+// One chunk of a row's slots for a tile: q_scaled [Q, D/kLanes] (already times the softmax scale),
+// k_base / v_base the first tile head's part of slot 0's row, outs[u] unit u's partial. Each query vector's
+// sums are the same, in the same order, whatever the tile around it: a verification query gives the bits of
+// the same query decoded alone. row_bytes: how much of each slot's K and V rows to prefetch.
 // kC: the vectors per row (D / kLanes) when known at compile time (0: read from `shape`); with it the
 // compiler keeps a row and each head's accumulator in registers instead of memory (~2x at D = 64).
 // kG: the query heads per KV head when known at compile time (0: from `shape`); with it the P.V pass keeps
-// a kv head's accumulators in registers and adds each V row to all of them as it is decoded, so that the
+// a unit's accumulators in registers and adds each V row to all of them as it is decoded, so that the
 // heads' FMA chains interleave (one head at a time waited on each FMA's latency).
 template <class Kv, int64_t kC, int64_t kG>
 void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const typename Kv::T* v_base,
-                  const int64_t* slots, int64_t n, const Shape& shape, int64_t H, int64_t row_bytes, Partial* outs) {
+                  const int64_t* slots, const Shape& shape, const Tile& tile, int64_t row_bytes, Partial* outs) {
   const int64_t G = kG ? kG : shape.group, C = kC ? kC : shape.dim / kLanes, stride = shape.row_stride, D = shape.dim;
-  const int64_t Q = H * G;  // query heads, at most kMaxGroup
-  vfloat acc[kMaxGroup * kMaxChunksPerRow];
+  const int64_t H = tile.heads, T = tile.queries, n = tile.tokens(), HG = T * G;  // HG: query vectors per head
+  const int64_t Q = H * HG;
+  vfloat acc[kMaxVectors * kMaxChunksPerRow];
   vfloat row[kMaxChunksPerRow];
-  BlockScores scores[kMaxGroup];
-  float run_max[kMaxGroup], run_sum[kMaxGroup];
+  BlockScores scores[kMaxVectors];
+  float run_max[kMaxVectors], run_sum[kMaxVectors];
+  int64_t nb[kMaxVectors];
   for (int64_t j = 0; j < Q * C; ++j) acc[j] = vfloat{};
   std::fill(run_max, run_max + Q, kNegInf);
   std::fill(run_sum, run_sum + Q, 0.f);
   // the chunk's first rows, which the loop's look-ahead prefetch never covers
   for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_base + slots[t] * stride, row_bytes);
-  vfloat dots[kMaxGroup][kLanes];  // per query head, kLanes tokens' unreduced q.k products
+  vfloat dots[kMaxVectors][kLanes];  // per query vector, kLanes tokens' unreduced q.k products
   for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t nb = std::min(kBlock, n - start);
     for (int64_t v = 0; v < kBlock / kLanes; ++v) {
       for (int64_t i = 0; i < kLanes; ++i) {
         const int64_t t = start + v * kLanes + i;
@@ -330,7 +363,7 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
         for (int64_t h = 0; h < H; ++h) {
           const typename Kv::T* k_row = k_base + slots[t] * stride + h * D;
           for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
-          for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          for (int64_t g = h * HG; g < (h + 1) * HG; ++g) {
             const vfloat* qg = q_scaled + g * C;
             vfloat dot = qg[0] * row[0];
             for (int64_t c = 1; c < C; ++c) dot += qg[c] * row[c];
@@ -340,35 +373,38 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
       }
       for (int64_t g = 0; g < Q; ++g) scores[g].vec[v] = reduce_lanes(dots[g]);
     }
+    tile.block_counts(start, G, nb);
     softmax_block(scores, Q, nb, C, acc, run_max, run_sum);
-    // P.V, one kv head at a time. Every head's accumulator adds the tokens in order, whichever way the loops
+    // P.V, one unit at a time. Every vector's accumulator adds the tokens in order, whichever way the loops
     // nest (the same bits).
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t u = 0; u < H * T; ++u) {
+      const int64_t h = u / T, count = nb[u * G];
+      if (count <= 0) continue;
       if constexpr (kG != 0 && kC != 0) {
-        // each V row decoded into registers and added to every head's accumulator (all in registers)
+        // each V row decoded into registers and added to every vector's accumulator (all in registers)
         vfloat a[kG * kC];
-        for (int64_t j = 0; j < kG * kC; ++j) a[j] = acc[h * kG * kC + j];
-        for (int64_t i = 0; i < nb; ++i) {
+        for (int64_t j = 0; j < kG * kC; ++j) a[j] = acc[u * kG * kC + j];
+        for (int64_t i = 0; i < count; ++i) {
           const typename Kv::T* v_row = v_base + slots[start + i] * stride + h * D;
           vfloat vr[kC];
           for (int64_t c = 0; c < kC; ++c) vr[c] = Kv::decode(v_row + c * kLanes);
           for (int64_t g = 0; g < kG; ++g) {
-            const float p = scores[h * kG + g].at[i];
+            const float p = scores[u * kG + g].at[i];
             for (int64_t c = 0; c < kC; ++c) a[g * kC + c] += p * vr[c];
           }
         }
-        for (int64_t j = 0; j < kG * kC; ++j) acc[h * kG * kC + j] = a[j];
+        for (int64_t j = 0; j < kG * kC; ++j) acc[u * kG * kC + j] = a[j];
       } else {
-        // the block's V rows decoded once, then one head at a time so that its accumulator stays in registers
+        // the unit's V rows decoded once, then one vector at a time so that its accumulator stays in registers
         vfloat values[kBlock * kMaxChunksPerRow];
-        for (int64_t i = 0; i < nb; ++i) {
+        for (int64_t i = 0; i < count; ++i) {
           const typename Kv::T* v_row = v_base + slots[start + i] * stride + h * D;
           for (int64_t c = 0; c < C; ++c) values[i * C + c] = Kv::decode(v_row + c * kLanes);
         }
-        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+        for (int64_t g = u * G; g < (u + 1) * G; ++g) {
           vfloat a[kMaxChunksPerRow];
           for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c];
-          for (int64_t i = 0; i < nb; ++i) {
+          for (int64_t i = 0; i < count; ++i) {
             const float p = scores[g].at[i];
             for (int64_t c = 0; c < C; ++c) a[c] += p * values[i * C + c];
           }
@@ -377,27 +413,28 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    std::memcpy(outs[h].acc, acc + h * G * C, G * C * sizeof(vfloat));
-    std::memcpy(outs[h].max, run_max + h * G, G * sizeof(float));
-    std::memcpy(outs[h].sum, run_sum + h * G, G * sizeof(float));
+  for (int64_t u = 0; u < H * T; ++u) {
+    std::memcpy(outs[u].acc, acc + u * G * C, G * C * sizeof(vfloat));
+    std::memcpy(outs[u].max, run_max + u * G, G * sizeof(float));
+    std::memcpy(outs[u].sum, run_sum + u * G, G * sizeof(float));
   }
 }
 
-// Combine the chunks of one (request, kv head) and write its G output rows.
+// Combine the chunks of one (row, kv head, query), parts[0], parts[stride], ..., and write its G output rows.
 template <class OutT>
-void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, OutT* out) {
+void merge_chunks(const Partial* parts, int64_t num_parts, int64_t stride, const Shape& shape, OutT* out) {
   const int64_t G = shape.group, D = shape.dim;
   alignas(64) float acc[kMaxHeadDim];
   for (int64_t g = 0; g < G; ++g) {
     float m = kNegInf;
-    for (int64_t c = 0; c < num_parts; ++c) m = std::max(m, parts[c].max[g]);
+    for (int64_t c = 0; c < num_parts; ++c) m = std::max(m, parts[c * stride].max[g]);
     std::fill(acc, acc + D, 0.f);
     float sum = 0.f;
     for (int64_t c = 0; c < num_parts; ++c) {
-      const float w = std::exp(parts[c].max[g] - m);
-      sum += w * parts[c].sum[g];
-      const float* a = parts[c].acc + g * D;
+      const Partial& part = parts[c * stride];
+      const float w = std::exp(part.max[g] - m);
+      sum += w * part.sum[g];
+      const float* a = part.acc + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] += w * a[d];
     }
@@ -408,9 +445,10 @@ void merge_chunks(const Partial* parts, int64_t num_parts, const Shape& shape, O
 
 #include "decode_pairs.h"
 
-// A chunk of one request's context for the KV heads [head_begin, head_end); chunk: its index in the request.
+// A tile of one row's queries [query_begin, query_end) against chunk `chunk` of its context, for the KV
+// heads [head_begin, head_end).
 struct Item {
-  int64_t request, head_begin, head_end, chunk_begin, chunk_end, chunk;
+  int64_t row, head_begin, head_end, chunk, query_begin, query_end;
 };
 
 // attend_chunk for a head size kC compiled for the group size G where it is a common one (MHA, and the GQA
@@ -428,10 +466,13 @@ auto for_group(int64_t G) {
   }
 }
 
+// Rows: row r has the queries qo[r] .. qo[r + 1] - 1 (one for a decode row, 1 + its draft's length for a
+// verification row) and the slots indices[kv[r] : kv[r + 1]]; its query j of n sees the first
+// len - (n - 1 - j) of them (the causal mask of a row's last n positions).
 template <class QT, class Kv>
-void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* indptr,
-         const int64_t* indices, float scale, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t R, const int32_t* qo,
+         const int32_t* kv, const int64_t* indices, float scale, at::Tensor& out) {
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const Shape shape{Hq / Hkv, D, Hkv * D};
   const int64_t G = shape.group;
 
@@ -441,30 +482,39 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // short request, say) items are single heads, as many as there are. Either way each (request, head,
   // chunk) is computed alike, so the bits do not depend on the choice. (The kernel, whose arithmetic
   // overlaps its reads less well than a plain sum does, gained 1.05-1.08x from it at 8-32 x 480-2000.)
-  std::vector<int64_t> first_part(B * Hkv + 1, 0), chunks_of(B);
+  // A verification row's queries share the reads of each chunk: up to kMaxVectors query vectors an item.
+  std::vector<int64_t> first_part(R * Hkv + 1, 0), chunks_of(R);
   int64_t num_chunks = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = indptr[b + 1] - indptr[b];
-    chunks_of[b] = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
-    num_chunks += chunks_of[b];
-    for (int64_t h = 0; h < Hkv; ++h) first_part[b * Hkv + h + 1] = first_part[b * Hkv + h] + chunks_of[b];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
+    chunks_of[r] = (len + kChunk - 1) / kChunk;
+    num_chunks += chunks_of[r];
+    for (int64_t h = 0; h < Hkv; ++h) first_part[r * Hkv + h + 1] = first_part[r * Hkv + h] + chunks_of[r] * n;
   }
-  const bool whole_rows = Hkv > 1 && Hq <= kMaxGroup && num_chunks >= 2 * at::get_num_threads();
+  const bool whole_rows = Hkv > 1 && num_chunks >= 2 * at::get_num_threads();
   std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = indptr[b + 1] - indptr[b], chunks = chunks_of[b];
-    for (int64_t h = 0; h < (whole_rows ? 1 : Hkv); ++h) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        items.push_back({b, h, whole_rows ? Hkv : h + 1, indptr[b] + c * len / chunks, indptr[b] + (c + 1) * len / chunks, c});
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[R * Hkv]);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
+    const int64_t H = whole_rows && Hkv * n * G <= kMaxVectors ? Hkv : 1, T = std::min(n, kMaxVectors / (H * G));
+    int64_t per_head = 0;
+    for (int64_t h = 0; h < Hkv; h += H) {
+      per_head = 0;
+      for (int64_t c = 0; c < chunks_of[r]; ++c) {
+        for (int64_t j = 0; j < n; j += T) {
+          const int64_t last = std::min(n, j + T);  // the tile's last query sees len - (n - last) positions
+          if (len - (n - last) <= c * kChunk) continue;  // its queries' contexts all end before the chunk
+          items.push_back({r, h, h + H, c, j, last});
+          ++per_head;
+        }
       }
     }
+    for (int64_t h = 0; h < Hkv; ++h) remaining[r * Hkv + h].store(per_head, std::memory_order_relaxed);
   }
-  const int64_t num_parts = first_part[B * Hkv];
+  const int64_t num_parts = first_part[R * Hkv];
   std::vector<float> part_acc(num_parts * G * D), part_max(num_parts * G), part_sum(num_parts * G);
   std::vector<Partial> parts(num_parts);
   for (int64_t p = 0; p < num_parts; ++p) parts[p] = {&part_acc[p * G * D], &part_max[p * G], &part_sum[p * G]};
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[B * Hkv]);
-  for (int64_t bh = 0; bh < B * Hkv; ++bh) remaining[bh].store(first_part[bh + 1] - first_part[bh], std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
 
   const int64_t row_bytes = D * int64_t(sizeof(typename Kv::T));  // one head's part of a slot row
@@ -484,32 +534,46 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
 #endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    vfloat q_scaled[kMaxGroup * kMaxChunksPerRow];
+    vfloat q_scaled[kMaxVectors * kMaxChunksPerRow];
+    alignas(64) QT q_tile[kMaxVectors * kMaxHeadDim];  // the tile's query vectors in (head, query, member) order
     for (;;) {
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= num_items) break;
       const Item& it = items[i];
-      const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin;
-      const QT* qh = q_ptr + (it.request * Hq + h0 * G) * D;
-      Partial outs[kMaxGroup];
-      for (int64_t h = 0; h < H; ++h) outs[h] = parts[first_part[it.request * Hkv + h0 + h] + it.chunk];
-      const int64_t* slots = indices + it.chunk_begin;
-      const int64_t n = it.chunk_end - it.chunk_begin;
+      const int64_t r = it.row, h0 = it.head_begin, H = it.head_end - it.head_begin, T = it.query_end - it.query_begin;
+      const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r], chunk_start = it.chunk * kChunk;
+      const int64_t chunk_len = std::min(kChunk, len - chunk_start);
+      int64_t limits[kMaxVectors];
+      Partial outs[kMaxVectors];
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t query = it.query_begin + j;
+        limits[j] = std::clamp<int64_t>(len - (n - 1 - query) - chunk_start, 0, chunk_len);
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(q_tile + (h * T + j) * G * D, q_ptr + ((qo[r] + query) * Hq + (h0 + h) * G) * D, G * D * sizeof(QT));
+          outs[h * T + j] = parts[first_part[r * Hkv + h0 + h] + it.chunk * n + query];
+        }
+      }
+      const Tile tile{H, T, limits};
+      const int64_t* slots = indices + kv[r] + chunk_start;
 #if SGL_LITE_HAS_DPBF16_DECODE
       if (attend_pairs != nullptr) {
-        attend_pairs(reinterpret_cast<const uint16_t*>(qh), scale, reinterpret_cast<const uint16_t*>(k_ptr + h0 * D),
-                     reinterpret_cast<const uint16_t*>(v_ptr + h0 * D), slots, n, shape, H, H * row_bytes, outs);
+        attend_pairs(reinterpret_cast<const uint16_t*>(q_tile), scale, reinterpret_cast<const uint16_t*>(k_ptr + h0 * D),
+                     reinterpret_cast<const uint16_t*>(v_ptr + h0 * D), slots, shape, tile, H * row_bytes, outs);
       } else
 #endif
       {
-        for (int64_t j = 0; j < H * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(qh[j]) * scale;
-        attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, slots, n, shape, H, H * row_bytes, outs);
+        for (int64_t j = 0; j < H * T * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(q_tile[j]) * scale;
+        attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, slots, shape, tile, H * row_bytes, outs);
       }
       for (int64_t h = h0; h < h0 + H; ++h) {
-        const int64_t bh = it.request * Hkv + h;
-        // The last chunk to finish merges; acq_rel makes the other chunks' partials visible to it.
-        if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-          merge_chunks(&parts[first_part[bh]], first_part[bh + 1] - first_part[bh], shape, out_ptr + (it.request * Hq + h * G) * D);
+        const int64_t rh = r * Hkv + h;
+        // The last item of a (row, kv head) to finish merges; acq_rel makes the others' partials visible to it.
+        if (remaining[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          for (int64_t query = 0; query < n; ++query) {
+            const int64_t seen = len - (n - 1 - query);
+            merge_chunks(&parts[first_part[rh] + query], (seen + kChunk - 1) / kChunk, n, shape,
+                         out_ptr + ((qo[r] + query) * Hq + h * G) * D);
+          }
         }
       }
     }
@@ -517,50 +581,69 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 }
 
 template <class QT>
-void dispatch_kv(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* indptr,
-                 const int64_t* indices, float scale, at::Tensor& out) {
+void dispatch_kv(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t R, const int32_t* qo,
+                 const int32_t* kv, const int64_t* indices, float scale, at::Tensor& out) {
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<QT, Fp32Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
-    case at::kBFloat16: return run<QT, Bf16Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
-    case at::kHalf: return run<QT, Fp16Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
-    case at::kFloat8_e4m3fn: return run<QT, E4m3Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
-    case at::kFloat8_e5m2: return run<QT, E5m2Kv>(q, k_cache, v_cache, indptr, indices, scale, out);
+    case at::kFloat: return run<QT, Fp32Kv>(q, k_cache, v_cache, R, qo, kv, indices, scale, out);
+    case at::kBFloat16: return run<QT, Bf16Kv>(q, k_cache, v_cache, R, qo, kv, indices, scale, out);
+    case at::kHalf: return run<QT, Fp16Kv>(q, k_cache, v_cache, R, qo, kv, indices, scale, out);
+    case at::kFloat8_e4m3fn: return run<QT, E4m3Kv>(q, k_cache, v_cache, R, qo, kv, indices, scale, out);
+    case at::kFloat8_e5m2: return run<QT, E5m2Kv>(q, k_cache, v_cache, R, qo, kv, indices, scale, out);
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
 
+// qo_indptr (int32 [R+1], optional): row r's queries are q[qo_indptr[r] : qo_indptr[r+1]] (see run); without
+// it every q row is a row of its own (a decode batch).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale) {
+                                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale,
+                                  const c10::optional<at::Tensor>& qo_indptr) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "q must be [B, Hq, D], k_cache/v_cache [slots, Hkv, D]");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "q must be [N, Hq, D], k_cache/v_cache [slots, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "q, k_cache and v_cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && D <= kMaxHeadDim && D % kLanes == 0,
               "head_dim must match the cache, be a multiple of ", kLanes, " and at most ", kMaxHeadDim);
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "Hq must be a multiple of Hkv, at most ", kMaxGroup, " query heads per kv head");
-  TORCH_CHECK(kv_indptr.scalar_type() == at::kInt && kv_indptr.is_contiguous() && kv_indptr.numel() == B + 1, "kv_indptr must be int32 [B+1]");
-  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.is_contiguous(), "kv_indices must be contiguous int64");
-  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(indptr[b + 1] > indptr[b], "request ", b, " has no KV slots (a decode row attends at least to itself)");
+  const bool rows_given = qo_indptr.has_value() && qo_indptr->defined();
+  const int64_t R = rows_given ? qo_indptr->numel() - 1 : N;
+  TORCH_CHECK(kv_indptr.scalar_type() == at::kInt && kv_indptr.is_contiguous() && kv_indptr.numel() == R + 1,
+              "kv_indptr must be int32 [R+1], one entry per row and one more");
+  std::vector<int32_t> one_each;
+  const int32_t* qo = nullptr;
+  if (rows_given) {
+    TORCH_CHECK(qo_indptr->scalar_type() == at::kInt && qo_indptr->is_contiguous() && R >= 0, "qo_indptr must be contiguous int32 [R+1]");
+    qo = qo_indptr->data_ptr<int32_t>();
+    TORCH_CHECK(qo[0] == 0 && qo[R] == N, "qo_indptr must run from 0 to the number of q rows (", N, ")");
+  } else {
+    one_each.resize(N + 1);
+    for (int64_t b = 0; b <= N; ++b) one_each[b] = int32_t(b);
+    qo = one_each.data();
   }
-  TORCH_CHECK(indptr[0] >= 0 && indptr[B] <= kv_indices.numel(), "kv_indptr runs past kv_indices");
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(qo[r + 1] > qo[r], "row ", r, " has no queries");
+    TORCH_CHECK(indptr[r + 1] - indptr[r] >= qo[r + 1] - qo[r],
+                "row ", r, " has fewer KV slots than queries (each query attends at least to itself)");
+  }
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.is_contiguous(), "kv_indices must be contiguous int64");
+  TORCH_CHECK(indptr[0] >= 0 && indptr[R] <= kv_indices.numel(), "kv_indptr runs past kv_indices");
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
   int64_t lo = 0, hi = 0;  // a slot outside the cache would read foreign memory: check them all (cheap next to the reads)
 #pragma omp simd reduction(min : lo) reduction(max : hi)
-  for (int64_t i = indptr[0]; i < indptr[B]; ++i) {
+  for (int64_t i = indptr[0]; i < indptr[R]; ++i) {
     lo = std::min(lo, indices[i]);
     hi = std::max(hi, indices[i]);
   }
   TORCH_CHECK(lo >= 0 && hi < k_cache.size(0), "kv_indices holds a slot outside [0, ", k_cache.size(0), ")");
   at::Tensor out = at::empty_like(q);
-  if (B == 0) return out;
+  if (R == 0) return out;
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_kv<float>(q, k_cache, v_cache, indptr, indices, s, out); break;
-    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k_cache, v_cache, indptr, indices, s, out); break;
-    case at::kHalf: dispatch_kv<c10::Half>(q, k_cache, v_cache, indptr, indices, s, out); break;
+    case at::kFloat: dispatch_kv<float>(q, k_cache, v_cache, R, qo, indptr, indices, s, out); break;
+    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k_cache, v_cache, R, qo, indptr, indices, s, out); break;
+    case at::kHalf: dispatch_kv<c10::Half>(q, k_cache, v_cache, R, qo, indptr, indices, s, out); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported query dtype ", q.scalar_type());
   }
   return out;
@@ -569,7 +652,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY(sgl_lite, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, float scale, "
+        "Tensor? qo_indptr=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_lite, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
