@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 
@@ -37,6 +38,15 @@ def request_seed(req: Req, default_seed: int | None) -> int | None:
     # hashlib, not hash(): str hashes are salted per process, and a server seed must reproduce across restarts.
     rid_hash = int.from_bytes(hashlib.sha256(req.rid.encode()).digest()[:8], "little")
     return (default_seed + rid_hash) % (2**63)
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for [B, V] logits (each row's first largest value; NaN counts as the
+    largest), through layers/csrc/argmax_rows.cpp for float32 CPU logits: torch's walks a 49152-token row
+    in ~40 us, the op in ~8, and every greedy row and draft position takes one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and load_cpu_ops():
+        return torch.ops.sgl_lite.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -61,7 +71,7 @@ class Sampler:
             return empty_ids, torch.empty(0, device=raw.device) if with_logprobs else None
         params = [r.sampling_params for r in reqs]
         if all(p.is_greedy for p in params) and not self._needs_processing(reqs):
-            next_ids = raw.argmax(dim=-1)  # the greedy fast path: one op, no copy of the logits
+            next_ids = argmax_ids(raw)  # the greedy fast path: one op, no copy of the logits
         else:
             next_ids = self._choose(self.process_logits(raw, reqs), reqs)
         if not with_logprobs:
@@ -155,7 +165,7 @@ class Sampler:
     # ---------------------------------------------------------------- choice
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-        next_ids = logits.argmax(dim=-1)
+        next_ids = argmax_ids(logits)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
         if not sampled_rows:
             return next_ids

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.sampling.sampler import Sampler, _inverse_cdf
+from sgl_lite.runtime.sampling.sampler import Sampler, _inverse_cdf, argmax_ids
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
@@ -41,7 +41,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
     if any(r.grammar is not None for r in reqs):
         logits = _grammar_masked(logits, reqs, drafts)
     if all(r.sampling_params.is_greedy for r in reqs):
-        return _verify_greedy(logits.float().argmax(dim=-1).tolist(), drafts)
+        return _verify_greedy(argmax_ids(logits.float()).tolist(), drafts)
     row_reqs = [req for req, n in zip(reqs, sizes) for _ in range(n)]
     probs = sampler.target_probs(logits, row_reqs)
     out: list[list[int]] = []
