@@ -497,19 +497,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
     const int64_t H = whole_rows && Hkv * n * G <= kMaxVectors ? Hkv : 1, T = std::min(n, kMaxVectors / (H * G));
-    int64_t per_head = 0;
     for (int64_t h = 0; h < Hkv; h += H) {
-      per_head = 0;
+      int64_t count = 0;  // the items of heads h .. h + H - 1
       for (int64_t c = 0; c < chunks_of[r]; ++c) {
         for (int64_t j = 0; j < n; j += T) {
           const int64_t last = std::min(n, j + T);  // the tile's last query sees len - (n - last) positions
           if (len - (n - last) <= c * kChunk) continue;  // its queries' contexts all end before the chunk
           items.push_back({r, h, h + H, c, j, last});
-          ++per_head;
+          ++count;
         }
       }
+      for (int64_t k = h; k < h + H; ++k) remaining[r * Hkv + k].store(count, std::memory_order_relaxed);
     }
-    for (int64_t h = 0; h < Hkv; ++h) remaining[r * Hkv + h].store(per_head, std::memory_order_relaxed);
   }
   const int64_t num_parts = first_part[R * Hkv];
   std::vector<float> part_acc(num_parts * G * D), part_max(num_parts * G), part_sum(num_parts * G);
