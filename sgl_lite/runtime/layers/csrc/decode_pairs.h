@@ -164,8 +164,8 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
       _mm512_store_si512(rests[g], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0)));
     }
     for (int64_t h = 0; h < H; ++h) {
-      // unit u's accumulators in registers over the pairs of tokens it sees; pair_lines(i, vv) gives pair i's
-      // V lines interleaved
+      // unit u's accumulators in registers over the pairs of tokens it sees; pair_lines(i, count, vv) gives
+      // pair i's V lines interleaved (count: the tokens of the block the unit sees)
       const auto accumulate = [&](int64_t u, auto pair_lines) {
         const int64_t count = nb[u * kG];
         if (count <= 0) return;
