@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_lite.runtime.layers.activation import silu_and_mul
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, DecodeKernelInputs
 from sgl_lite.runtime.layers.layernorm import RMSNorm
 from sgl_lite.runtime.layers.linear import (
@@ -95,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
             attn_proj = self.tp_reduce(attn_proj)
         normed, residual = self.post_attention_layernorm(attn_proj, residual)
         gate_up = linear(normed, self.gate_up_weight, None, packed["gate_up"])
-        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        act = silu_and_mul(gate_up)
         down = linear(act, self.down_weight, None, packed["down"])
         return (down if self.tp_reduce is None else self.tp_reduce(down)), residual
 

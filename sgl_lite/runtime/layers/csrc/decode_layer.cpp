@@ -13,7 +13,7 @@
 //   k, v -> k_cache, v_cache at out_cache_loc; attention = paged_decode_attention(q, ...) (decode rows, or
 //   speculative verification rows of several queries each: qo_indptr)
 //   normed, residual = add_rms_norm(gemv(attention, o_weight, o_bias), residual)
-//   gate_up = gemv(normed, gate_up_weight); out = gemv(silu(gate) * up, down_weight)
+//   gate_up = gemv(normed, gate_up_weight); out = gemv(silu_and_mul(gate_up), down_weight)
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -139,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   static const auto norm = op<Norm>("sgl_lite::rms_norm");
   static const auto add_norm = op<AddNorm>("sgl_lite::add_rms_norm");
   static const auto attention = op<Attention>("sgl_lite::paged_decode_attention");
+  static const auto silu_and_mul = op<at::Tensor(const at::Tensor&)>("sgl_lite::silu_and_mul");
   TORCH_CHECK(hidden.dim() == 2 && k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads, "decode_layer: hidden must be [n, hidden], k_cache [slots, num_kv_heads, head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == hidden.scalar_type() && v_cache.scalar_type() == hidden.scalar_type(),
               "decode_layer: the KV cache must have the model's dtype");
@@ -157,8 +158,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const at::Tensor projected = gemv(attended.reshape({n, q_size}), o_weight, o_bias);
   std::tie(normed, stream) = add_norm.call(projected, stream.contiguous(), post_norm, eps);
   const at::Tensor gate_up = gemv(normed, gate_up_weight, c10::nullopt);
-  const int64_t inter = gate_up.size(1) / 2;
-  const at::Tensor act = at::silu(gate_up.slice(1, 0, inter)) * gate_up.slice(1, inter);
+  const at::Tensor act = silu_and_mul.call(gate_up);
   return {gemv(act.contiguous(), down_weight, c10::nullopt), stream};
 }
 

@@ -1,0 +1,19 @@
+"""The MLP's gated activation, silu(gate) * up, over the gate_up matmul's output [rows, 2 * intermediate]."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[:, :I]) * gate_up[:, I:]. On CPU the C++ op of layers/csrc/silu_and_mul.cpp when built:
+    one pass in bf16 with torch's roundings (its exp within ~2 float ulps of torch's; torch's own ops for
+    every other dtype, so float32 keeps their bits). The decode layer's op (csrc/decode_layer.cpp) calls the
+    same op, so a token gets the same bits on the prefill and decode paths."""
+    if gate_up.device.type == "cpu" and load_cpu_ops():
+        return torch.ops.sgl_lite.silu_and_mul(gate_up)
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
