@@ -27,8 +27,6 @@ TOOL_CALL_PARSERS = ("qwen25", "llama3")
 QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
-# How long an idle scheduler waits for a turn's requests to arrive together (managers/arrival_gather.py).
-GATHER_ARRIVALS_MS = 15.0
 
 
 @dataclass
@@ -63,7 +61,6 @@ class ServerArgs:
     prefill_max_requests: int | None = field(default=None, metadata={"help": "Max requests in one prefill batch (None: unbounded)."})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "Prompts longer than this are prefilled in chunks (None: 2048 on CPU, 8192 on CUDA; -1 disables)."})
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same forward as a prefill batch, so a prefill does not pause decoding (their tokens come out of the chunk and prefill budgets; a failed forward then aborts them too)."})
-    gather_arrivals_ms: float = field(default=GATHER_ARRIVALS_MS, metadata={"help": "sgl_lite: when a step finishes k > 1 requests and leaves nothing to run, wait up to this long for k new requests (the sessions' next turns) before prefilling, so they prefill as one batch; 0 disables."})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
 
     # Queue policy.
@@ -161,8 +158,6 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
-        if not 0 <= self.gather_arrivals_ms <= 1000:
-            raise ValueError(f"--gather-arrivals-ms must be in [0, 1000]; got {self.gather_arrivals_ms}")
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"--schedule-conservativeness must be positive; got {self.schedule_conservativeness}")
         if self.priority_scheduling_preemption_threshold < 0:

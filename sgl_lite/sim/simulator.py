@@ -125,15 +125,9 @@ def replay(sessions: list[SimSession], sched: Scheduler, now: Callable[[], float
                 order += 1
         if sched.num_forward_steps == steps_before and sched.has_work():
             # Nothing ran (finishes reported outside a forward, say): time only moves with arrivals.
-            # Or the scheduler holds its prefill for a turn's requests: time passes until the window closes.
             idle_steps += 1
-            held = sched.gather_remaining()
-            if held:  # a microsecond past the window's end, so that rounding cannot leave it open
-                held += 1e-6
             if arrivals:
-                wait_until(min(arrivals[0][0], now() + held) if held else arrivals[0][0])
-            elif held:
-                wait_until(now() + held)
+                wait_until(arrivals[0][0])
             elif idle_steps > 3:
                 raise RuntimeError(f"the scheduler made no progress with {sched.num_waiting()} waiting")
         else:

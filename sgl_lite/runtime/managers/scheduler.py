@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sgl_lite.runtime.managers.arrival_gather import ArrivalGather
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
 from sgl_lite.runtime.managers.ngram_layout import layout_free_keys
 from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
@@ -93,7 +92,6 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         self.chunked_req: Req | None = None
         self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
         self.batch_is_full = False  # set when admission hit the KV budget or the running limit
-        self.gather = ArrivalGather(args.gather_arrivals_ms / 1000)
         self._reports: list[Req] = []  # finished outside a forward (aborts, evictions), reported next step
         self._live: dict[str, Req] = {}
 
@@ -172,7 +170,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
     def has_ready_work(self) -> bool:
         """Whether step() would do anything now: not when it would only find grammars still compiling
         (a server loop then waits instead of spinning)."""
-        if self.running or self.chunked_req or self._reports or (self._waiting and not self._gathering()):
+        if self._waiting or self.running or self.chunked_req or self._reports:
             return True
         deadline = self.clock() - self.args.grammar_compile_timeout
         return any(f.done() or r.queue_enter_time < deadline for r, f in self.grammar_pending)
@@ -203,18 +201,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                     self._process_prefill(batch, output, changed, end=num_prefill)
         if not self.running and self.chunked_req is None:
             self.new_token_ratio = self.init_new_token_ratio
-            if batch is not None and not self._waiting and not self.grammar_pending:
-                done = sum(r.finished and r.finished_reason.kind is not FinishKind.ABORT for r in batch.reqs)
-                self.gather.on_drain(done, self.clock())
         return changed
-
-    def _gathering(self) -> bool:
-        """Whether an idle scheduler holds its prefill for more of a turn's requests (arrival_gather.py)."""
-        return not self.running and self.chunked_req is None and self.gather.holds(len(self._waiting), self.clock())
-
-    def gather_remaining(self) -> float:
-        """Seconds the prefill is still held for a turn's requests (0: not holding)."""
-        return self.gather.remaining(self.clock()) if self._gathering() else 0.0
 
     def _fail_batch(self, batch: ForwardBatch, error: Exception, changed: list[Req]) -> None:
         """Abort exactly the batch's requests, naming the cause. Their KV computed before this step

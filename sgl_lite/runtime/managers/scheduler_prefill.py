@@ -37,8 +37,6 @@ class PrefillScheduling(_Base):
         (with --enable-mixed-chunk, the running requests' decode rows follow them)."""
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None, 0
-        if self._gathering():
-            return None, 0
         mixed = len(self.running) if self.args.enable_mixed_chunk else 0
         adder = PrefillAdder(self.kv.tree_cache, self.kv.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)

@@ -103,10 +103,6 @@ class RuntimeCore:
         """True when a step would do something now (not only wait for grammar compiles)."""
         return self.scheduler.has_ready_work()
 
-    def gather_remaining(self) -> float:
-        """Seconds an idle scheduler still holds its prefill for a turn's requests (0: not holding)."""
-        return self.scheduler.gather_remaining()
-
     def is_compiling_grammar(self) -> bool:
         """A grammar compile is running (xgrammar cannot interrupt it; exit need not wait for it)."""
         return self.scheduler.validator.is_compiling()

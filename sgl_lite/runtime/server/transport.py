@@ -35,7 +35,6 @@ code "aborted") before the socket closes.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -162,9 +161,6 @@ class RuntimeServer:
             return 0
         if self._pending:
             return PENDING_POLL_MS
-        gathering = core.gather_remaining()
-        if gathering:  # woken by the arrivals themselves, or when the window closes
-            return min(GRAMMAR_POLL_MS, math.ceil(gathering * 1000))
         return GRAMMAR_POLL_MS if core.has_work() else IDLE_POLL_MS
 
     def _step(self) -> list[Req]:
