@@ -14,6 +14,8 @@
   and a speculative verification row: one request's 1 + k queries (its last token and k draft tokens,
   query j seeing j more keys) as one kernel row, as the runtime runs them, at 150-2000 tokens of context,
   with what each draft query adds to the layer; its baseline is the same queries as separate decode rows;
+- the MLP's activation, silu(gate) * up, as one C++ op (`layers/csrc/silu_and_mul.cpp`) against torch's two
+  ops, in bf16 at SmolLM2-135M's width (1536), 30 layers' inputs, from a decode step's rows to a prefill's;
 - the decoder layer of a decode step as one C++ op (`layers/csrc/decode_layer.cpp`) against the same
   layer called op by op from Python, on the default model (ms per decode step, 480-token contexts).
 
@@ -190,6 +192,19 @@ def bench_verify_attention(repeats: int) -> list[dict]:
     return out
 
 
+def bench_activation(repeats: int) -> list[dict]:
+    from sgl_lite.runtime.layers.activation import silu_and_mul
+
+    out = []
+    for rows in (1, 8, 80, 560):
+        inputs = [torch.randn(rows, 2 * 1536).bfloat16() for _ in range(LAYERS)]
+        forms = {"op": lambda: [silu_and_mul(x) for x in inputs],
+                 "torch": lambda: [torch.nn.functional.silu(x[:, :1536]) * x[:, 1536:] for x in inputs]}
+        times = {name: best_seconds(fn, repeats) / LAYERS for name, fn in forms.items()}
+        out.append({"rows": rows, "op_us": times["op"] * 1e6, "torch_us": times["torch"] * 1e6, "speedup": times["torch"] / times["op"]})
+    return out
+
+
 def bench_fused_layer(repeats: int) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_model import RunnerBench
@@ -231,6 +246,7 @@ def main() -> None:
     bandwidth = read_bandwidth(args.repeats)
     attention = bench_attention(args.repeats)
     verify = bench_verify_attention(args.repeats)
+    activation = bench_activation(args.repeats)
     layer = bench_fused_layer(args.repeats)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {torch.get_num_threads()} threads, best of {args.repeats}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
@@ -251,12 +267,16 @@ def main() -> None:
     for r in verify:
         print(f"| {r['context']} | " + " | ".join(f"{r[f'us_{n}_queries']:.0f}" for n in VERIFY_QUERIES)
               + f" | {r['us_per_draft_query']:.1f} | {r[f'us_{last}_separate']:.0f} | {r[f'us_{last}_separate'] / r[f'us_{last}_queries']:.2f}x |")
+    print("\n| rows | silu_and_mul op, us per layer | torch's silu, mul (us) | speedup |\n|---:|---:|---:|---:|")
+    for r in activation:
+        print(f"| {r['rows']} | {r['op_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.2f}x |")
     print("\n| batch | decode step, one op per layer (ms) | op by op (ms) | speedup |\n|---:|---:|---:|---:|")
     for r in layer:
         print(f"| {r['batch']} | {r['one op per layer ms']:.2f} | {r['op by op ms']:.2f} | {r['speedup']:.2f}x |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "read_bandwidth_GBps": bandwidth / 1e9, "matmuls": matmuls,
-                               "attention": attention, "verification_rows": verify, "decode_layer": layer}, indent=2))
+                               "attention": attention, "verification_rows": verify, "activation": activation,
+                               "decode_layer": layer}, indent=2))
     print(f"\nwrote {out}")
     try:
         import matplotlib
