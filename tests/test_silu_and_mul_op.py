@@ -37,7 +37,7 @@ def test_every_bf16_gate_value_gives_torchs_bits(up: float) -> None:
 
 
 @pytest.mark.parametrize("inter", [1, 7, 16, 23, 1536])  # rows' tails shorter than a vector, and none
-@pytest.mark.parametrize("rows", [1, 8, 97])  # one thread, and a prefill's rows across threads
+@pytest.mark.parametrize("rows", [0, 1, 8, 97])  # none, one thread, and a prefill's rows across threads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
 def test_random_rows_give_torchs_bits(rows: int, inter: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + inter)
