@@ -10,9 +10,9 @@ from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate_up[:, :I]) * gate_up[:, I:]. On CPU the C++ op of layers/csrc/silu_and_mul.cpp when built:
-    one pass in bf16 with torch's roundings (its exp within ~2 float ulps of torch's; torch's own ops for
-    every other dtype, so float32 keeps their bits). The decode layer's op (csrc/decode_layer.cpp) calls the
-    same op, so a token gets the same bits on the prefill and decode paths."""
+    one pass in bf16 with torch's bits (silu looked up in a table of torch's own silu of every bf16 value,
+    the product rounded as torch rounds it); torch's own ops for every other dtype. The decode layer's op
+    (csrc/decode_layer.cpp) calls the same op, so a token gets the same bits on the prefill and decode paths."""
     if gate_up.device.type == "cpu" and load_cpu_ops():
         return torch.ops.sgl_lite.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
