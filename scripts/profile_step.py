@@ -8,7 +8,7 @@ CPU time is printed: what share the matmuls (`mkldnn::_linear_pointwise`: oneDNN
 `w8a8_gemm`: the C++ kernels), attention (`sgl_lite::extend_attention`, `paged_decode_attention`) and
 the rest take. A diagnostic, not a benchmark: no baseline, and the shares move with the host's load.
 Usage: python scripts/profile_step.py [extend|decode] [--batch 8] [--prefix 450] [--new 90] [--draft 8]
-       [--quantization w8a8_int8] [--dtype bf16] [--rows 12] [--out artifacts/profile_step.json]
+       [--quantization w8a8_int8] [--kv-cache-dtype fp8_e4m3] [--dtype bf16] [--rows 12] [--out artifacts/profile_step.json]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", choices=sorted(DTYPE_FLAGS), default="bf16")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prefix", type=int, default=450, help="cached tokens per request before the timed step")
     parser.add_argument("--new", type=int, default=90, help="extend: new tokens per request")
@@ -51,7 +52,7 @@ def main() -> None:
     model_dir = resolve_model_path(args.model)
     context = args.prefix + max(args.new, args.decode_steps) + 1 + args.draft
     runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu",
-                                    quantization=args.quantization, max_total_tokens=args.batch * context + 64,
+                                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=args.batch * context + 64,
                                     max_running_requests=args.batch + 1), model_dir=model_dir)
     bench = RunnerBench(runner)
     rng = random.Random(0)
@@ -87,7 +88,7 @@ def main() -> None:
     if args.phase == "decode" and args.draft:
         what += f", each request verifying {args.draft} draft tokens a step"
     print(f"\n{args.phase}: {what} on {args.prefix} cached tokens each, {runner.dtype}, "
-          f"quantization {args.quantization or 'none'}: best {1000 * best / steps:.2f} ms per step of {args.repeats}\n")
+          f"quantization {args.quantization or 'none'}, KV cache {args.kv_cache_dtype}: best {1000 * best / steps:.2f} ms per step of {args.repeats}\n")
     print("| op | self CPU ms per step | share | calls per step |")
     print("|---|---:|---:|---:|")
     rows = []
@@ -97,7 +98,7 @@ def main() -> None:
         print(f"| {e.key} | {rows[-1]['ms_per_step']:.2f} | {100 * rows[-1]['share']:.1f}% | {rows[-1]['calls_per_step']:.0f} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"phase": args.phase, "batch": args.batch, "prefix": args.prefix, "new": args.new, "draft": args.draft,
-                               "quantization": args.quantization, "dtype": str(runner.dtype),
+                               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "dtype": str(runner.dtype),
                                "best_ms_per_step": 1000 * best / steps, "ops": rows}, indent=2))
     print(f"\nwrote {out}")
 

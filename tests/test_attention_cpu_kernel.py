@@ -95,6 +95,33 @@ def test_fp8_decode_is_exact_for_every_code(op, fmt):
     torch.testing.assert_close(out, codes.float(), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("shape", ["smollm_gqa3", "long_4k_split"])
+def test_fp8_pool_gives_the_bits_of_a_bf16_pool_with_its_values(op, fmt, shape):
+    """bf16 queries over an 8-bit pool (widened as it is read) and over a bf16 pool holding the same values
+    (every fp8 value is a bf16 value): the same bits in each arithmetic, for decode rows and a verification
+    row alike. Subnormals, zeros and the format's extremes are in the pool."""
+    lens, hq, hkv, dim = SHAPES[shape]
+    q, k8, v8, indptr, indices = random_paged_inputs(6, lens, hq, hkv, dim, torch.bfloat16, FP8[fmt])
+    g = torch.Generator().manual_seed(7)
+    pick = torch.randint(0, 8, v8.shape, generator=g)
+    tiny, finite = torch.finfo(FP8[fmt]).smallest_normal, torch.finfo(FP8[fmt]).max
+    v = v8.float()
+    v = torch.where(pick == 0, v * tiny / 4, torch.where(pick == 1, torch.sign(v) * finite, torch.where(pick == 2, -0.0 * v, v)))
+    v8 = v.to(FP8[fmt])
+    qo = torch.arange(len(lens) + 1, dtype=torch.int32)
+    qo[-1] += 2  # the last row verifies 2 draft tokens: 3 queries
+    q = torch.cat((q, torch.randn(2, hq, dim, generator=g).to(torch.bfloat16)))
+
+    def both() -> dict[str, torch.Tensor]:
+        return {"fp8": op(q, k8, v8, indptr, indices, 0.125, qo),
+                "bf16": op(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), indptr, indices, 0.125, qo)}
+
+    for arithmetic, outs in in_each_bf16_arithmetic(both).items():
+        assert torch.isfinite(outs["fp8"]).all(), arithmetic
+        assert torch.equal(outs["fp8"], outs["bf16"]), arithmetic
+
+
 def test_kernel_rejects_bad_metadata(op):
     q, k_cache, v_cache, indptr, indices = random_paged_inputs(0, [3, 4], 4, 2, 16, torch.float32, torch.float32)
     with pytest.raises(RuntimeError, match="outside"):

@@ -53,7 +53,12 @@ def decode_hidden(runner: ModelRunner, reqs, slots: torch.Tensor) -> torch.Tenso
     return runner.model(ids, positions, runner.attn, runner.kv_pool)
 
 
-def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRunner) -> None:
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_fused_decode_step_is_bit_identical_to_the_python_layers(runner: ModelRunner, kv: str) -> None:
+    """The same hidden states and the same K/V stored, in a pool of the model's dtype or of 8-bit floats
+    (which the op saturates and rounds as KVPool.write does)."""
+    if kv != "auto":
+        runner = ModelRunner(runner.args.replace(kv_cache_dtype=kv), model_dir=runner.model_dir)
     driver = Driver(runner)
     reqs = [driver.new_req(str(i), ids) for i, ids in enumerate(prompts(runner.vocab_size, [5, 17, 33], seed=3))]
     driver.generate(reqs, 1)
@@ -84,7 +89,7 @@ def test_greedy_decoding_is_the_same_with_and_without_fusion(tiny_llama_dir: Pat
     assert outputs[0] == outputs[1]
 
 
-def test_fp8_pools_and_extend_batches_take_the_python_path(tiny_llama_dir: Path) -> None:
+def test_extend_batches_take_the_python_path_and_fp8_pools_the_fused_one(tiny_llama_dir: Path) -> None:
     runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
     driver = Driver(runner)
     req = driver.new_req("a", prompts(runner.vocab_size, [6], seed=1)[0])
@@ -94,7 +99,33 @@ def test_fp8_pools_and_extend_batches_take_the_python_path(tiny_llama_dir: Path)
     fp8 = ModelRunner(runner.args.replace(kv_cache_dtype="fp8_e4m3"), model_dir=runner.model_dir)
     meta = AttentionMetadata.build([req.req_pool_idx], [5], [1], torch.arange(6, 7), fp8.req_to_token)
     fp8.attn.prepare(meta)
-    assert fp8.attn.decode_kernel_inputs(fp8.kv_pool) is None
+    assert fp8.attn.decode_kernel_inputs(fp8.kv_pool) is not None
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_fused_op_saturates_an_fp8_pool_as_kv_pool_write_does(tiny_llama_dir: Path, kv: str) -> None:
+    """K/V far beyond the format's range (the qkv bias scaled up) are stored as its largest finite value, as
+    KVPool.write stores them, not as inf or NaN."""
+    runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
+    runner = ModelRunner(runner.args.replace(kv_cache_dtype=kv), model_dir=runner.model_dir)
+    layer = runner.model.layers[0]
+    layer.qkv_bias = torch.full((layer.q_size + 2 * layer.kv_size,), 1e6, dtype=runner.dtype)
+    layer.qkv_bias[layer.q_size + layer.kv_size :: 2] = -1e6  # some V entries at the negative end
+    driver = Driver(runner)
+    [req] = [driver.new_req("0", ids) for ids in prompts(runner.vocab_size, [7], seed=5)]
+    driver.generate([req], 1)
+    slots = torch.tensor([1500])
+    stored = []
+    for fused in (True, False):
+        if not fused:
+            without_fusion(runner)
+        decode_hidden(runner, [req], slots)
+        stored.append((runner.kv_pool.k[0][slots].float(), runner.kv_pool.v[0][slots].float()))
+    finite = torch.finfo(runner.kv_pool.dtype).max
+    for k, v in stored:
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()
+        assert (v == -finite).any() and (v == finite).any()
+    assert all(torch.equal(a, b) for a, b in zip(*stored))
 
 
 def test_an_out_of_pool_slot_is_refused_not_written(tiny_llama_dir: Path) -> None:

@@ -117,3 +117,65 @@ def test_extend_kernel_rejects_bad_metadata(op):
         ext(q, pool.k[0], pool.v[0], good.int(), meta.kv_indices, 0.25, out)
     with pytest.raises(RuntimeError, match="share a dtype"):
         ext(q.bfloat16(), pool.k[0], pool.v[0], good, meta.kv_indices, 0.25, out.bfloat16())
+
+
+def extreme_fp8_pool(seed: int, slots: int, hkv: int, d: int, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pools of 8-bit floats: random values with subnormals, zeros of both signs and the largest
+    magnitudes mixed in (never NaN: one NaN poisons a row's softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    finite, tiny = torch.finfo(fp8).max, torch.finfo(fp8).smallest_normal
+    pools = []
+    for _ in range(2):
+        x = torch.randn(slots, hkv, d, generator=g) * 2
+        pick = torch.randint(0, 8, x.shape, generator=g)
+        x = torch.where(pick == 0, x * tiny / 4, x)  # subnormals
+        x = torch.where(pick == 1, torch.sign(x) * finite, x)
+        x = torch.where(pick == 2, torch.zeros_like(x) * torch.sign(x), x)
+        pools.append(x.to(fp8))
+    pools[0] = (pools[0].float() / 64).to(fp8)  # K: scores stay in the tens, so no row's softmax is one-hot
+    return pools[0], pools[1]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_kernel_reads_fp8_pools_as_their_values(op, fp8, dtype, bf16_arithmetic):
+    """An 8-bit pool is widened in registers: every row gets the bits the kernel gives over a pool of q's
+    dtype holding the same values (every fp8 value is exact there), subnormals and extremes included."""
+    slots, hq, hkv, d = 300, 9, 3, 64
+    k8, v8 = extreme_fp8_pool(3, slots, hkv, d, fp8)
+    assert (k8.float().abs() < torch.finfo(fp8).smallest_normal).logical_and(k8.float() != 0).any()  # subnormals are there
+    q = torch.randn(70, hq, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    # (first q row, new tokens, first index, kv length): a long cached prefix, a short one, a fresh prompt
+    requests = torch.tensor([[0, 33, 0, 200], [33, 30, 200, 45], [63, 7, 245, 7]])
+    indices = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:252]
+    out8, out = torch.zeros_like(q), torch.zeros_like(q)
+    torch.ops.sgl_lite.extend_attention(q, k8, v8, requests, indices, 0.125, out8)
+    torch.ops.sgl_lite.extend_attention(q, k8.to(dtype), v8.to(dtype), requests, indices, 0.125, out)
+    assert torch.isfinite(out8).all() and out8.abs().max() > 0
+    assert torch.equal(out8, out)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pool_extends_read_the_pool_but_a_fresh_prompt_its_own_kv(op, kv):
+    """Through the backend on an 8-bit pool: a request with a cached prefix goes through the kernel over the
+    rounded pool; a prompt with nothing cached attends its own K/V before rounding (the torch path), as
+    documented for --kv-cache-dtype."""
+    extend_kernel()
+    from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
+    from sgl_lite.runtime.mem_cache.memory_pool import kv_cache_dtype
+
+    pool, meta, q, k, v = random_batch(12, [0, 40], [24, 16], 9, 3, d=64, dtype=torch.bfloat16)
+    fp8 = KVPool(1, pool.num_slots, 3, 64, kv_cache_dtype(kv, torch.bfloat16))
+    fp8.write(0, torch.arange(1, pool.num_slots + 1), pool.k[0][1:].nan_to_num(), pool.v[0][1:].nan_to_num())
+    backend = CpuKernelBackend(9, 3, 64, op)
+    backend.prepare(meta)
+    out = backend.forward(0, q, k, v, fp8)
+    reference = TorchNativeBackend(9, 3, 64)
+    reference.prepare(meta)
+    assert torch.equal(out[:24], reference.forward(0, q, k, v, fp8)[:24])  # the fresh prompt: the torch path's bits
+    widened = KVPool(1, pool.num_slots, 3, 64, torch.bfloat16)
+    widened.k, widened.v = [fp8.k[0].to(torch.bfloat16)], [fp8.v[0].to(torch.bfloat16)]
+    kernel_alone = torch.zeros_like(q)
+    torch.ops.sgl_lite.extend_attention(q, widened.k[0], widened.v[0], backend._extend_table[1:], meta.kv_indices, backend.scale,
+                                        kernel_alone)
+    assert torch.equal(out[24:], kernel_alone[24:])  # the cached request: the kernel over the rounded pool

@@ -30,7 +30,7 @@ from sgl_lite.runtime.layers.linear import (
 )
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope, rope_inv_freq, rope_parameters
-from sgl_lite.runtime.mem_cache.memory_pool import KVPool
+from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,9 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         residual = None
-        kernel = attn.decode_kernel_inputs(kv_pool) if kv_pool.dtype == hidden.dtype else None
+        # the fused decode layer stores into a pool of the model's dtype or of 8-bit floats
+        fused = kv_pool.dtype == hidden.dtype or kv_pool.dtype in FP8_KV_DTYPES.values()
+        kernel = attn.decode_kernel_inputs(kv_pool) if fused else None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool, kernel)
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)

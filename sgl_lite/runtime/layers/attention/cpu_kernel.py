@@ -8,7 +8,9 @@ from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA que
 it as one row of several queries, which share its reads of K/V and each give the bits of that token
 decoded alone. Prefill and extend chunks (an agent's next turn over its cached conversation)
 go through layers/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
-metadata, where it is built (AVX-512) and the pool holds the model's dtype; else the torch path.
+metadata, where it is built (AVX-512); else the torch path. An 8-bit pool is widened in registers by both
+kernels; a prompt with nothing cached still attends its own K/V unrounded there (the torch path), as
+documented for `--kv-cache-dtype`, and every later token reads the pool.
 """
 
 from __future__ import annotations
@@ -62,23 +64,32 @@ class CpuKernelBackend(TorchNativeBackend):
             )
         self._op = op
         self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
+        self._cached_extend_table: torch.Tensor | None = None  # its rows of requests with a cached prefix
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
-        self._extend_table = None
+        self._extend_table = self._cached_extend_table = None
         if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
             rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens)
                     if e > 1 and i not in meta.verify_rows]
             self._extend_table = torch.tensor(rows, dtype=torch.int64)
+            self._cached_extend_table = self._extend_table[[row[3] > row[1] for row in rows]]
 
     def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor) -> None:
-        if self._extend_table is None or k_cache.dtype != q.dtype:  # an 8-bit pool: the torch path converts
+        if self._extend_table is None:
             super()._extend_all(q, k, v, k_cache, v_cache, out)
             return
-        torch.ops.sgl_lite.extend_attention(q.contiguous(), k_cache, v_cache, self._extend_table, self._meta.kv_indices,
-                                            self.scale, out)
+        table = self._extend_table
+        if k_cache.dtype in FP8_KV_DTYPES.values():  # a prompt with nothing cached attends its own unrounded K/V
+            for req in self._extends:
+                if req.prefix == 0:
+                    self._extend_attention(q, k, v, k_cache, v_cache, req, out)
+            table = self._cached_extend_table
+            if not len(table):
+                return
+        torch.ops.sgl_lite.extend_attention(q.contiguous(), k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
         # A verification row is one kernel row of several queries: they share its reads of K/V.
@@ -107,9 +118,7 @@ class CpuKernelBackend(TorchNativeBackend):
 
     def decode_kernel_inputs(self, kv_pool: KVPool) -> DecodeKernelInputs | None:
         group, meta = self._decode, self._meta
-        # the whole batch one decode query per row, and a pool the fused layer stores into without conversion
+        # the whole batch decode or verification rows (the fused layer stores into any pool, 8-bit ones too)
         if meta is None or not isinstance(group, _KernelDecodeGroup) or group.rows is not None or self._extends:
-            return None
-        if kv_pool.dtype in FP8_KV_DTYPES.values():
             return None
         return DecodeKernelInputs(meta.out_cache_loc, group.kv_indptr, group.kv_indices, self.scale, group.qo_indptr)

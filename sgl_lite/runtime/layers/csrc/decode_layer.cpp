@@ -18,12 +18,16 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -53,33 +57,80 @@ inline float rounded(float x, c10::BFloat16) {
 inline float widened(float x) { return x; }
 inline float widened(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// A value of the model's dtype as the KV pool stores it (KVPool.write): as it is, or, in an 8-bit float
+// pool, saturated to the format's largest finite value (e5m2 would make inf of an out-of-range value, and
+// inf * 0 poisons attention; NaN stays NaN) and converted as torch's .to() converts (c10's conversion).
+template <class C>
+inline C stored(float x) {
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>) {
+    const float finite = static_cast<float>(std::numeric_limits<C>::max());
+    return C(x > finite ? finite : x < -finite ? -finite : x);
+  } else {
+    return static_cast<C>(x);
+  }
+}
+
 // Rotate-half RoPE on the q and k heads of qkv [n, (Hq + 2 Hkv) * D] and the KV write in one pass: q rotated
-// into q_out [n, Hq, D], k rotated and v copied into the cache rows `loc`. The ATen expression it replaces,
-// cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) then two index_copy_, costs ~10 dispatched ops a layer; this
-// rounds as it does (each product, then each sum, to T; float32 without fused multiply-adds, which would
-// round once), so the bits are the same.
-template <class T>
+// into q_out [n, Hq, D], k rotated and v copied into the cache rows `loc` (of the model's dtype T, or 8-bit
+// floats C). The ATen expression it replaces, cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) then two
+// index_copy_, costs ~10 dispatched ops a layer; this rounds as it does (each product, then each sum, to T;
+// float32 without fused multiply-adds, which would round once), so the bits are the same.
+template <class T, class C>
 __attribute__((optimize("fp-contract=off"))) void rope_store(const T* qkv, const T* cos, const T* sin, int64_t n,
                                                              int64_t hq, int64_t hkv, int64_t dim, const int64_t* loc,
-                                                             T* q_out, T* k_cache, T* v_cache) {
+                                                             T* q_out, C* k_cache, C* v_cache) {
   const int64_t half = dim / 2, width = (hq + 2 * hkv) * dim;
   for (int64_t i = 0; i < n; ++i) {
     const T* row = qkv + i * width;
     const T* c = cos + i * half;
     const T* s = sin + i * half;
-    for (int64_t h = 0; h < hq + hkv; ++h) {
-      const T* x = row + h * dim;
-      T* out = h < hq ? q_out + (i * hq + h) * dim : k_cache + (loc[i] * hkv + h - hq) * dim;
+    const auto rotate = [&](const T* x, auto* out) {
+      using O = std::remove_pointer_t<decltype(out)>;
       for (int64_t d = 0; d < half; ++d) {
         const float x1 = widened(x[d]), x2 = widened(x[d + half]), cd = widened(c[d]), sd = widened(s[d]);
         const float lo = rounded(rounded(x1 * cd, T()) - rounded(x2 * sd, T()), T());
         const float hi = rounded(rounded(x2 * cd, T()) + rounded(x1 * sd, T()), T());
-        out[d] = static_cast<T>(lo);  // exact: lo and hi are already values of T
-        out[d + half] = static_cast<T>(hi);
+        out[d] = stored<O>(lo);  // exact into T: lo and hi are already values of T
+        out[d + half] = stored<O>(hi);
       }
+    };
+    for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, q_out + (i * hq + h) * dim);
+    for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, k_cache + (loc[i] * hkv + h) * dim);
+    const T* v = row + (hq + hkv) * dim;
+    C* v_out = v_cache + loc[i] * hkv * dim;
+    if constexpr (std::is_same_v<C, T>) {
+      std::memcpy(v_out, v, hkv * dim * sizeof(T));
+    } else {
+      for (int64_t j = 0; j < hkv * dim; ++j) v_out[j] = stored<C>(widened(v[j]));
     }
-    std::memcpy(v_cache + loc[i] * hkv * dim, row + (hq + hkv) * dim, hkv * dim * sizeof(T));
   }
+}
+
+// rope_store for the model's dtype T into caches of the model's dtype or of 8-bit floats.
+template <class T>
+void rope_store_into(const T* qkv, const T* cos, const T* sin, int64_t n, int64_t hq, int64_t hkv, int64_t dim,
+                     const int64_t* loc, T* q_out, at::Tensor& k_cache, at::Tensor& v_cache) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return rope_store(qkv, cos, sin, n, hq, hkv, dim, loc, q_out, k_cache.data_ptr<c10::Float8_e4m3fn>(),
+                        v_cache.data_ptr<c10::Float8_e4m3fn>());
+    case at::kFloat8_e5m2:
+      return rope_store(qkv, cos, sin, n, hq, hkv, dim, loc, q_out, k_cache.data_ptr<c10::Float8_e5m2>(),
+                        v_cache.data_ptr<c10::Float8_e5m2>());
+    default:
+      return rope_store(qkv, cos, sin, n, hq, hkv, dim, loc, q_out, k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
+  }
+}
+
+// The ATen form of KVPool.write: rows x into the cache at `loc`, saturated and converted for an 8-bit float cache.
+void store_rows(at::Tensor& cache, const at::Tensor& loc, const at::Tensor& x) {
+  if (cache.scalar_type() != at::kFloat8_e4m3fn && cache.scalar_type() != at::kFloat8_e5m2) {
+    cache.index_copy_(0, loc, x);
+    return;
+  }
+  const double finite = cache.scalar_type() == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
+  at::Tensor bytes = cache.view(at::kByte);  // index_copy_ has no float8 kernel; the bytes are the same
+  bytes.index_copy_(0, loc, x.clamp(-finite, finite).to(cache.scalar_type()).view(at::kByte));
 }
 
 // q [n, Hq, D] rotated, with k rotated and v stored in the caches: rope_store where it applies (bf16 or
@@ -100,12 +151,11 @@ at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const 
     TORCH_CHECK(loc.numel() == n && std::all_of(slots, slots + n, [&](int64_t slot) { return slot >= 0 && slot < k_cache.size(0); }),
                 "decode_layer: out_cache_loc must hold one slot in [0, ", k_cache.size(0), ") per row");
     if (dtype == at::kFloat) {
-      rope_store(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, num_heads, num_kv_heads, dim, slots,
-                 q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+      rope_store_into(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, num_heads, num_kv_heads, dim, slots,
+                      q.data_ptr<float>(), k_cache, v_cache);
     } else {
-      rope_store(qkv.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n, num_heads,
-                 num_kv_heads, dim, slots, q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
-                 v_cache.data_ptr<c10::BFloat16>());
+      rope_store_into(qkv.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n, num_heads,
+                      num_kv_heads, dim, slots, q.data_ptr<c10::BFloat16>(), k_cache, v_cache);
     }
     return q;
   }
@@ -113,8 +163,8 @@ at::Tensor rotate_and_store(const at::Tensor& qkv, const at::Tensor& cos, const 
   const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim});
   const at::Tensor x1 = qk.slice(-1, 0, half), x2 = qk.slice(-1, half);
   const at::Tensor rotated = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
-  k_cache.index_copy_(0, out_cache_loc, rotated.slice(1, num_heads));
-  v_cache.index_copy_(0, out_cache_loc, qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, dim}));
+  store_rows(k_cache, out_cache_loc, rotated.slice(1, num_heads));
+  store_rows(v_cache, out_cache_loc, qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, dim}));
   return rotated.slice(1, 0, num_heads).contiguous();
 }
 
@@ -141,8 +191,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   static const auto attention = op<Attention>("sgl_lite::paged_decode_attention");
   static const auto silu_and_mul = op<at::Tensor(const at::Tensor&)>("sgl_lite::silu_and_mul");
   TORCH_CHECK(hidden.dim() == 2 && k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads, "decode_layer: hidden must be [n, hidden], k_cache [slots, num_kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == hidden.scalar_type() && v_cache.scalar_type() == hidden.scalar_type(),
-              "decode_layer: the KV cache must have the model's dtype");
+  const at::ScalarType kv = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == hidden.scalar_type() || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2),
+              "decode_layer: the KV cache must have the model's dtype or hold 8-bit floats");
   const int64_t n = hidden.size(0), q_size = num_heads * k_cache.size(2);
 
   at::Tensor normed, stream;

@@ -17,12 +17,32 @@
 // float64 reference was 9% above that of rounding the exact result (8 requests, 50-2000 tokens); with the
 // remainder it equals it, as the float32 path's does.
 //
+// An 8-bit float pool is read as stored and widened to bf16 in registers as its rows are loaded (exactly:
+// every fp8 value is a bf16 value, fp8_vectors.h), so a query gets the bits it would get from a bf16 pool
+// holding the same values, at half the bytes read. (Widened to float32 for FMAs instead, the conversions and
+// the FMA arithmetic made an 8-bit pool slower to decode than a bf16 one on the 2-core EPYC.)
+//
 // Not a standalone header: paged_decode_attention.cpp includes it inside its anonymous namespace, after
-// its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile).
+// its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile), and fp8_vectors.h before it.
 #pragma once
 
 #if defined(__AVX512BF16__)
 #define SGL_LITE_HAS_DPBF16_DECODE 1
+
+// The pool formats the pairs read, 32 stored values at a time as the bf16 pairs of one 64-byte vector.
+struct Bf16Rows {
+  using T = uint16_t;
+  static inline __m512i load32(const T* p) { return _mm512_loadu_si512(p); }
+};
+template <__m512 (*widen)(const uint8_t*)>
+struct Fp8Rows {
+  using T = uint8_t;
+  static inline __m512i load32(const T* p) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(sgl_lite::exact_bf16(widen(p))), sgl_lite::exact_bf16(widen(p + 16)), 1);
+  }
+};
+using E4m3Rows = Fp8Rows<sgl_lite::widen_e4m3fn>;
+using E5m2Rows = Fp8Rows<sgl_lite::widen_e5m2>;
 
 // A 16 x 16 matrix of 32-bit words transposed in registers: r[i] holds row i before, column i after.
 inline void transpose16(__m512i* r) {
@@ -52,8 +72,8 @@ inline void transpose16(__m512i* r) {
 // The K rows (one head's part, D = 32 kP bf16) of the `count` slots of a block transposed into
 // keys[v][p]: pair p (dims 2p, 2p + 1) of tokens 16v .. 16v + 15, a token per lane. Tokens past `count` read
 // as zero rows (their scores are masked). on_load() runs after each row load (see attend_chunk_pairs).
-template <int64_t kP, class OnLoad>
-inline void transpose_keys(const uint16_t* k_base, const int64_t* slots, int64_t count, int64_t stride,
+template <class Rows, int64_t kP, class OnLoad>
+inline void transpose_keys(const typename Rows::T* k_base, const int64_t* slots, int64_t count, int64_t stride,
                            __m512i (*keys)[16 * kP], OnLoad on_load) {
   for (int64_t v = 0; v < kBlock / kLanes; ++v) {
     for (int64_t p = 0; p < kP; ++p) {
@@ -61,7 +81,7 @@ inline void transpose_keys(const uint16_t* k_base, const int64_t* slots, int64_t
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t t = v * 16 + i;
         if (t < count) {
-          r[i] = _mm512_loadu_si512(k_base + slots[t] * stride + p * 32);
+          r[i] = Rows::load32(k_base + slots[t] * stride + p * 32);
           on_load();
         } else {
           r[i] = _mm512_setzero_si512();
@@ -100,8 +120,8 @@ inline void score_vectors(const __m512bh* qv, const __m512i (*keys)[16 * kP], fl
 }
 
 // attend_chunk's contract in pairs: q [Q, D] bf16 as the model gave it (not scaled), kP = D / 32.
-template <int64_t kP, int64_t kG>
-void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, const uint16_t* v_base, const int64_t* slots,
+template <class Rows, int64_t kP, int64_t kG>
+void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* k_base, const typename Rows::T* v_base, const int64_t* slots,
                         const Shape& shape, const Tile& tile, int64_t row_bytes, Partial* outs) {
   static_assert(kLanes == 16 && kBlock == 32, "a block's probabilities are one vector of 16 bf16 pairs");
   constexpr int64_t C = 2 * kP;  // float32 vectors per accumulator row
@@ -142,7 +162,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
       }
     };
     for (int64_t h = 0; h < H; ++h) {
-      transpose_keys<kP>(k_base + h * D, slots + start, block, stride, keys, prefetch);
+      transpose_keys<Rows, kP>(k_base + h * D, slots + start, block, stride, keys, prefetch);
       int64_t g = h * HG;
       for (; g + 4 <= (h + 1) * HG; g += 4) score_vectors<kP, 4>(&qv[g][0], keys, scale, &scores[g]);
       switch ((h + 1) * HG - g) {
@@ -186,10 +206,10 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
       // vector that reads it, so any finite row will do (and a vector that sees fewer of the block's tokens
       // than another adds 0 times the next token's row: exactly what its own row added when decoded alone)
       const auto interleave = [&](int64_t i, int64_t count, __m512i* out) {
-        const uint16_t* va = v_base + slots[start + 2 * i] * stride + h * D;
-        const uint16_t* vb = 2 * i + 1 < count ? v_base + slots[start + 2 * i + 1] * stride + h * D : va;
+        const typename Rows::T* va = v_base + slots[start + 2 * i] * stride + h * D;
+        const typename Rows::T* vb = 2 * i + 1 < count ? v_base + slots[start + 2 * i + 1] * stride + h * D : va;
         for (int64_t p = 0; p < kP; ++p) {
-          const __m512i x = _mm512_loadu_si512(va + p * 32), y = _mm512_loadu_si512(vb + p * 32);
+          const __m512i x = Rows::load32(va + p * 32), y = Rows::load32(vb + p * 32);
           out[2 * p] = _mm512_unpacklo_epi16(x, y);
           out[2 * p + 1] = _mm512_unpackhi_epi16(x, y);
         }
@@ -228,24 +248,26 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const uint16_t* k_base, 
   }
 }
 
-using PairsAttend = decltype(&attend_chunk_pairs<2, 1>);
+template <class Rows>
+using PairsAttend = decltype(&attend_chunk_pairs<Rows, 2, 1>);
 
 // attend_chunk_pairs for head sizes 64 and 128 and the group sizes attend_chunk is compiled for; else none.
-template <int64_t kP>
-PairsAttend pairs_for_group(int64_t G) {
+template <class Rows, int64_t kP>
+PairsAttend<Rows> pairs_for_group(int64_t G) {
   switch (G) {
-    case 1: return attend_chunk_pairs<kP, 1>;
-    case 2: return attend_chunk_pairs<kP, 2>;
-    case 3: return attend_chunk_pairs<kP, 3>;
-    case 4: return attend_chunk_pairs<kP, 4>;
-    case 7: return attend_chunk_pairs<kP, 7>;
-    case 8: return attend_chunk_pairs<kP, 8>;
+    case 1: return attend_chunk_pairs<Rows, kP, 1>;
+    case 2: return attend_chunk_pairs<Rows, kP, 2>;
+    case 3: return attend_chunk_pairs<Rows, kP, 3>;
+    case 4: return attend_chunk_pairs<Rows, kP, 4>;
+    case 7: return attend_chunk_pairs<Rows, kP, 7>;
+    case 8: return attend_chunk_pairs<Rows, kP, 8>;
     default: return nullptr;
   }
 }
 
-inline PairsAttend pairs_for(int64_t D, int64_t G) {
-  return D == 64 ? pairs_for_group<2>(G) : D == 128 ? pairs_for_group<4>(G) : nullptr;
+template <class Rows>
+PairsAttend<Rows> pairs_for(int64_t D, int64_t G) {
+  return D == 64 ? pairs_for_group<Rows, 2>(G) : D == 128 ? pairs_for_group<Rows, 4>(G) : nullptr;
 }
 
 #else

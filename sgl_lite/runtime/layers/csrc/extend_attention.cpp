@@ -19,12 +19,18 @@
 // products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
 // interleaved by pairs of keys; half the instructions, no widening of K and V (an agent turn: 1.4x).
 //
+// An 8-bit float pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) is read as it is stored and widened in
+// registers (fp8_vectors.h): to float32 for the FMAs, to bf16 for the pairs (exactly: every fp8 value is a
+// bf16 value), so a row gets the bits it would get from a bf16 pool holding the same values.
+//
 // A row's result depends only on its own keys and its position (tiles and blocks are fixed), not on the
 // batch or the threads. Threads take items from a shared counter.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -38,6 +44,7 @@
 #include <vector>
 
 #include "bf16_arithmetic.h"
+#include "fp8_vectors.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -94,6 +101,24 @@ inline __m512 load16(const c10::BFloat16* p) {
   return sgl_lite::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const c10::Float8_e4m3fn* p) { return sgl_lite::widen_e4m3fn(reinterpret_cast<const uint8_t*>(p)); }
+inline __m512 load16(const c10::Float8_e5m2* p) { return sgl_lite::widen_e5m2(reinterpret_cast<const uint8_t*>(p)); }
+
+template <typename KT>
+constexpr bool kIsFp8 = std::is_same_v<KT, c10::Float8_e4m3fn> || std::is_same_v<KT, c10::Float8_e5m2>;
+
+// A stored K/V row of D elements as D bf16 (their bits) at `out`: copied from a bf16 pool, widened exactly
+// from an 8-bit one.
+template <typename KT>
+inline void bf16_row(const KT* row, int64_t D, uint16_t* out) {
+  if constexpr (kIsFp8<KT>) {
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), sgl_lite::exact_bf16(load16(row + d)));
+  } else {
+    static_assert(std::is_same_v<KT, c10::BFloat16>, "the pairs path reads bf16 or 8-bit float pools");
+    std::memcpy(out, row, D * sizeof(uint16_t));
+  }
+}
 
 // One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
@@ -105,11 +130,11 @@ struct Scratch {
   int64_t dim;
   std::vector<float> qt, o, k, v, st, max, sum, alpha;
   std::vector<uint32_t> qp, kb, pp, vp;
-  std::vector<uint16_t> zero_row;
+  std::vector<uint16_t> zero_row, row_a, row_b;  // row_a/b: an 8-bit pool's V rows widened to bf16
   Scratch(int64_t rows, int64_t dim, bool pairs)
       : dim(dim), qt(pairs ? 0 : dim * rows), o(rows * dim), k(pairs ? 0 : kKeys * dim), v(pairs ? 0 : kKeys * dim),
         st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), kb(pairs ? kKeys * dim / 2 : 0), pp(pairs ? kKeys / 2 * rows : 0),
-        vp(pairs ? kKeys / 2 * dim : 0), zero_row(pairs ? dim : 0) {}
+        vp(pairs ? kKeys / 2 * dim : 0), zero_row(pairs ? dim : 0), row_a(pairs ? dim : 0), row_b(pairs ? dim : 0) {}
 };
 
 #include "extend_blocks.h"
@@ -222,10 +247,10 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
 
 #if SGL_LITE_HAS_DPBF16_EXTEND
 
-// attend_tile in VDPBF16PS (bf16 queries and pool, D a multiple of 32; see extend_blocks.h). The same
-// tiles, blocks and softmax, so a row still depends only on its own keys and position.
-template <int64_t C>
-void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* slots,
+// attend_tile in VDPBF16PS (bf16 queries, a bf16 or 8-bit float pool, D a multiple of 32; see
+// extend_blocks.h). The same tiles, blocks and softmax, so a row still depends only on its own keys and position.
+template <int64_t C, typename KT>
+void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache, const int64_t* slots,
                     const Request& req, const Tile& t, int64_t Hq, int64_t Hkv, float scale, Scratch& s, c10::BFloat16* out) {
   constexpr int64_t D = C * 16;
   static_assert(D % 32 == 0, "rows interleave 32 dims at a time");
@@ -235,18 +260,23 @@ void attend_tile_dp(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
     for (int64_t p = 0; p < D / 2; ++p) s.qp[p * R + i] = uint32_t(src[2 * p]) | uint32_t(src[2 * p + 1]) << 16;
   }
   start_tile(t, D, s);
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   const int64_t keys = prefix + t.t1;
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
     static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
     for (int64_t j = 0; j < n8; ++j)  // keys n..n8 repeat the block's first: finite, and their scores are never read
-      std::memcpy(s.kb.data() + j * D / 2, kp + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D * sizeof(uint16_t));
+      bf16_row(k_cache + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D, reinterpret_cast<uint16_t*>(s.kb.data() + j * D / 2));
     for (int64_t i = 0; i < pairs; ++i) {
-      const uint16_t* a = vp + (slots[k0 + 2 * i] * Hkv + t.h) * D;
-      const uint16_t* b = 2 * i + 1 < n ? vp + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : s.zero_row.data();
-      interleave_rows(a, b, D, s.vp.data() + i * D);
+      const KT* a = v_cache + (slots[k0 + 2 * i] * Hkv + t.h) * D;
+      const KT* b = 2 * i + 1 < n ? v_cache + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : nullptr;
+      if constexpr (kIsFp8<KT>) {
+        bf16_row(a, D, s.row_a.data());
+        if (b != nullptr) bf16_row(b, D, s.row_b.data());
+        interleave_rows(s.row_a.data(), b != nullptr ? s.row_b.data() : s.zero_row.data(), D, s.vp.data() + i * D);
+      } else {
+        interleave_rows(reinterpret_cast<const uint16_t*>(a), b != nullptr ? reinterpret_cast<const uint16_t*>(b) : s.zero_row.data(), D,
+                        s.vp.data() + i * D);
+      }
     }
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
@@ -296,7 +326,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto* op = out.data_ptr<QT>();
   bool pairs = false;  // VDPBF16PS, where this CPU runs it faster than float32 FMAs (bf16_gemv.cpp's probe)
 #if SGL_LITE_HAS_DPBF16_EXTEND
-  constexpr bool kPairable = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && C % 2 == 0;
+  constexpr bool kPairable = std::is_same_v<QT, c10::BFloat16> && (std::is_same_v<KT, c10::BFloat16> || kIsFp8<KT>) && C % 2 == 0;
   if constexpr (kPairable) pairs = sgl_lite::dpbf16_preferred();
 #endif
   std::atomic<int64_t> next{0};
@@ -310,7 +340,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if SGL_LITE_HAS_DPBF16_EXTEND
       if constexpr (kPairable) {
         if (pairs) {
-          attend_tile_dp<C>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
+          attend_tile_dp<C, KT>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
           continue;
         }
       }
@@ -370,7 +400,21 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #if SGL_LITE_HAS_EXTEND_KERNEL
   const float s = static_cast<float>(scale);
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf, "extend_attention: KV cache must be float32, bf16 or fp16");
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2,
+              "extend_attention: KV cache must be float32, bf16, fp16, float8_e4m3fn or float8_e5m2");
+  if (kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2) {  // an 8-bit pool, widened as it is read
+    const bool e4m3 = kv == at::kFloat8_e4m3fn;
+    switch (q.scalar_type()) {
+      case at::kFloat:
+        return e4m3 ? dispatch_dim<float, c10::Float8_e4m3fn>(q, k_cache, v_cache, reqs, indices, s, out)
+                    : dispatch_dim<float, c10::Float8_e5m2>(q, k_cache, v_cache, reqs, indices, s, out);
+      case at::kBFloat16:
+        return e4m3 ? dispatch_dim<c10::BFloat16, c10::Float8_e4m3fn>(q, k_cache, v_cache, reqs, indices, s, out)
+                    : dispatch_dim<c10::BFloat16, c10::Float8_e5m2>(q, k_cache, v_cache, reqs, indices, s, out);
+      default:
+        TORCH_CHECK(false, "extend_attention: an 8-bit float KV cache takes float32 or bf16 queries");
+    }
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       if (kv == at::kFloat) return dispatch_dim<float, float>(q, k_cache, v_cache, reqs, indices, s, out);
@@ -384,7 +428,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     default:
       break;
   }
-  TORCH_CHECK(false, "extend_attention: q and the KV cache must share a dtype (float32, bf16 or fp16)");
+  TORCH_CHECK(false, "extend_attention: q and the KV cache must share a dtype (float32, bf16 or fp16), or the cache hold 8-bit floats");
 #endif
 }
 

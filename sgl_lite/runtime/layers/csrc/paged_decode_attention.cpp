@@ -7,8 +7,8 @@
 // the pool (no gather copy) and converted to fp32 in registers (bf16, fp16, fp32, fp8 e4m3fn / e5m2
 // storage). GQA: the G = Hq / Hkv query heads of a KV head share one read of its rows, and a verification
 // row's queries share it too. Scores, the online softmax and the P.V accumulation are fp32; for bf16 queries
-// and K/V, where bf16_gemv's probe prefers VDPBF16PS, the products are taken in bf16 pairs and summed in
-// fp32 (decode_pairs.h).
+// and bf16 or 8-bit K/V, where bf16_gemv's probe prefers VDPBF16PS, the products are taken in bf16 pairs and
+// summed in fp32 (decode_pairs.h).
 //
 // Work items are (row, chunk of the context) with all KV heads, reading each slot's row whole, or (row, kv
 // head, chunk) when that leaves threads idle or a verification row has too many query vectors for one
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "bf16_arithmetic.h"
+#include "fp8_vectors.h"
 
 namespace {
 
@@ -445,6 +446,14 @@ void merge_chunks(const Partial* parts, int64_t num_parts, int64_t stride, const
 
 #include "decode_pairs.h"
 
+#if SGL_LITE_HAS_DPBF16_DECODE
+// The pairs path's reader of each storage format it takes (void: none, the FMA path reads it).
+template <class Kv> struct PairRows { using type = void; };
+template <> struct PairRows<Bf16Kv> { using type = Bf16Rows; };
+template <> struct PairRows<E4m3Kv> { using type = E4m3Rows; };
+template <> struct PairRows<E5m2Kv> { using type = E5m2Rows; };
+#endif
+
 // A tile of one row's queries [query_begin, query_end) against chunk `chunk` of its context, for the KV
 // heads [head_begin, head_end).
 struct Item {
@@ -526,10 +535,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // the common head sizes (64: Llama 3.2 1B, SmolLM2, Qwen2 0.5B; 128: most larger models) and groups compiled for their size
   const auto attend = D == 64 ? for_group<Kv, 64 / kLanes>(G) : D == 128 ? for_group<Kv, 128 / kLanes>(G) : attend_chunk<Kv, 0, 0>;
 #if SGL_LITE_HAS_DPBF16_DECODE
-  // bf16 queries and K/V in VDPBF16PS where bf16_gemv.cpp's probe found it the faster arithmetic
-  PairsAttend attend_pairs = nullptr;
-  if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<Kv, Bf16Kv>) {
-    if (sgl_lite::dpbf16_preferred()) attend_pairs = pairs_for(D, G);
+  // bf16 queries and bf16 or 8-bit K/V in VDPBF16PS where bf16_gemv.cpp's probe found it the faster arithmetic
+  using Rows = typename PairRows<Kv>::type;
+  constexpr bool kPairable = std::is_same_v<QT, c10::BFloat16> && !std::is_void_v<Rows>;
+  // (without pairs for this pool the pointer stays null and unused; Bf16Rows only names its type)
+  PairsAttend<std::conditional_t<kPairable, Rows, Bf16Rows>> attend_pairs = nullptr;
+  if constexpr (kPairable) {
+    if (sgl_lite::dpbf16_preferred()) attend_pairs = pairs_for<Rows>(D, G);
   }
 #endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -554,13 +566,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       const Tile tile{H, T, limits};
       const int64_t* slots = indices + kv[r] + chunk_start;
+      bool attended = false;
 #if SGL_LITE_HAS_DPBF16_DECODE
-      if (attend_pairs != nullptr) {
-        attend_pairs(reinterpret_cast<const uint16_t*>(q_tile), scale, reinterpret_cast<const uint16_t*>(k_ptr + h0 * D),
-                     reinterpret_cast<const uint16_t*>(v_ptr + h0 * D), slots, shape, tile, H * row_bytes, outs);
-      } else
+      if constexpr (kPairable) {
+        if (attend_pairs != nullptr) {
+          attend_pairs(reinterpret_cast<const uint16_t*>(q_tile), scale, k_ptr + h0 * D, v_ptr + h0 * D, slots, shape, tile,
+                       H * row_bytes, outs);
+          attended = true;
+        }
+      }
 #endif
-      {
+      if (!attended) {
         for (int64_t j = 0; j < H * T * G * D; ++j) q_scaled[j / kLanes][j % kLanes] = to_float(q_tile[j]) * scale;
         attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, slots, shape, tile, H * row_bytes, outs);
       }
