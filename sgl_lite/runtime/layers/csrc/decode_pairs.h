@@ -18,9 +18,11 @@
 // remainder it equals it, as the float32 path's does.
 //
 // An 8-bit float pool is read as stored and widened to bf16 in registers as its rows are loaded (exactly:
-// every fp8 value is a bf16 value, fp8_vectors.h), so a query gets the bits it would get from a bf16 pool
-// holding the same values, at half the bytes read. (Widened to float32 for FMAs instead, the conversions and
-// the FMA arithmetic made an 8-bit pool slower to decode than a bf16 one on the 2-core EPYC.)
+// every fp8 value is a bf16 value), so a query gets the bits it would get from a bf16 pool holding the same
+// values, at half the bytes read. The widening is a table lookup: the bf16 bits of the 128 magnitudes
+// (fp8_vectors.h's exact conversion of each, once per call) in four vectors, two VPERMT2W for 32 values,
+// and the sign put back. (Converted arithmetically, 16 values at a time through fp16 and float32, it cost
+// more than the bytes it saved: an 8-bit pool decoded slower than a bf16 one on the 2-core EPYC.)
 //
 // Not a standalone header: paged_decode_attention.cpp includes it inside its anonymous namespace, after
 // its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile), and fp8_vectors.h before it.
@@ -32,14 +34,31 @@
 // The pool formats the pairs read, 32 stored values at a time as the bf16 pairs of one 64-byte vector.
 struct Bf16Rows {
   using T = uint16_t;
-  static inline __m512i load32(const T* p) { return _mm512_loadu_si512(p); }
+  inline __m512i load32(const T* p) const { return _mm512_loadu_si512(p); }
 };
 template <__m512 (*widen)(const uint8_t*)>
-struct Fp8Rows {
+class Fp8Rows {
+ public:
   using T = uint8_t;
-  static inline __m512i load32(const T* p) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(sgl_lite::exact_bf16(widen(p))), sgl_lite::exact_bf16(widen(p + 16)), 1);
+  Fp8Rows() {
+    alignas(64) uint8_t codes[128];
+    alignas(64) uint16_t bits[128];
+    for (int i = 0; i < 128; ++i) codes[i] = static_cast<uint8_t>(i);
+    for (int i = 0; i < 128; i += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(bits + i), sgl_lite::exact_bf16(widen(codes + i)));
+    for (int t = 0; t < 4; ++t) table_[t] = _mm512_load_si512(bits + 32 * t);
   }
+  inline __m512i load32(const T* p) const {
+    const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi16(0x7f));
+    // VPERMT2W reads an index's low 6 bits: bit 5 picks the first or second table of a pair
+    const __m512i low = _mm512_permutex2var_epi16(table_[0], magnitude, table_[1]);
+    const __m512i high = _mm512_permutex2var_epi16(table_[2], magnitude, table_[3]);
+    const __m512i bits = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(u, _mm512_set1_epi16(0x40)), low, high);
+    return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8));
+  }
+
+ private:
+  __m512i table_[4];  // the bf16 bits of magnitudes 32t .. 32t + 31
 };
 using E4m3Rows = Fp8Rows<sgl_lite::widen_e4m3fn>;
 using E5m2Rows = Fp8Rows<sgl_lite::widen_e5m2>;
@@ -73,7 +92,7 @@ inline void transpose16(__m512i* r) {
 // keys[v][p]: pair p (dims 2p, 2p + 1) of tokens 16v .. 16v + 15, a token per lane. Tokens past `count` read
 // as zero rows (their scores are masked). on_load() runs after each row load (see attend_chunk_pairs).
 template <class Rows, int64_t kP, class OnLoad>
-inline void transpose_keys(const typename Rows::T* k_base, const int64_t* slots, int64_t count, int64_t stride,
+inline void transpose_keys(const Rows& rows, const typename Rows::T* k_base, const int64_t* slots, int64_t count, int64_t stride,
                            __m512i (*keys)[16 * kP], OnLoad on_load) {
   for (int64_t v = 0; v < kBlock / kLanes; ++v) {
     for (int64_t p = 0; p < kP; ++p) {
@@ -81,7 +100,7 @@ inline void transpose_keys(const typename Rows::T* k_base, const int64_t* slots,
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t t = v * 16 + i;
         if (t < count) {
-          r[i] = Rows::load32(k_base + slots[t] * stride + p * 32);
+          r[i] = rows.load32(k_base + slots[t] * stride + p * 32);
           on_load();
         } else {
           r[i] = _mm512_setzero_si512();
@@ -127,6 +146,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
   constexpr int64_t C = 2 * kP;  // float32 vectors per accumulator row
   const int64_t stride = shape.row_stride, D = shape.dim;
   const int64_t H = tile.heads, T = tile.queries, n = tile.tokens(), HG = T * kG, Q = H * HG;
+  const Rows rows;  // an 8-bit pool's table (see Fp8Rows)
   __m512bh qv[kMaxVectors][kP];
   for (int64_t g = 0; g < Q; ++g)
     for (int64_t p = 0; p < kP; ++p) qv[g][p] = (__m512bh)_mm512_loadu_si512(q + g * D + p * 32);
@@ -162,7 +182,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
       }
     };
     for (int64_t h = 0; h < H; ++h) {
-      transpose_keys<Rows, kP>(k_base + h * D, slots + start, block, stride, keys, prefetch);
+      transpose_keys<Rows, kP>(rows, k_base + h * D, slots + start, block, stride, keys, prefetch);
       int64_t g = h * HG;
       for (; g + 4 <= (h + 1) * HG; g += 4) score_vectors<kP, 4>(&qv[g][0], keys, scale, &scores[g]);
       switch ((h + 1) * HG - g) {
@@ -209,7 +229,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
         const typename Rows::T* va = v_base + slots[start + 2 * i] * stride + h * D;
         const typename Rows::T* vb = 2 * i + 1 < count ? v_base + slots[start + 2 * i + 1] * stride + h * D : va;
         for (int64_t p = 0; p < kP; ++p) {
-          const __m512i x = Rows::load32(va + p * 32), y = Rows::load32(vb + p * 32);
+          const __m512i x = rows.load32(va + p * 32), y = rows.load32(vb + p * 32);
           out[2 * p] = _mm512_unpacklo_epi16(x, y);
           out[2 * p + 1] = _mm512_unpackhi_epi16(x, y);
         }
