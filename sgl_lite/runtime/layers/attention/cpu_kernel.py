@@ -64,17 +64,15 @@ class CpuKernelBackend(TorchNativeBackend):
             )
         self._op = op
         self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
-        self._cached_extend_table: torch.Tensor | None = None  # its rows of requests with a cached prefix
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
-        self._extend_table = self._cached_extend_table = None
+        self._extend_table = None
         if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
             rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens)
                     if e > 1 and i not in meta.verify_rows]
             self._extend_table = torch.tensor(rows, dtype=torch.int64)
-            self._cached_extend_table = self._extend_table[[row[3] > row[1] for row in rows]]
 
     def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor) -> None:
@@ -86,7 +84,7 @@ class CpuKernelBackend(TorchNativeBackend):
             for req in self._extends:
                 if req.prefix == 0:
                     self._extend_attention(q, k, v, k_cache, v_cache, req, out)
-            table = self._cached_extend_table
+            table = table[table[:, 3] > table[:, 1]]  # the rows of requests with a cached prefix (kv length > new)
             if not len(table):
                 return
         torch.ops.sgl_lite.extend_attention(q.contiguous(), k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
