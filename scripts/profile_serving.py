@@ -1,11 +1,12 @@
 """Where a served agent run's time goes: every forward of `sgl-lite serve` timed while the workload runs.
 
 Starts `sgl-lite serve` (with --serve-args) in a child process whose `ModelRunner.forward` records each
-forward (start, end, decode or prefill, requests, tokens), warms it up with one session, then drives it with
+forward (start, end, kind, requests, tokens, tokens emitted; the kind is prefill, decode, or verify: a
+decode step in which some rows verify n-gram drafts), warms it up with one session, then drives it with
 bench_peers.py's workload (`sgl-lite bench`'s multi-turn agent over streaming OpenAI chat, --sessions
 sessions) and prints: the run's span and the time spent in forwards, the prefill batches (requests, tokens,
-ms, tok/s), decode steps by batch size (count, mean and least ms) and the time between forwards (the
-scheduler's own work, and waits for the next turn's requests). A diagnostic like profile_step.py: no
+ms, tok/s), decode steps by batch size (count, how many verified drafts, mean and least ms, tokens emitted
+per step) and the time between forwards (the scheduler's own work, and waits for the next turn's requests). A diagnostic like profile_step.py: no
 baseline, and on a shared box the split moves with the load. Writes JSON.
 
 Usage: python scripts/profile_serving.py [--sessions 8] [--serve-args "--quantization w8a8_int8"] [--out artifacts/profile_serving.json]
@@ -43,7 +44,12 @@ records, forward = [], model_runner.ModelRunner.forward
 def timed(self, batch):
     start = time.perf_counter()
     out = forward(self, batch)
-    records.append((start, time.perf_counter(), batch.is_decode, len(batch.reqs), batch.num_tokens))
+    drafts = batch.draft_ids or [[] for _ in batch.reqs]
+    # a decode step: every row computes one token of its own (and a verifying row its draft after it)
+    step = all(e - len(d) == 1 for e, d in zip(batch.extend_lens, drafts))
+    kind = ("verify" if any(drafts) else "decode") if step else "prefill"
+    emitted = sum(len(a) if a else t is not None for a, t in zip(out.accepted_ids or [None] * len(drafts), out.next_token_ids))
+    records.append((start, time.perf_counter(), kind, len(batch.reqs), batch.num_tokens, emitted))
     return out
 model_runner.ModelRunner.forward = timed
 signal.signal(signal.SIGUSR1, lambda *_: open(os.environ["TRACE"], "w").write(json.dumps(records)))
@@ -67,18 +73,20 @@ def records(proc: subprocess.Popen, trace: Path) -> list[list]:
 
 
 def summarize(forwards: list[list]) -> dict:
-    prefill = [f for f in forwards if not f[2]]
-    decode = [f for f in forwards if f[2]]
-    by_batch: dict[int, list[float]] = defaultdict(list)
-    for start, end, _, reqs, _ in decode:
-        by_batch[reqs].append(1e3 * (end - start))
+    prefill = [f for f in forwards if f[2] == "prefill"]
+    steps = [f for f in forwards if f[2] != "prefill"]  # decode steps, verifying drafts or not
+    by_batch: dict[int, list[list]] = defaultdict(list)
+    for start, end, kind, reqs, _, emitted in steps:
+        by_batch[reqs].append([1e3 * (end - start), kind == "verify", emitted])
     gaps = [forwards[i + 1][0] - forwards[i][1] for i in range(len(forwards) - 1)]
     return {
         "span_s": forwards[-1][1] - forwards[0][0],
         "forward_s": sum(end - start for start, end, *_ in forwards),
         "prefill": [{"requests": reqs, "tokens": tokens, "ms": 1e3 * (end - start), "tok_s": tokens / (end - start)}
-                    for start, end, _, reqs, tokens in prefill],
-        "decode": [{"batch": b, "steps": len(ms), "mean_ms": statistics.fmean(ms), "least_ms": min(ms)} for b, ms in sorted(by_batch.items())],
+                    for start, end, _, reqs, tokens, _ in prefill],
+        "decode": [{"batch": b, "steps": len(rows), "verifying": sum(v for _, v, _ in rows),
+                    "mean_ms": statistics.fmean(ms for ms, _, _ in rows), "least_ms": min(ms for ms, _, _ in rows),
+                    "tokens_per_step": statistics.fmean(e for _, _, e in rows)} for b, rows in sorted(by_batch.items())],
         "between_forwards_s": sum(gaps), "longest_gap_ms": 1e3 * max(gaps, default=0.0),
     }
 
@@ -117,11 +125,11 @@ def main() -> None:
     print("\n| prefill batch | requests | tokens | ms | tok/s |\n|---:|---:|---:|---:|---:|")
     for i, p in enumerate(summary["prefill"]):
         print(f"| {i + 1} | {p['requests']} | {p['tokens']} | {p['ms']:.0f} | {p['tok_s']:.0f} |")
-    print("\n| decode batch | steps | mean ms | least ms |\n|---:|---:|---:|---:|")
+    print("\n| decode batch | steps | of them verifying drafts | mean ms | least ms | tokens per step |\n|---:|---:|---:|---:|---:|---:|")
     for d in summary["decode"]:
-        print(f"| {d['batch']} | {d['steps']} | {d['mean_ms']:.1f} | {d['least_ms']:.1f} |")
+        print(f"| {d['batch']} | {d['steps']} | {d['verifying']} | {d['mean_ms']:.1f} | {d['least_ms']:.1f} | {d['tokens_per_step']:.2f} |")
     out = output_file(args.out)
-    # the raw records too ([start, end, is_decode, requests, tokens], perf_counter seconds): per-step timelines
+    # the raw records too ([start, end, kind, requests, tokens, tokens emitted], perf_counter seconds): per-step timelines
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "served": served, **summary, "forwards": forwards}, indent=2))
     print(f"\nwrote {out}")
 

@@ -41,7 +41,7 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})
-    disable_adaptive_threads: bool = field(default=False, metadata={"help": "sgl_lite, CPU: run every forward on all of torch's threads (OMP_NUM_THREADS) instead of choosing 1 or all per batch size by measuring both (a busy core stalls multi-threaded decode; see README 'Threads')."})
+    disable_adaptive_threads: bool = field(default=False, metadata={"help": "sgl_lite, CPU: run every forward on all of torch's threads (OMP_NUM_THREADS) instead of choosing 1 or all per batch size by measuring both (a busy core stalls multi-threaded decode; see docs/performance.md, 'Threads')."})
     chat_template: str | None = field(default=None, metadata={"help": "Chat template used instead of the tokenizer's: a file path, or a built-in name (smollm2-tools: SmolLM2's ChatML with tool calling, Qwen 2.5's format)."})
 
     # Tool calling (the HTTP front's /v1/chat/completions `tools`).
