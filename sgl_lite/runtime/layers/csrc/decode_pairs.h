@@ -19,49 +19,16 @@
 //
 // An 8-bit float pool is read as stored and widened to bf16 in registers as its rows are loaded (exactly:
 // every fp8 value is a bf16 value), so a query gets the bits it would get from a bf16 pool holding the same
-// values, at half the bytes read. The widening is a table lookup: the bf16 bits of the 128 magnitudes
-// (fp8_vectors.h's exact conversion of each, once per call) in four vectors, two VPERMT2W for 32 values,
-// and the sign put back. (Converted arithmetically, 16 values at a time through fp16 and float32, it cost
-// more than the bytes it saved: an 8-bit pool decoded slower than a bf16 one on the 2-core EPYC.)
+// values, at half the bytes read: fp8_vectors.h's row readers (a table lookup, two VPERMT2W per 32 values).
+// (Converted arithmetically, 16 values at a time through fp16 and float32, the widening cost more than the
+// bytes it saved: an 8-bit pool decoded slower than a bf16 one on the 2-core EPYC.)
 //
 // Not a standalone header: paged_decode_attention.cpp includes it inside its anonymous namespace, after
 // its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile), and fp8_vectors.h before it.
 #pragma once
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // BW: fp8_vectors.h's row readers
 #define SGL_LITE_HAS_DPBF16_DECODE 1
-
-// The pool formats the pairs read, 32 stored values at a time as the bf16 pairs of one 64-byte vector.
-struct Bf16Rows {
-  using T = uint16_t;
-  inline __m512i load32(const T* p) const { return _mm512_loadu_si512(p); }
-};
-template <__m512 (*widen)(const uint8_t*)>
-class Fp8Rows {
- public:
-  using T = uint8_t;
-  Fp8Rows() {
-    alignas(64) uint8_t codes[128];
-    alignas(64) uint16_t bits[128];
-    for (int i = 0; i < 128; ++i) codes[i] = static_cast<uint8_t>(i);
-    for (int i = 0; i < 128; i += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(bits + i), sgl_lite::exact_bf16(widen(codes + i)));
-    for (int t = 0; t < 4; ++t) table_[t] = _mm512_load_si512(bits + 32 * t);
-  }
-  inline __m512i load32(const T* p) const {
-    const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi16(0x7f));
-    // VPERMT2W reads an index's low 6 bits: bit 5 picks the first or second table of a pair
-    const __m512i low = _mm512_permutex2var_epi16(table_[0], magnitude, table_[1]);
-    const __m512i high = _mm512_permutex2var_epi16(table_[2], magnitude, table_[3]);
-    const __m512i bits = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(u, _mm512_set1_epi16(0x40)), low, high);
-    return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8));
-  }
-
- private:
-  __m512i table_[4];  // the bf16 bits of magnitudes 32t .. 32t + 31
-};
-using E4m3Rows = Fp8Rows<sgl_lite::widen_e4m3fn>;
-using E5m2Rows = Fp8Rows<sgl_lite::widen_e5m2>;
 
 // A 16 x 16 matrix of 32-bit words transposed in registers: r[i] holds row i before, column i after.
 inline void transpose16(__m512i* r) {
@@ -146,7 +113,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
   constexpr int64_t C = 2 * kP;  // float32 vectors per accumulator row
   const int64_t stride = shape.row_stride, D = shape.dim;
   const int64_t H = tile.heads, T = tile.queries, n = tile.tokens(), HG = T * kG, Q = H * HG;
-  const Rows rows;  // an 8-bit pool's table (see Fp8Rows)
+  const Rows rows;  // an 8-bit pool's table (fp8_vectors.h's Fp8Rows)
   __m512bh qv[kMaxVectors][kP];
   for (int64_t g = 0; g < Q; ++g)
     for (int64_t p = 0; p < kP; ++p) qv[g][p] = (__m512bh)_mm512_loadu_si512(q + g * D + p * 32);

@@ -107,19 +107,6 @@ inline __m512 load16(const c10::Float8_e5m2* p) { return sgl_lite::widen_e5m2(re
 template <typename KT>
 constexpr bool kIsFp8 = std::is_same_v<KT, c10::Float8_e4m3fn> || std::is_same_v<KT, c10::Float8_e5m2>;
 
-// A stored K/V row of D elements as D bf16 (their bits) at `out`: copied from a bf16 pool, widened exactly
-// from an 8-bit one.
-template <typename KT>
-inline void bf16_row(const KT* row, int64_t D, uint16_t* out) {
-  if constexpr (kIsFp8<KT>) {
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), sgl_lite::exact_bf16(load16(row + d)));
-  } else {
-    static_assert(std::is_same_v<KT, c10::BFloat16>, "the pairs path reads bf16 or 8-bit float pools");
-    std::memcpy(out, row, D * sizeof(uint16_t));
-  }
-}
-
 // One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
 // then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
@@ -247,6 +234,22 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
 
 #if SGL_LITE_HAS_DPBF16_EXTEND
 
+// The pairs path reads a bf16 pool or an 8-bit float one through fp8_vectors.h's row readers.
+template <typename KT>
+struct PairRowsOf {
+  static_assert(std::is_same_v<KT, c10::BFloat16>, "the pairs path reads bf16 or 8-bit float pools");
+  using type = sgl_lite::Bf16Rows;
+};
+template <> struct PairRowsOf<c10::Float8_e4m3fn> { using type = sgl_lite::E4m3Rows; };
+template <> struct PairRowsOf<c10::Float8_e5m2> { using type = sgl_lite::E5m2Rows; };
+
+// A stored K/V row of D elements (D a multiple of 32) as D bf16 (their bits) at `out`.
+template <class Rows, typename KT>
+inline void bf16_row(const Rows& rows, const KT* row, int64_t D, uint16_t* out) {
+  const auto* stored = reinterpret_cast<const typename Rows::T*>(row);
+  for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(out + d, rows.load32(stored + d));
+}
+
 // attend_tile in VDPBF16PS (bf16 queries, a bf16 or 8-bit float pool, D a multiple of 32; see
 // extend_blocks.h). The same tiles, blocks and softmax, so a row still depends only on its own keys and position.
 template <int64_t C, typename KT>
@@ -254,6 +257,7 @@ void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache
                     const Request& req, const Tile& t, int64_t Hq, int64_t Hkv, float scale, Scratch& s, c10::BFloat16* out) {
   constexpr int64_t D = C * 16;
   static_assert(D % 32 == 0, "rows interleave 32 dims at a time");
+  const typename PairRowsOf<KT>::type rows;  // an 8-bit pool's table
   const int64_t prefix = req.kv_len - req.num_new, R = t.R;
   for (int64_t i = 0; i < R; ++i) {
     const auto* src = reinterpret_cast<const uint16_t*>(query_row(q, req, t, i, Hq, D));
@@ -265,13 +269,13 @@ void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache
     const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
     static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
     for (int64_t j = 0; j < n8; ++j)  // keys n..n8 repeat the block's first: finite, and their scores are never read
-      bf16_row(k_cache + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D, reinterpret_cast<uint16_t*>(s.kb.data() + j * D / 2));
+      bf16_row(rows, k_cache + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D, reinterpret_cast<uint16_t*>(s.kb.data() + j * D / 2));
     for (int64_t i = 0; i < pairs; ++i) {
       const KT* a = v_cache + (slots[k0 + 2 * i] * Hkv + t.h) * D;
       const KT* b = 2 * i + 1 < n ? v_cache + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : nullptr;
       if constexpr (kIsFp8<KT>) {
-        bf16_row(a, D, s.row_a.data());
-        if (b != nullptr) bf16_row(b, D, s.row_b.data());
+        bf16_row(rows, a, D, s.row_a.data());
+        if (b != nullptr) bf16_row(rows, b, D, s.row_b.data());
         interleave_rows(s.row_a.data(), b != nullptr ? s.row_b.data() : s.zero_row.data(), D, s.vp.data() + i * D);
       } else {
         interleave_rows(reinterpret_cast<const uint16_t*>(a), b != nullptr ? reinterpret_cast<const uint16_t*>(b) : s.zero_row.data(), D,

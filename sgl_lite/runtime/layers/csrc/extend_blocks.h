@@ -54,7 +54,7 @@ inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, 
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * C * 16 + c * 16, a[r][c]);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // BW: fp8_vectors.h's row readers
 #define SGL_LITE_HAS_DPBF16_EXTEND 1
 
 // As scores_block from bf16 pairs, for keys j0..j0+7 (kPairKeys): qp is Q^T as [D/2][R] words (a row's dims

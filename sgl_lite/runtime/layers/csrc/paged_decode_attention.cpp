@@ -449,9 +449,9 @@ void merge_chunks(const Partial* parts, int64_t num_parts, int64_t stride, const
 #if SGL_LITE_HAS_DPBF16_DECODE
 // The pairs path's reader of each storage format it takes (void: none, the FMA path reads it).
 template <class Kv> struct PairRows { using type = void; };
-template <> struct PairRows<Bf16Kv> { using type = Bf16Rows; };
-template <> struct PairRows<E4m3Kv> { using type = E4m3Rows; };
-template <> struct PairRows<E5m2Kv> { using type = E5m2Rows; };
+template <> struct PairRows<Bf16Kv> { using type = sgl_lite::Bf16Rows; };
+template <> struct PairRows<E4m3Kv> { using type = sgl_lite::E4m3Rows; };
+template <> struct PairRows<E5m2Kv> { using type = sgl_lite::E5m2Rows; };
 #endif
 
 // A tile of one row's queries [query_begin, query_end) against chunk `chunk` of its context, for the KV
@@ -539,7 +539,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   using Rows = typename PairRows<Kv>::type;
   constexpr bool kPairable = std::is_same_v<QT, c10::BFloat16> && !std::is_void_v<Rows>;
   // (without pairs for this pool the pointer stays null and unused; Bf16Rows only names its type)
-  PairsAttend<std::conditional_t<kPairable, Rows, Bf16Rows>> attend_pairs = nullptr;
+  PairsAttend<std::conditional_t<kPairable, Rows, sgl_lite::Bf16Rows>> attend_pairs = nullptr;
   if constexpr (kPairable) {
     if (sgl_lite::dpbf16_preferred()) attend_pairs = pairs_for<Rows>(D, G);
   }
