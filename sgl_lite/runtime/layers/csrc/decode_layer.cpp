@@ -128,7 +128,8 @@ void store_rows(at::Tensor& cache, const at::Tensor& loc, const at::Tensor& x) {
     cache.index_copy_(0, loc, x);
     return;
   }
-  const double finite = cache.scalar_type() == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
+  const double finite = cache.scalar_type() == at::kFloat8_e4m3fn ? static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max())
+                                                                  : static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
   at::Tensor bytes = cache.view(at::kByte);  // index_copy_ has no float8 kernel; the bytes are the same
   bytes.index_copy_(0, loc, x.clamp(-finite, finite).to(cache.scalar_type()).view(at::kByte));
 }
