@@ -232,6 +232,57 @@ def test_limits_stops_and_streaming_match_plain_decoding(engines) -> None:
     assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
 
 
+def _speculating(tiny_llama_dir: Path, **args) -> Engine:
+    return Engine(model_path=str(tiny_llama_dir), dtype="float32", device="cpu", chunked_prefill_size=64,
+                  speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, log_level="error", **args)
+
+
+def test_retracted_drafting_requests_resume_to_the_same_greedy_output(engines, tiny_llama_dir: Path) -> None:
+    """Under a pool too small for every running request (9 of them, 40 tokens each), decode steps retract
+    requests that speculate; re-admitted, they end with plain decoding's tokens, and nothing leaks."""
+    plain, _ = engines
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    prompts = [p + suffix for suffix in ("", " again", " once more") for p in COPY_PROMPTS]
+    expected = [e["output_ids"] for e in plain.generate(prompts, params)]
+    retractions = 0
+    for slots in (350, 400, 450):  # whether a given size retracts depends on admission's estimates: try several
+        tight = _speculating(tiny_llama_dir, max_total_tokens=slots, max_running_requests=16)
+        try:
+            got = tight.generate(prompts, params)
+            assert [g["output_ids"] for g in got] == expected, slots
+            stats = tight.core.scheduler.stats()
+            assert stats["spec_accepted_tokens"] > 0
+            retractions += stats["num_retractions"]
+            tight.core.scheduler.check_invariant()
+        finally:
+            tight.shutdown()
+    assert retractions > 0
+
+
+def test_a_drafting_request_preempted_by_an_urgent_one_resumes_to_the_same_greedy_output(engines, tiny_llama_dir: Path) -> None:
+    plain, _ = engines
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected = [e["output_ids"] for e in plain.generate(COPY_PROMPTS, params)]
+    engine = _speculating(tiny_llama_dir, max_total_tokens=4096, max_running_requests=2, enable_priority_scheduling=True)
+    try:
+        core = engine.core
+        low = [core.make_req(f"low{i}", p, None, params, priority=0) for i, p in enumerate(COPY_PROMPTS[:2])]
+        for r in low:
+            core.submit(r)
+        for _ in range(4):  # both running and decoding
+            core.step()
+        urgent = core.make_req("urgent", COPY_PROMPTS[2], None, params, priority=100)
+        core.submit(urgent)
+        while core.scheduler.has_work():
+            core.step()
+        stats = core.scheduler.stats()
+        assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+        assert [r.output_ids for r in (*low, urgent)] == expected
+        core.scheduler.check_invariant()
+    finally:
+        engine.shutdown()
+
+
 def test_sampled_requests_and_logprob_requests_run_and_leak_nothing(engines) -> None:
     _, spec = engines
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 30, "seed": 5, "ignore_eos": True}
