@@ -39,6 +39,7 @@ PORT = 30195
 # Run in the child: wrap ModelRunner.forward, write the records to $TRACE on SIGUSR1, then serve as the CLI does.
 CHILD = """
 import json, os, signal, sys, time
+import torch
 from sgl_lite.runtime.model_executor import model_runner
 records, forward = [], model_runner.ModelRunner.forward
 def timed(self, batch):
@@ -49,7 +50,7 @@ def timed(self, batch):
     step = all(e - len(d) == 1 for e, d in zip(batch.extend_lens, drafts))
     kind = ("verify" if any(drafts) else "decode") if step else "prefill"
     emitted = sum(len(a) if a else t is not None for a, t in zip(out.accepted_ids or [None] * len(drafts), out.next_token_ids))
-    records.append((start, time.perf_counter(), kind, len(batch.reqs), batch.num_tokens, emitted))
+    records.append((start, time.perf_counter(), kind, len(batch.reqs), batch.num_tokens, emitted, torch.get_num_threads()))
     return out
 model_runner.ModelRunner.forward = timed
 signal.signal(signal.SIGUSR1, lambda *_: open(os.environ["TRACE"], "w").write(json.dumps(records)))
@@ -76,14 +77,14 @@ def summarize(forwards: list[list]) -> dict:
     prefill = [f for f in forwards if f[2] == "prefill"]
     steps = [f for f in forwards if f[2] != "prefill"]  # decode steps, verifying drafts or not
     by_batch: dict[int, list[list]] = defaultdict(list)
-    for start, end, kind, reqs, _, emitted in steps:
+    for start, end, kind, reqs, _, emitted, _ in steps:
         by_batch[reqs].append([1e3 * (end - start), kind == "verify", emitted])
     gaps = [forwards[i + 1][0] - forwards[i][1] for i in range(len(forwards) - 1)]
     return {
         "span_s": forwards[-1][1] - forwards[0][0],
         "forward_s": sum(end - start for start, end, *_ in forwards),
-        "prefill": [{"requests": reqs, "tokens": tokens, "ms": 1e3 * (end - start), "tok_s": tokens / (end - start)}
-                    for start, end, _, reqs, tokens, _ in prefill],
+        "prefill": [{"requests": reqs, "tokens": tokens, "ms": 1e3 * (end - start), "tok_s": tokens / (end - start), "threads": threads}
+                    for start, end, _, reqs, tokens, _, threads in prefill],
         "decode": [{"batch": b, "steps": len(rows), "verifying": sum(v for _, v, _ in rows),
                     "mean_ms": statistics.fmean(ms for ms, _, _ in rows), "least_ms": min(ms for ms, _, _ in rows),
                     "tokens_per_step": statistics.fmean(e for _, _, e in rows)} for b, rows in sorted(by_batch.items())],
@@ -122,14 +123,14 @@ def main() -> None:
     for name, seconds in (("span (first forward's start to last one's end)", summary["span_s"]), ("in forwards", summary["forward_s"]),
                           ("prefill forwards", prefill_s), ("decode forwards", decode_s), ("between forwards", summary["between_forwards_s"])):
         print(f"| {name} | {seconds:.2f} | {seconds / summary['span_s']:.0%} |")
-    print("\n| prefill batch | requests | tokens | ms | tok/s |\n|---:|---:|---:|---:|---:|")
+    print("\n| prefill batch | requests | tokens | threads | ms | tok/s |\n|---:|---:|---:|---:|---:|---:|")
     for i, p in enumerate(summary["prefill"]):
-        print(f"| {i + 1} | {p['requests']} | {p['tokens']} | {p['ms']:.0f} | {p['tok_s']:.0f} |")
+        print(f"| {i + 1} | {p['requests']} | {p['tokens']} | {p['threads']} | {p['ms']:.0f} | {p['tok_s']:.0f} |")
     print("\n| decode batch | steps | of them verifying drafts | mean ms | least ms | tokens per step |\n|---:|---:|---:|---:|---:|---:|")
     for d in summary["decode"]:
         print(f"| {d['batch']} | {d['steps']} | {d['verifying']} | {d['mean_ms']:.1f} | {d['least_ms']:.1f} | {d['tokens_per_step']:.2f} |")
     out = output_file(args.out)
-    # the raw records too ([start, end, kind, requests, tokens, tokens emitted], perf_counter seconds): per-step timelines
+    # the raw records too ([start, end, kind, requests, tokens, tokens emitted, threads], perf_counter seconds): per-step timelines
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "served": served, **summary, "forwards": forwards}, indent=2))
     print(f"\nwrote {out}")
 

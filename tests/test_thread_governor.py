@@ -61,10 +61,12 @@ def test_a_hopeless_probe_ends_at_once_and_is_rarely_repeated():
 
 def test_groups_by_token_count_decide_separately():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-    for _ in range(40):  # small decode steps prefer one thread, big prefills both
+    chosen = []
+    for _ in range(200):  # small decode steps prefer one thread, big prefills both
         _drive(governor, 1, {2: 0.010, 1: 0.004}, 1)
-        _drive(governor, 512, {2: 0.050, 1: 0.090}, 1)
+        chosen += _drive(governor, 512, {2: 0.050, 1: 0.090}, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 512: 2}
+    assert chosen[-100:].count(2) >= 90  # and their own verdicts hold: neither drags the other along
 
 
 def test_a_new_group_starts_from_the_latest_verdict():
@@ -132,6 +134,27 @@ def test_a_starved_first_forward_of_a_size_falls_at_once_and_two_threads_come_ba
     assert chosen == [2, 1, 1]  # no verdict to compare with: the wait alone decides
     chosen = _drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
     assert chosen[-20:].count(2) >= 16
+
+
+def test_sizes_moved_by_a_fall_come_back_with_the_decode_sizes_verdict():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
+    free = {2: 0.0, 1: 0.0}
+    for _ in range(40):  # a free box: decode steps and a prefill size on two threads, a batch-1 size on one
+        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+        _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
+    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
+    # a moment of contention: one starved decode step moves every size to one thread
+    _drive_with_waits(governor, 8, {2: 0.020, 1: 0.005}, {2: 0.6, 1: 0.0}, 1)
+    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
+    # the box is free again: decode steps (many per turn) find two threads faster within a few dozen
+    _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 40)
+    assert governor.groups[4].current == 2
+    # the prefill size, not seen since, follows them instead of running on one thread until its own probe
+    assert governor.choose(300) == 2
+    # the batch-1 size followed too (the fall erased every verdict), and its own probe takes it back to one
+    chosen = _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 40)
+    assert chosen[-20:].count(1) >= 16
 
 
 def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():

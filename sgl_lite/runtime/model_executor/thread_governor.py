@@ -17,10 +17,15 @@ badly is tried rarely; a probe forward more than twice the current median ends t
 When the current count's recent forwards get clearly slower than when it was chosen (a neighbour just
 took a core), the group probes at once - after a single forward if that one took over twice the time.
 A busy core slows every size alike, so a switch to fewer threads in one group moves every other group
-there too (each then confirms it with a probe of its own; a switch up stays local, so sizes that differ
-on a free box do not drag each other back and forth), a hopeless probe postpones that count's probes in
+there too (each then confirms it with a probe of its own), a hopeless probe postpones that count's probes in
 every group on the same count, and a group seen for the first time starts from the latest verdict:
-rare sizes - large prefills - would otherwise each pay for the discovery.
+rare sizes - large prefills - would otherwise each pay for the discovery. A group whose count was set that
+way, by another group's evidence and not by a probe of its own, keeps following every later verdict,
+up as well as down: a prefill size sees a handful of forwards per agent turn, so after a moment of
+contention it would otherwise wait minutes for its own probe and run on one thread, at half speed,
+long after the decode sizes found the core free again (measured in serving: 1110-1130 against 2250-2400
+prefill tok/s). A count a group chose by its own probe is not dragged up, so sizes that differ on a
+free box do not drag each other back and forth.
 
 A core taken shows at once in how long the forward's threads waited for a CPU (run_queue.py): on a free
 box a two-thread decode forward's threads waited 0-13% of its wall time; in serving, where the HTTP front
@@ -67,6 +72,7 @@ class _Group:
     probe_interval: int = 0
     probing: int = 0  # probe forwards still to run on the other count
     verdict_seconds: float = 0.0  # the current count's median forward time when the latest probe chose it (0: none yet)
+    imposed: bool = True  # the current count came from other groups' evidence, not from a probe of this group's own
 
 
 @dataclass
@@ -139,11 +145,9 @@ class ThreadGovernor:
                         low, 2 * low - 1, threads, theirs * 1e3, mine * 1e3, group.current)
             group.current = threads
             group.probe_interval = self.min_probe_interval
-            if threads < self.max_threads:  # a busy core: every size moves to fewer threads (a move up stays local)
+            if threads < self.max_threads:  # a busy core: every size moves to fewer threads
                 for other in self.groups.values():
-                    if other is not group and other.current != threads and not other.probing:
-                        other.current, other.since_probe, other.probe_interval = threads, 0, self.min_probe_interval
-                        other.verdict_seconds = 0.0
+                    other.imposed = other.imposed or other.current != threads
         else:  # wait until this probe's lost time is probe_budget of the forwards in between
             lost = sum(group.times[threads]) - len(group.times[threads]) * mine
             interval = max(self.min_probe_interval, min(math.ceil(lost / (self.probe_budget * mine)), self.max_probe_interval))
@@ -153,7 +157,16 @@ class ThreadGovernor:
                     if other.current == group.current and not other.probing:
                         other.since_probe, other.probe_interval = 0, max(other.probe_interval, interval)
         group.verdict_seconds = min(mine, theirs)
+        group.imposed = False
         self.latest_verdict = group.current
+        self._follow(group)
+
+    def _follow(self, judge: _Group) -> None:
+        """Groups whose count was imposed (and that are not probing) take the count `judge`'s probe chose."""
+        for other in self.groups.values():
+            if other is not judge and other.imposed and not other.probing and other.current != judge.current:
+                other.current, other.since_probe, other.probe_interval = judge.current, 0, self.min_probe_interval
+                other.verdict_seconds = 0.0
 
     def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float) -> None:
         """A core was taken during a forward: every group runs on one thread from the next forward on."""
@@ -161,7 +174,7 @@ class ThreadGovernor:
                     "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3)
         for group in self.groups.values():
             group.current, group.probing, group.since_probe = 1, 0, 0
-            group.probe_interval, group.verdict_seconds = self.min_probe_interval, 0.0
+            group.probe_interval, group.verdict_seconds, group.imposed = self.min_probe_interval, 0.0, True
         self.latest_verdict = 1
 
     @contextmanager
