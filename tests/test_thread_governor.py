@@ -121,8 +121,8 @@ def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
         _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
         _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
-    # a neighbour takes a core: the very next forward's threads wait 60% of its time for a CPU
-    chosen = _drive_with_waits(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.6, 1: 0.0}, 2)
+    # a neighbour takes a core: the very next forward's threads wait 90% of its time for a CPU
+    chosen = _drive_with_waits(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.9, 1: 0.0}, 2)
     assert chosen == [2, 1]
     assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
     assert governor.choose(5000) == 1  # sizes not seen yet start there too
@@ -130,7 +130,7 @@ def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
 
 def test_a_starved_first_forward_of_a_size_falls_at_once_and_two_threads_come_back_when_free():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-    chosen = _drive_with_waits(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.6, 1: 0.1}, 3)
+    chosen = _drive_with_waits(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.9, 1: 0.1}, 3)
     assert chosen == [2, 1, 1]  # no verdict to compare with: the wait alone decides
     chosen = _drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
     assert chosen[-20:].count(2) >= 16
@@ -145,7 +145,7 @@ def test_sizes_moved_by_a_fall_come_back_with_the_decode_sizes_verdict():
         _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
     # a moment of contention: one starved decode step moves every size to one thread
-    _drive_with_waits(governor, 8, {2: 0.020, 1: 0.005}, {2: 0.6, 1: 0.0}, 1)
+    _drive_with_waits(governor, 8, {2: 0.020, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
     # the box is free again: decode steps (many per turn) find two threads faster within a few dozen
     _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 40)
@@ -157,12 +157,24 @@ def test_sizes_moved_by_a_fall_come_back_with_the_decode_sizes_verdict():
     assert chosen[-20:].count(1) >= 16
 
 
+def test_a_turns_arrivals_waits_do_not_move_every_group_to_one_thread():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
+    free = {2: 0.0, 1: 0.0}
+    for _ in range(40):
+        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+    # the HTTP front tokenizing a turn's prompts: one prefill's threads wait 55% of its time, and it is slower
+    chosen = _drive_with_waits(governor, 300, {2: 0.090, 1: 0.075}, {2: 0.55, 1: 0.0}, 1)
+    assert chosen == [2]
+    assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
+
+
 def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
     _drive_with_waits(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.0, 1: 0.0}, 40)
     assert governor.groups[4].current == 2
     # the threads wait for a CPU, but the forwards are as fast as before: nothing to gain from one thread
-    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.6, 1: 0.0}, 20)
+    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.9, 1: 0.0}, 20)
     assert chosen.count(2) >= 16
 
 

@@ -29,12 +29,15 @@ free box do not drag each other back and forth.
 
 A core taken shows at once in how long the forward's threads waited for a CPU (run_queue.py): on a free
 box a two-thread decode forward's threads waited 0-13% of its wall time; in serving, where the HTTP front
-and its clients take turns on the cores, up to ~42%; with a neighbour spinning on one core 45-100% (91-100%
-in serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
+and its clients take turns on the cores, mostly up to ~42%, and 54-56% when a turn's requests arrive at once
+(the front rendering and tokenizing them); with a neighbour spinning on one core 45-100% (91-100% in
+serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
 yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread right away, without waiting
 for probes: with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
 and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
-usual probes bring two threads back when they win again.
+usual probes bring two threads back when they win again. The line sits above a turn's arrivals: at 0.5
+they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6% faster
+(262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against 120-140).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ _WINDOW = 5  # forward times kept per (group, thread count): medians of 5 shrug 
 _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
 _SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
 _HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
-STARVED_WAIT = 0.5  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
+STARVED_WAIT = 0.7  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
 _REWATCH_EVERY = 256  # multi-threaded forwards between looks at which threads run them
 
 
