@@ -198,3 +198,54 @@ def test_the_run_queue_wait_of_the_forward_threads_is_read_and_grows_under_conte
             hog.kill()
     assert clock.seconds() > first
     clock.close()
+
+
+class _ControlledRunQueue(RunQueueWait):
+    """A run-queue account whose waits the test sets (a neighbour's effect, without a neighbour)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0.0
+
+    def watch(self, tids) -> None:
+        pass
+
+    def seconds(self) -> float:
+        return self.total
+
+
+def _forward_of_layers(governor: ThreadGovernor, num_tokens: int, layers: int, layer_seconds: float,
+                       waiting_threads: float, run_queue: _ControlledRunQueue) -> list[int]:
+    """One forward of `layers` layers through governor.forward, calling its watch between them; while a layer
+    runs, `waiting_threads` threads wait for a CPU. The thread count each layer ran on."""
+    counts = []
+    with governor.forward(num_tokens) as watch:
+        for _ in range(layers):
+            counts.append(torch.get_num_threads())
+            time.sleep(layer_seconds)
+            run_queue.total += waiting_threads * layer_seconds
+            if watch is not None:
+                watch()
+    return counts
+
+
+def test_a_forward_stalled_midway_runs_its_remaining_layers_on_one_thread():
+    run_queue = _ControlledRunQueue()
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
+    for _ in range(5):  # a prefill size timed on a free box: ~30 ms on two threads
+        assert _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue) == [2] * 10
+    # a neighbour takes a core: every layer now waits (one thread of two off its core), and takes 10x as long
+    counts = _forward_of_layers(governor, 300, 10, 0.030, 1.0, run_queue)
+    assert counts[0] == 2 and counts[-1] == 1  # dropped partway, not after all ten stalled layers
+    assert counts.count(2) <= 4
+    assert governor.summary()["threads_by_min_tokens"] == {256: 1}  # and every later forward starts on one
+
+
+def test_a_slow_forward_whose_threads_do_not_wait_stays_on_its_threads():
+    run_queue = _ControlledRunQueue()
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
+    for _ in range(5):
+        _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue)
+    # slower for another reason (a longer context, a busier memory bus): no core was taken
+    assert _forward_of_layers(governor, 300, 10, 0.012, 0.1, run_queue) == [2] * 10
+    assert governor.summary()["threads_by_min_tokens"] == {256: 2}

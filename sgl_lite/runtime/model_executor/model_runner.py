@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -215,11 +215,11 @@ class ModelRunner(ModelRunnerBase):
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.thread_governor is None or not batch.reqs:
             return self._forward(batch)
-        with self.thread_governor.forward(sum(batch.extend_lens)):
-            return self._forward(batch)
+        with self.thread_governor.forward(sum(batch.extend_lens)) as after_layer:
+            return self._forward(batch, after_layer)
 
     @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def _forward(self, batch: ForwardBatch, after_layer: Callable[[], object] | None = None) -> ForwardOutput:
         reqs = batch.reqs
         num_reqs = len(reqs)
         if not num_reqs:
@@ -245,7 +245,7 @@ class ModelRunner(ModelRunnerBase):
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, positions, meta)  # the other ranks run this step in lockstep
         self.attn.prepare(meta)
-        hidden = self.model(input_ids, positions, self.attn, self.kv_pool)
+        hidden = self.model(input_ids, positions, self.attn, self.kv_pool, after_layer)
 
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.

@@ -35,7 +35,9 @@ serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a 
 yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread right away, without waiting
 for probes: with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
 and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
-usual probes bring two threads back when they win again. The line sits above a turn's arrivals: at 0.5
+usual probes bring two threads back when they win again. A forward need not end to be judged: the
+model calls the governor's ForwardWatch between layers, and a multi-threaded forward long past its
+usual time with starved threads runs the rest of its layers on one thread (and falls as above). The line sits above a turn's arrivals: at 0.5
 they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6% faster
 (262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against 120-140).
 """
@@ -63,6 +65,35 @@ _SLOWDOWN = 1.3  # the current count's median this much above its time at the ve
 _HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
 STARVED_WAIT = 0.7  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
 _REWATCH_EVERY = 256  # multi-threaded forwards between looks at which threads run them
+_FIRST_LOOK_UNKNOWN_S = 0.05  # a forward of a size not yet timed is first looked at after this long
+_LOOK_EVERY_S = 0.02  # then this often (and never before this long)
+
+
+@dataclass
+class ForwardWatch:
+    """A multi-threaded forward in progress, looked at between its layers: once it has run well past its
+    usual time (twice its size's median on this thread count, or _FIRST_LOOK_UNKNOWN_S for a size not yet
+    timed) with its threads waiting for a CPU more than STARVED_WAIT of the time, the rest of it runs on
+    one thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for up to ~30x its
+    time (a 372-token prefill took 5.0 s instead of 0.15 s, 2026-11-26), and waiting for its end to
+    react lost most of a benchmark run. A look costs a clock read; past the first, a pread per thread
+    every _LOOK_EVERY_S."""
+
+    run_queue: RunQueueWait
+    start: float
+    waited_at_start: float
+    next_look: float
+    dropped: bool = False
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if self.dropped or now < self.next_look:
+            return
+        self.next_look = now + _LOOK_EVERY_S
+        waited = self.run_queue.seconds()
+        if waited is not None and waited - self.waited_at_start > STARVED_WAIT * (now - self.start):
+            torch.set_num_threads(1)
+            self.dropped = True
 
 
 @dataclass
@@ -181,17 +212,30 @@ class ThreadGovernor:
         self.latest_verdict = 1
 
     @contextmanager
-    def forward(self, num_tokens: int) -> Iterator[int]:
+    def forward(self, num_tokens: int) -> Iterator[ForwardWatch | None]:
         """Run the body on the chosen thread count and record how long it took and how long its threads
-        waited for a CPU."""
+        waited for a CPU. The body gets a ForwardWatch to call between layers when the forward runs on
+        several threads (None on one)."""
         threads = self.choose(num_tokens)
         watched = threads > 1  # a one-thread forward has no barrier for a lost core to stall
         if watched and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
             self.run_queue.watch(forward_thread_ids())  # the pool's threads rarely change: look again now and then
         start, waited = time.perf_counter(), self.run_queue.seconds() if watched else None
-        yield threads
+        watch = None
+        if watched and waited is not None:
+            group = self.groups[num_tokens.bit_length()]
+            usual = group.times.get(threads)
+            first_look = _HOPELESS * statistics.median(usual) if usual else _FIRST_LOOK_UNKNOWN_S
+            watch = ForwardWatch(self.run_queue, start, waited, start + max(first_look, _LOOK_EVERY_S))
+        yield watch
         seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds() if watched else None
-        self.record(num_tokens, threads, seconds, None if waited is None or waited_after is None else max(0.0, waited_after - waited))
+        waited_seconds = None if waited is None or waited_after is None else max(0.0, waited_after - waited)
+        if watch is not None and watch.dropped and threads == self.groups[num_tokens.bit_length()].current:
+            # its time mixes two counts: no sample for either; what it showed is enough to fall
+            self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
+            self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds or 0.0)
+            return
+        self.record(num_tokens, threads, seconds, waited_seconds)
 
     def summary(self) -> dict[str, object]:
         """Current thread count per group (keyed by the group's smallest token count) and forwards per count."""

@@ -190,8 +190,10 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("config has sliding_window=%d; sgl_lite attends over the full context", window)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_pool: KVPool) -> torch.Tensor:
-        """input_ids, positions [N] -> final-normed hidden states [N, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_pool: KVPool,
+                after_layer: Callable[[], object] | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final-normed hidden states [N, hidden]. `after_layer`, when given, is
+        called after every decoder layer (the thread governor's look at a forward in progress)."""
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond the RoPE cache ({self.cos_cache.shape[0]} positions)")
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -203,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
         kernel = attn.decode_kernel_inputs(kv_pool) if fused else None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool, kernel)
+            if after_layer is not None:
+                after_layer()
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
     @torch.inference_mode()
