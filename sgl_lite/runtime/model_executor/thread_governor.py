@@ -202,10 +202,12 @@ class ThreadGovernor:
                 other.current, other.since_probe, other.probe_interval = judge.current, 0, self.min_probe_interval
                 other.verdict_seconds = 0.0
 
-    def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float) -> None:
+    def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float,
+                            finished_on_one: bool = False) -> None:
         """A core was taken during a forward: every group runs on one thread from the next forward on."""
-        logger.info("threads: a %d-token forward on %d threads waited %.0f%% of its %.1f ms for a CPU (a core is taken): "
-                    "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3)
+        logger.info("threads: a %d-token forward on %d threads waited %.0f%% of its %.1f ms for a CPU (a core is taken%s): "
+                    "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3,
+                    "; its last layers ran on 1" if finished_on_one else "")
         for group in self.groups.values():
             group.current, group.probing, group.since_probe = 1, 0, 0
             group.probe_interval, group.verdict_seconds, group.imposed = self.min_probe_interval, 0.0, True
@@ -233,7 +235,7 @@ class ThreadGovernor:
         if watch is not None and watch.dropped and threads == self.groups[num_tokens.bit_length()].current:
             # its time mixes two counts: no sample for either; what it showed is enough to fall
             self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
-            self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds or 0.0)
+            self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds or 0.0, finished_on_one=True)
             return
         self.record(num_tokens, threads, seconds, waited_seconds)
 
