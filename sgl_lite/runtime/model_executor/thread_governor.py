@@ -23,7 +23,7 @@ rare sizes - large prefills - would otherwise each pay for the discovery. A grou
 way, by another group's evidence and not by a probe of its own, keeps following every later verdict,
 up as well as down: a prefill size sees a handful of forwards per agent turn, so after a moment of
 contention it would otherwise wait minutes for its own probe and run on one thread, at half speed,
-long after the decode sizes found the core free again (measured in serving: 1110-1130 against 2250-2400
+long after the decode sizes found the core free again (measured in serving: 1103-1130 against 2250-2400
 prefill tok/s). A count a group chose by its own probe is not dragged up, so sizes that differ on a
 free box do not drag each other back and forth.
 
@@ -35,11 +35,14 @@ serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a 
 yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread right away, without waiting
 for probes: with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
 and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
-usual probes bring two threads back when they win again. A forward need not end to be judged: the
-model calls the governor's ForwardWatch between layers, and a multi-threaded forward long past its
-usual time with starved threads runs the rest of its layers on one thread (and falls as above). The line sits above a turn's arrivals: at 0.5
-they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6% faster
-(262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against 120-140).
+usual probes bring two threads back when they win again. STARVED_WAIT sits above a turn's arrivals: at
+0.5 they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6%
+faster (262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against
+120-140).
+
+A forward need not end to be judged: the model calls the governor's ForwardWatch between layers, and a
+multi-threaded forward long past its usual time with starved threads runs the rest of its layers on one
+thread (and falls as above).
 """
 
 from __future__ import annotations
