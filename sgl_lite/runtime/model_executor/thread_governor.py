@@ -111,6 +111,11 @@ class _Group:
     verdict_seconds: float = 0.0  # the current count's median forward time when the latest probe chose it (0: none yet)
     imposed: bool = True  # the current count came from other groups' evidence, not from a probe of this group's own
 
+    def impose(self, threads: int, probe_interval: int) -> None:
+        """Run on `threads` from now on, on other groups' evidence: no probe under way, none of its own yet."""
+        self.current, self.probing, self.since_probe, self.probe_interval = threads, 0, 0, probe_interval
+        self.verdict_seconds, self.imposed = 0.0, True
+
 
 @dataclass
 class ThreadGovernor:
@@ -202,8 +207,7 @@ class ThreadGovernor:
         """Groups whose count was imposed (and that are not probing) take the count `judge`'s probe chose."""
         for other in self.groups.values():
             if other is not judge and other.imposed and not other.probing and other.current != judge.current:
-                other.current, other.since_probe, other.probe_interval = judge.current, 0, self.min_probe_interval
-                other.verdict_seconds = 0.0
+                other.impose(judge.current, self.min_probe_interval)
 
     def _fall_to_one_thread(self, num_tokens: int, threads: int, seconds: float, waited_seconds: float,
                             finished_on_one: bool = False) -> None:
@@ -212,8 +216,7 @@ class ThreadGovernor:
                     "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3,
                     "; its last layers ran on 1" if finished_on_one else "")
         for group in self.groups.values():
-            group.current, group.probing, group.since_probe = 1, 0, 0
-            group.probe_interval, group.verdict_seconds, group.imposed = self.min_probe_interval, 0.0, True
+            group.impose(1, self.min_probe_interval)
         self.latest_verdict = 1
 
     @contextmanager
@@ -226,16 +229,15 @@ class ThreadGovernor:
         if watched and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
             self.run_queue.watch(forward_thread_ids())  # the pool's threads rarely change: look again now and then
         start, waited = time.perf_counter(), self.run_queue.seconds() if watched else None
-        watch = None
+        group, watch = self.groups[num_tokens.bit_length()], None
         if watched and waited is not None:
-            group = self.groups[num_tokens.bit_length()]
             usual = group.times.get(threads)
             first_look = _HOPELESS * statistics.median(usual) if usual else _FIRST_LOOK_UNKNOWN_S
             watch = ForwardWatch(self.run_queue, start, waited, start + max(first_look, _LOOK_EVERY_S))
         yield watch
         seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds() if watched else None
         waited_seconds = None if waited is None or waited_after is None else max(0.0, waited_after - waited)
-        if watch is not None and watch.dropped and threads == self.groups[num_tokens.bit_length()].current:
+        if watch is not None and watch.dropped and threads == group.current:
             # its time mixes two counts: no sample for either; what it showed is enough to fall
             self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
             self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds or 0.0, finished_on_one=True)
