@@ -10,11 +10,13 @@ whose activations are quantized per token too; fp32 dense, to show how far bf16 
 The served model picks the weight-only kernels only for steps of at most QUANTIZED_MAX_ROWS rows
 (layers/linear.py), so a prompt's prefill and large decode batches stay dense. Here every matmul is
 forced onto the quantized kernels: the numbers bound what any request can see (a single stream's decode).
-w8a8_int8 takes every call anyway (its LM head stays dense).
+w8a8_int8 takes every call anyway (its LM head in int8 x 16-bit activations, W8A16Int8).
 
 `--kernels` instead times the matmul kernels alone at the model's shapes (fused qkv, o, gate_up, down,
-LM head) for several row counts: the dense oneDNN-packed bf16 kernel vs int8 vs int4, interleaved, best
-of --kernel-repeats calls each; this is what QUANTIZED_MAX_ROWS is chosen from.
+LM head) for several row counts: the dense oneDNN-packed bf16 kernel vs the small-row bf16 kernel, int8,
+int4, w8a8_int8 and the int8 x 16-bit kernel of w8a8's LM head, interleaved, best of --kernel-repeats
+calls each (the same weight every call: what fits in the caches reads from them); this is what
+QUANTIZED_MAX_ROWS is chosen from.
 
 The text is Python's own documentation (pydoc_data.topics: the language reference, ~460 kB of English),
 so it is fixed for a given Python version and needs no download.
@@ -40,7 +42,8 @@ from bench_model import RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime.layers.linear import QuantizedLinear, linear, quantize_linear  # noqa: E402
+from sgl_lite.runtime.layers.linear import GemvLinear, QuantizedLinear, gemv_kernel, linear, quantize_linear  # noqa: E402
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A16Int8  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import load_tokenizer, resolve_model_path  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -102,14 +105,18 @@ def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
               "lm_head": (config.vocab_size, hidden)}
     g = torch.Generator().manual_seed(0)
     print(f"\n{model_dir.name}, bf16 activations, {torch.get_num_threads()} threads, best of {repeats} (microseconds)\n")
-    print("| weight | [N, K] | rows | dense bf16 (oneDNN) | w8a16_int8 | w4a16_int4 |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| weight | [N, K] | rows | dense bf16 (oneDNN) | small-row bf16 | w8a16_int8 | w4a16_int4 | w8a8_int8 | int8 x 16-bit (w8a8's LM head) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (n, k) in shapes.items():
         weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
         dense = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        small_rows = GemvLinear.pack(weight, None) if gemv_kernel(weight) is not None else None
         kernels = {"dense": lambda x: linear(x, weight, None, dense)}
-        for method in ("w8a16_int8", "w4a16_int4"):
+        if small_rows is not None:
+            kernels["small-row"] = lambda x: small_rows(x, weight, None)
+        for method in ("w8a16_int8", "w4a16_int4", "w8a8_int8"):
             kernels[method] = quantize_linear(method, weight, None).quantized.matmul
+        kernels["w8a16_vnni"] = W8A16Int8(weight).matmul
         for m in rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             best = dict.fromkeys(kernels, math.inf)
@@ -119,7 +126,8 @@ def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
                     fn(x)
                     best[key] = min(best[key], time.perf_counter() - start)
             base = best["dense"]
-            cells = " | ".join(f"{best[key] * 1e6:.0f} ({base / best[key]:.2f}x)" for key in ("w8a16_int8", "w4a16_int4"))
+            cells = " | ".join(f"{best[key] * 1e6:.0f} ({base / best[key]:.2f}x)" if key in best else "-"
+                               for key in ("small-row", "w8a16_int8", "w4a16_int4", "w8a8_int8", "w8a16_vnni"))
             print(f"| {name} | [{n}, {k}] | {m} | {base * 1e6:.0f} | {cells} |")
 
 

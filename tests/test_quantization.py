@@ -20,7 +20,7 @@ from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
 from sgl_lite.runtime.layers.linear import AVX2_INT4_MAX_ROWS, QuantizedLinear, avx2_int4_preferred, quantize_linear
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
-from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, w8a8_kernel_available
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8, w8a8_kernel_available
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Avx2, Int4Values, Int4WeightOnly, Int8WeightOnly
 from sgl_lite.runtime.server_args import QUANTIZATIONS, ServerArgs
 
@@ -247,13 +247,14 @@ W8A8 = pytest.mark.skipif(not w8a8_kernel_available(), reason="the w8a8 kernel n
 
 
 @W8A8
+@pytest.mark.parametrize("form_type", [W8A8Int8, W8A16Int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 9, 33, 130])
 @pytest.mark.parametrize("shape", [(128, 96), (100, 30), (960, 576)])  # 100 x 30: padded columns and k
-def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(form_type: type, dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(rows + shape[0])
     n, k = shape
-    form = W8A8Int8(torch.randn(n, k, generator=g).to(dtype))
+    form = form_type(torch.randn(n, k, generator=g).to(dtype))
     x, bias = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     x[0, : k // 2] = 0  # ties and zeros
     for b in (None, bias):
@@ -264,9 +265,11 @@ def test_w8a8_kernel_is_its_torch_reference_bit_for_bit(dtype: torch.dtype, rows
 
 
 @W8A8
-def test_w8a8_rows_too_small_to_scale_quantize_to_zeros_in_both() -> None:
-    """127 / max|x| overflows below ~3.7e-37: such a row is a zero row for the kernel and the reference alike."""
-    form = W8A8Int8(torch.randn(32, 8))
+@pytest.mark.parametrize("form_type", [W8A8Int8, W8A16Int8])
+def test_w8a8_rows_too_small_to_scale_quantize_to_zeros_in_both(form_type: type) -> None:
+    """127 / max|x| overflows below ~3.7e-37 (32767 / max|x| below ~9.6e-35): such a row is a zero row for the
+    kernel and the reference alike."""
+    form = form_type(torch.randn(32, 8))
     x = torch.tensor([[1e-37, 0.0, -1e-37, 0.0, 0, 0, 0, 0], [1e-30, -2e-30, 0, 0, 0, 0, 0, 3e-30]])
     out = form.matmul(x)
     assert torch.equal(out, form.reference_matmul(x))
@@ -297,10 +300,30 @@ def test_w8a8_reference_is_within_the_quantization_error(rows: int) -> None:
     assert not torch.allclose(out, exact, atol=1e-4)  # it does quantize
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_w8a16_moves_logits_less_than_8_bit_activations_do(rows: int) -> None:
+    """16-bit activations: the error against the exact product within the weights' rounding plus at most half a
+    16-bit step per activation, and several times below w8a8's on rows with an outlier (a hidden state's)."""
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(64, 576, generator=g) * 0.05, torch.randn(rows, 576, generator=g)
+    x[:, 7] = 40.0  # an outlier sets each row's scale
+    w16, w8 = W8A16Int8(weight), W8A8Int8(weight)
+    exact = _reference(x, weight)
+    err16, err8 = (w16.reference_matmul(x).double() - exact).abs(), (w8.reference_matmul(x).double() - exact).abs()
+    dw = (w16.scales / 2).double()[:, None].expand(64, 576)
+    dx = (x.abs().amax(1) / 32767 / 2).double()[:, None].expand(rows, 576)
+    bound = x.abs().double() @ dw.t() + dx @ weight.abs().double().t() + dx @ dw.t()
+    assert (err16 <= bound * 1.001 + 1e-5).all()
+    weights_only = (x.double() @ w16.dequantize().double().t() - exact).abs()
+    assert (err16 - weights_only).abs().max() < 0.05 * weights_only.max()  # the activations add little
+    assert err8.mean() > 3 * err16.mean()
+
+
 @W8A8
-def test_w8a8_rows_do_not_depend_on_the_batch_or_the_threads() -> None:
+@pytest.mark.parametrize("form_type", [W8A8Int8, W8A16Int8])
+def test_w8a8_rows_do_not_depend_on_the_batch_or_the_threads(form_type: type) -> None:
     g = torch.Generator().manual_seed(6)
-    form = W8A8Int8(torch.randn(576, 1536, generator=g))
+    form = form_type(torch.randn(576, 1536, generator=g))
     x = torch.randn(70, 1536, generator=g).to(torch.bfloat16)
     batched = form.matmul(x)
     threads = torch.get_num_threads()
@@ -321,6 +344,8 @@ def test_w8a8_kernel_refuses_a_malformed_weight() -> None:
         torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64), form.packed, torch.zeros(31))
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.sgl_lite.w8a8_gemm(torch.randn(1, 64).double(), form.packed, None)
+    with pytest.raises(RuntimeError, match="w8a16_gemm: packed weight must be"):
+        torch.ops.sgl_lite.w8a16_gemm(torch.randn(1, 96), form.packed, None)
 
 
 def test_w8a8_takes_every_call_and_keeps_no_dense_copy() -> None:
@@ -334,8 +359,8 @@ def test_w8a8_takes_every_call_and_keeps_no_dense_copy() -> None:
 
 @W8A8
 def test_tiny_model_served_w8a8_computes_the_reference_arithmetic(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Served with the kernel (the fused decode layer included) and with the torch reference in every matmul,
-    the same greedy tokens, alone and batched; the LM head stays dense."""
+    """Served with the kernels (the fused decode layer included) and with the torch references in every matmul,
+    the same greedy tokens, alone and batched; the LM head takes 16-bit activations."""
     from sgl_lite.runtime.server.engine import Engine
 
     prompts = ["The quick brown fox", "What is the capital of France?", "def add(a, b):"]
@@ -348,7 +373,7 @@ def test_tiny_model_served_w8a8_computes_the_reference_arithmetic(tiny_llama_dir
             model = engine.core.runner.model
             assert all(isinstance(p, QuantizedLinear) and isinstance(p.quantized, W8A8Int8)
                        for layer in model.layers for p in layer.packed.values())
-            assert not isinstance(model.packed_lm_head, QuantizedLinear)
+            assert isinstance(model.packed_lm_head, QuantizedLinear) and isinstance(model.packed_lm_head.quantized, W8A16Int8)
             outs = [engine.generate(p, params) for p in prompts] + engine.generate(prompts, params)
             engine.core.scheduler.check_invariant()
             return [o["output_ids"] for o in outs]
@@ -358,5 +383,6 @@ def test_tiny_model_served_w8a8_computes_the_reference_arithmetic(tiny_llama_dir
     kernel = serve()
     monkeypatch.setattr(W8A8Int8, "fused_decode_weight", property(lambda self: False))
     monkeypatch.setattr(W8A8Int8, "matmul", W8A8Int8.reference_matmul)
+    monkeypatch.setattr(W8A16Int8, "matmul", W8A16Int8.reference_matmul)
     assert serve() == kernel
     assert kernel[:3] == kernel[3:]  # alone and batched

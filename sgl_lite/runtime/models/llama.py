@@ -28,6 +28,7 @@ from sgl_lite.runtime.layers.linear import (
     linear,
     quantize_linear,
 )
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A16Int8
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope, rope_inv_freq, rope_parameters
 from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
@@ -300,7 +301,10 @@ class LlamaForCausalLM(nn.Module):
                 _check_same_weight(values, weight, f"{prefix}{name}")
                 layer.packed[name] = quantize_linear(method, weight.detach(), layer.packed[name], values)
         if method == "w8a8_int8":
-            return  # the LM head stays dense, as in SGLang's w8a8_int8 checkpoints: logits decide every token
+            # Logits decide every token: SGLang's w8a8_int8 checkpoints keep the LM head dense. Its int8 weights
+            # with 16-bit activations stay within the weights' own rounding at half the bf16 head's bytes.
+            self.packed_lm_head = QuantizedLinear(W8A16Int8(self.lm_head.detach()), None, None)
+            return
         head = int4_values.get("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
         _check_same_weight(head, self.lm_head, "lm_head")
         self.packed_lm_head = quantize_linear(method, self.lm_head.detach(), self.packed_lm_head, head)

@@ -29,15 +29,18 @@ def w8a8_kernel_available() -> bool:
     return load_cpu_ops() and bool(torch.ops.sgl_lite.w8a8_gemm_supported())
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: q = round_half_even(x * 127 / max|x|) as int8, and the scale max|x| / 127 (float32). A row
-    whose 127 / max|x| is not finite (all zeros, or max|x| below 127 / FLT_MAX) quantizes to zeros."""
+def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: q = round_half_even(x * M / max|x|) with M = 2^(bits-1) - 1 (int8 for 8 bits, int32 for 16), and
+    the scale max|x| / M (float32). A row whose M / max|x| is not finite (all zeros, or max|x| below
+    M / FLT_MAX) quantizes to zeros."""
+    largest = float(2 ** (bits - 1) - 1)
     xf = x.float()
     amax = xf.abs().amax(dim=1)
-    # a true division (`127.0 / amax` is computed as amax.reciprocal() * 127: another rounding than the kernel's)
-    ratio = torch.full_like(amax, 127.0).div(amax)
+    # a true division (`M / amax` is computed as amax.reciprocal() * M: another rounding than the kernel's)
+    ratio = torch.full_like(amax, largest).div(amax)
     inv = torch.where(torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
-    return torch.round(xf * inv[:, None]).to(torch.int8), amax / 127.0
+    q = torch.round(xf * inv[:, None])
+    return q.to(torch.int8 if bits == 8 else torch.int32), amax / largest
 
 
 class W8A8Int8:
@@ -101,3 +104,38 @@ class W8A8Int8:
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+
+class W8A16Int8(W8A8Int8):
+    """W8A8Int8's packed int8 weight with 16-bit activations (csrc/w8a8_gemm.cpp's w8a16_gemm): each row as
+    round_half_even(x * 32767 / max|x|), taken by the kernel in two bytes. The LM head of
+    `--quantization w8a8_int8`: half the bytes of the bf16 head, and logits within the weights' own rounding
+    (8-bit activations move them several times more). Not a decoder-layer weight (the fused decode layer
+    calls w8a8_gemm)."""
+
+    @property
+    def fused_decode_weight(self) -> bool:
+        return False
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not w8a8_kernel_available() or x.dtype not in _KERNEL_DTYPES:
+            return self.reference_matmul(x, bias)
+        if bias is not None and self.pad:
+            bias = torch.cat([bias, bias.new_zeros(self.pad)])
+        out = torch.ops.sgl_lite.w8a16_gemm(x.contiguous(), self.packed, bias)
+        return out[:, : self.out_features] if self.pad else out
+
+    def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel's arithmetic in torch: the row as U = q + 32768 in a high and a low byte, each byte's
+        exact sum of products (float64 holds them exactly) converted to float32, then one rounding of
+        256 * (high sum - 128 * column sum) + low sum, times the row and column scales, plus the bias."""
+        q, row_scale = quantize_rows(x, bits=16)
+        u = q + 32768
+        w = self.q.double().t()
+        high = ((u >> 8) - 128).double() @ w  # the high byte's sum with the column's compensation
+        low = (u & 255).double() @ w
+        sums = (high.float().double() * 256 + low.float().double()).float()
+        out = sums * (self.scales[None, :] * row_scale[:, None])
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
