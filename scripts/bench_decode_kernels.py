@@ -7,6 +7,8 @@
   in a real step; 1 to 128 rows;
 - int4 weights (`--quantization w4a16_int4`): the int4 kernel this CPU runs (`layers/csrc/avx2_q4_gemv.cpp`
   on CPUs without AVX-512, else torch's) against the bf16 small-row kernel on the same weights;
+- int8 (`--quantization w8a8_int8`, on AVX512-VNNI): `layers/csrc/w8a8_gemm.cpp` against the bf16 small-row
+  kernel on the same weights, and its LM head (int8 weights x 16-bit activations) against the bf16 head;
 - decode attention (`layers/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model); in
@@ -44,14 +46,17 @@ from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
     cpu_packed_linear_supported,
     gemv_kernel,
+    QuantizedLinear,
     linear,
     quantize_linear,
 )
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A16Int8, w8a8_kernel_available  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down [N, K]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
 ATTENTION = [(1, 480), (8, 480), (8, 2000), (32, 480)]  # (requests, context)
+HEAD = (49152, 576)  # SmolLM2-135M's LM head [vocab, hidden]
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -126,6 +131,39 @@ def bench_int4(repeats: int) -> list[dict]:
         rows_out.append({"dtype": "int4", "kernel": kernel, "baseline": f"bf16 {gemv_kernel(weights[0][0])}", "rows": rows,
                          "kernel_ms": times["kernel"] * 1e3, "baseline_ms": times["baseline"] * 1e3,
                          "kernel_GBps": total_bytes / times["kernel"] / 1e9, "speedup": times["baseline"] / times["kernel"]})
+    return rows_out
+
+
+def bench_w8a8(repeats: int) -> list[dict]:
+    """`--quantization w8a8_int8`'s kernel against the bf16 small-row kernel on the same 30 layers, both taking
+    every call; then its LM head (int8 x 16-bit activations) against the bf16 head, over 4 copies of the head
+    so that they stream from memory as in a step."""
+    if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is None or not w8a8_kernel_available():
+        return []
+    g = torch.Generator().manual_seed(3)
+    weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
+    dense = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
+    for layer in dense:
+        for form in layer:
+            form.max_rows = None
+    w8a8 = [[quantize_linear("w8a8_int8", w, None) for w in layer] for layer in weights]
+    total_bytes = sum(form.quantized.nbytes for layer in w8a8 for form in layer)
+    heads = [(torch.randn(HEAD, generator=g) * 0.05).bfloat16() for _ in range(4)]
+    head_forms = {"kernel": [QuantizedLinear(W8A16Int8(h), None, None) for h in heads],
+                  "baseline": [GemvLinear.pack(h, None) for h in heads]}
+    rows_out = []
+    for rows in tqdm(ROWS, desc="matmuls w8a8"):
+        times = time_forms(weights, {"kernel": w8a8, "baseline": dense}, rows, repeats, g)
+        rows_out.append({"dtype": "int8 (w8a8)", "kernel": "w8a8_gemm", "baseline": "bf16 bf16_gemv", "rows": rows,
+                         "kernel_ms": times["kernel"] * 1e3, "baseline_ms": times["baseline"] * 1e3,
+                         "kernel_GBps": total_bytes / times["kernel"] / 1e9, "speedup": times["baseline"] / times["kernel"]})
+        x = torch.randn(rows, HEAD[1], generator=g).bfloat16()
+        head = {name: best_seconds(lambda forms=forms: [f(x, h, None) for f, h in zip(forms, heads)], repeats) / len(heads)
+                for name, forms in head_forms.items()}
+        head_bytes = head_forms["kernel"][0].quantized.nbytes
+        rows_out.append({"dtype": "int8 x 16-bit (w8a8's LM head)", "kernel": "w8a16_gemm", "baseline": "bf16 bf16_gemv",
+                         "rows": rows, "kernel_ms": head["kernel"] * 1e3, "baseline_ms": head["baseline"] * 1e3,
+                         "kernel_GBps": head_bytes / head["kernel"] / 1e9, "speedup": head["baseline"] / head["kernel"]})
     return rows_out
 
 
@@ -242,7 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     if not matmul_dtypes():
         raise SystemExit("no small-row matmul kernel on this machine (it needs AVX512-BF16 or AVX2 + FMA): nothing to compare")
-    matmuls = bench_matmuls(args.repeats) + bench_int4(args.repeats)
+    matmuls = bench_matmuls(args.repeats) + bench_int4(args.repeats) + bench_w8a8(args.repeats)
     bandwidth = read_bandwidth(args.repeats)
     attention = bench_attention(args.repeats)
     verify = bench_verify_attention(args.repeats)
@@ -286,7 +324,7 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for dtype in sorted({r["dtype"] for r in matmuls}):
+    for dtype in sorted({r["dtype"] for r in matmuls if "LM head" not in r["dtype"]}):  # the head is one matmul, not 30 layers
         mine = [r for r in matmuls if r["dtype"] == dtype]
         for key in ("kernel", "baseline"):
             ax.plot([r["rows"] for r in mine], [r[f"{key}_ms"] for r in mine], marker="o", label=f"{dtype} {mine[0][key]}")

@@ -1,0 +1,112 @@
+"""A small-row matmul kernel at two versions of the code, timed in one process, interleaved.
+
+Across processes this host's speeds move by ~10% (where a run's memory lands, what else runs), more than
+many kernel changes move them: two runs of bench_decode_kernels.py, one per version, can show no
+difference where there is one, or one where there is none. This builds the kernel's source file
+(`layers/csrc/<kernel>.cpp`) as it is at git revision --base and as it is in the working tree, each as a
+library of its own name, packs 30 layers of SmolLM2-135M-shaped random weights once, and times a pass over
+every layer's matmuls (qkv, o, gate_up, down: the weights stream from memory, as in a decode step) at each
+row count, the two builds alternating, best of --repeats per round. Prints a table and writes JSON: the
+baseline is the --base build, measured in the same run.
+
+Usage: python scripts/ab_matmul_builds.py --kernel bf16_gemv|w8a8_gemm [--base HEAD] [--rows 1,4,8,32]
+       [--rounds 3] [--repeats 5] [--out artifacts/ab_matmul_builds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops  # noqa: E402
+from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
+
+CSRC = ROOT / "sgl_lite" / "runtime" / "layers" / "csrc"
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down [N, K]
+LAYERS = 30
+PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed}
+
+
+def build(kernel: str, source: str, library: str, workdir: Path):
+    """`source` (the kernel's .cpp) built with the runtime's flags, its ops registered under `library`."""
+    # its own library name, so that both builds load beside the runtime's; the one symbol the runtime's
+    # library defines for the others (bf16_gemv.cpp's probe result) renamed away
+    text = source.replace("TORCH_LIBRARY_FRAGMENT(sgl_lite", f"TORCH_LIBRARY({library}").replace(
+        "TORCH_LIBRARY_IMPL(sgl_lite", f"TORCH_LIBRARY_IMPL({library}").replace(
+        "bool sgl_lite::dpbf16_preferred()", "bool unused_dpbf16_preferred()")
+    path = workdir / f"{library}.cpp"
+    path.write_text(text)
+    cpp_extension.load(name=library, sources=[str(path)], extra_cflags=["-O3", "-fopenmp", "-march=native"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(workdir), is_python_module=False)
+    return getattr(getattr(torch.ops, library), kernel)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", choices=sorted(PACK), required=True)
+    parser.add_argument("--base", default="HEAD", help="git revision of the baseline build")
+    parser.add_argument("--rows", default="1,4,8,32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=artifact_path("ab_matmul_builds.json"))
+    args = parser.parse_args()
+    if not load_cpu_ops():
+        raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.layers.cpu_ops)")
+    relative = f"sgl_lite/runtime/layers/csrc/{args.kernel}.cpp"
+    base_source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{relative}"], check=True,
+                                 capture_output=True, text=True).stdout
+    workdir = Path(tempfile.mkdtemp(prefix="ab_matmul_builds-"))
+    try:
+        for header in CSRC.glob("*.h"):  # the working tree's headers serve both builds
+            shutil.copy(header, workdir)
+        ops = {"base": build(args.kernel, base_source, "ab_base", workdir),
+               "working tree": build(args.kernel, (CSRC / f"{args.kernel}.cpp").read_text(), "ab_tree", workdir)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    g = torch.Generator().manual_seed(0)
+    packed = [[PACK[args.kernel]((torch.randn(shape, generator=g) * 0.05).bfloat16()) for shape in SHAPES] for _ in range(LAYERS)]
+
+    def seconds(op, rows: int) -> float:
+        x = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in SHAPES}
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for layer in packed:
+                for weight, (_, k) in zip(layer, SHAPES):
+                    op(x[k], weight, None)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    rows = [int(r) for r in args.rows.split(",")]
+    ms: dict[int, dict[str, list[float]]] = {r: {name: [] for name in ops} for r in rows}
+    for _ in range(args.rounds):
+        for r in rows:
+            for name, op in ops.items():
+                ms[r][name].append(1e3 * seconds(op, r))
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {args.kernel}: --base {args.base} against the working tree, "
+          f"{LAYERS} layers' matmuls, ms per pass, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
+    print("| rows | base | working tree | base / working tree (best rounds) |\n|---:|---|---|---:|")
+    for r in rows:
+        base, tree = ms[r]["base"], ms[r]["working tree"]
+        print(f"| {r} | {', '.join(f'{v:.2f}' for v in base)} | {', '.join(f'{v:.2f}' for v in tree)} | {min(base) / min(tree):.2f}x |")
+    out = output_file(args.out)
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "ms": {str(r): v for r, v in ms.items()}}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
