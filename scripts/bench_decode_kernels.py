@@ -109,16 +109,23 @@ def bench_matmuls(repeats: int) -> list[dict]:
     return rows_out
 
 
-def bench_int4(repeats: int) -> list[dict]:
-    """The int4 kernel against the bf16 small-row kernel, both forced to take every call."""
-    if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is None:
-        return []
-    g = torch.Generator().manual_seed(2)
+def bf16_layers_every_call(g: torch.Generator) -> tuple[list[list[torch.Tensor]], list[list[GemvLinear]]]:
+    """30 layers of random bf16 weights and their small-row kernel forms, made to take every call (the
+    baseline of the quantized kernels, which do)."""
     weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
     dense = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
     for layer in dense:
         for form in layer:
             form.max_rows = None
+    return weights, dense
+
+
+def bench_int4(repeats: int) -> list[dict]:
+    """The int4 kernel against the bf16 small-row kernel, both forced to take every call."""
+    if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is None:
+        return []
+    g = torch.Generator().manual_seed(2)
+    weights, dense = bf16_layers_every_call(g)
     int4 = [[quantize_linear("w4a16_int4", w, None) for w in layer] for layer in weights]
     for layer in int4:
         for form in layer:
@@ -141,11 +148,7 @@ def bench_w8a8(repeats: int) -> list[dict]:
     if gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is None or not w8a8_kernel_available():
         return []
     g = torch.Generator().manual_seed(3)
-    weights = [[(torch.randn(shape, generator=g) * 0.05).bfloat16() for shape in SHAPES] for _ in range(LAYERS)]
-    dense = [[GemvLinear.pack(w, None) for w in layer] for layer in weights]
-    for layer in dense:
-        for form in layer:
-            form.max_rows = None
+    weights, dense = bf16_layers_every_call(g)
     w8a8 = [[quantize_linear("w8a8_int8", w, None) for w in layer] for layer in weights]
     total_bytes = sum(form.quantized.nbytes for layer in w8a8 for form in layer)
     heads = [(torch.randn(HEAD, generator=g) * 0.05).bfloat16() for _ in range(4)]

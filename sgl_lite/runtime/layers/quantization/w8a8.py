@@ -49,6 +49,8 @@ class W8A8Int8:
     4 k, then the columns' scales and compensations (-128 * the column's sum, for the kernel's unsigned
     activations). Rows are padded to a multiple of 16 (their outputs sliced off)."""
 
+    kernel = "w8a8_gemm"  # the op of csrc/w8a8_gemm.cpp that multiplies by `packed`
+
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         self.out_features, self.in_features = n, k = w.shape
@@ -86,7 +88,7 @@ class W8A8Int8:
             return self.reference_matmul(x, bias)
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = torch.ops.sgl_lite.w8a8_gemm(x.contiguous(), self.packed, bias)
+        out = getattr(torch.ops.sgl_lite, self.kernel)(x.contiguous(), self.packed, bias)
         return out[:, : self.out_features] if self.pad else out
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,17 +115,11 @@ class W8A16Int8(W8A8Int8):
     (8-bit activations move them several times more). Not a decoder-layer weight (the fused decode layer
     calls w8a8_gemm)."""
 
+    kernel = "w8a16_gemm"
+
     @property
     def fused_decode_weight(self) -> bool:
         return False
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not w8a8_kernel_available() or x.dtype not in _KERNEL_DTYPES:
-            return self.reference_matmul(x, bias)
-        if bias is not None and self.pad:
-            bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = torch.ops.sgl_lite.w8a16_gemm(x.contiguous(), self.packed, bias)
-        return out[:, : self.out_features] if self.pad else out
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: the row as U = q + 32768 in a high and a low byte, each byte's
