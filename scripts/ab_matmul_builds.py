@@ -26,9 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
+
+from bench_decode_kernels import LAYERS, SHAPES, best_seconds  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops  # noqa: E402
@@ -36,8 +39,6 @@ from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
 
 CSRC = ROOT / "sgl_lite" / "runtime" / "layers" / "csrc"
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down [N, K]
-LAYERS = 30
 PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed}
 
 
@@ -82,14 +83,12 @@ def main() -> None:
 
     def seconds(op, rows: int) -> float:
         x = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in SHAPES}
-        best = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
+
+        def one_pass() -> None:
             for layer in packed:
                 for weight, (_, k) in zip(layer, SHAPES):
                     op(x[k], weight, None)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_seconds(one_pass, args.repeats)
 
     rows = [int(r) for r in args.rows.split(",")]
     ms: dict[int, dict[str, list[float]]] = {r: {name: [] for name in ops} for r in rows}

@@ -272,7 +272,11 @@ class LlamaForCausalLM(nn.Module):
 
         def forms(weight: torch.Tensor) -> torch.Tensor | GemvLinear | None:
             # The small-row kernel's form around oneDNN's copy, which calls above its row limit use (none
-            # where the kernel takes every call: then that copy would only cost memory).
+            # where the kernel takes every call: then that copy would only cost memory). None under
+            # w8a8_int8, whose quantized forms take every call and keep no dense one (~0.3 s and a copy of
+            # the weights packed at load only to be dropped).
+            if quantization == "w8a8_int8":
+                return None
             kernel = gemv_kernel(weight)
             dense = reorder(weight.detach(), batch_hint) if packed and (kernel is None or gemv_max_rows(kernel) is not None) else None
             return GemvLinear.pack(weight, dense) if kernel is not None else dense
