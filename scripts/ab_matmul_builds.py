@@ -3,8 +3,8 @@
 Across processes this host's speeds move by ~10% (where a run's memory lands, what else runs), more than
 many kernel changes move them: two runs of bench_decode_kernels.py, one per version, can show no
 difference where there is one, or one where there is none. This builds the kernel's source file
-(`layers/csrc/<kernel>.cpp`) as it is at git revision --base and as it is in the working tree, each as a
-library of its own name, packs 30 layers of SmolLM2-135M-shaped random weights once, and times a pass over
+(`layers/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it is
+in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random weights once, and times a pass over
 every layer's matmuls (qkv, o, gate_up, down: the weights stream from memory, as in a decode step) at each
 row count, the two builds alternating, best of --repeats per round. Prints a table and writes JSON: the
 baseline is the --base build, measured in the same run.
@@ -43,17 +43,49 @@ PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm"
 
 
 def build(kernel: str, source: str, library: str, workdir: Path):
-    """`source` (the kernel's .cpp) built with the runtime's flags, its ops registered under `library`."""
+    """`source` (a csrc .cpp) built with the runtime's flags, its ops registered under `library`."""
     # its own library name, so that both builds load beside the runtime's; the one symbol the runtime's
-    # library defines for the others (bf16_gemv.cpp's probe result) renamed away
+    # library defines for the others (bf16_gemv.cpp's probe result) renamed away, and its callers given the
+    # runtime's answer
+    preferred = "true" if torch.ops.sgl_lite.bf16_gemv_arithmetic() == "dpbf16" else "false"
     text = source.replace("TORCH_LIBRARY_FRAGMENT(sgl_lite", f"TORCH_LIBRARY({library}").replace(
+        "TORCH_LIBRARY(sgl_lite", f"TORCH_LIBRARY({library}").replace(
         "TORCH_LIBRARY_IMPL(sgl_lite", f"TORCH_LIBRARY_IMPL({library}").replace(
-        "bool sgl_lite::dpbf16_preferred()", "bool unused_dpbf16_preferred()")
+        "bool sgl_lite::dpbf16_preferred()", "bool unused_dpbf16_preferred()").replace(
+        "sgl_lite::dpbf16_preferred()", preferred)
     path = workdir / f"{library}.cpp"
     path.write_text(text)
     cpp_extension.load(name=library, sources=[str(path)], extra_cflags=["-O3", "-fopenmp", "-march=native"],
                        extra_ldflags=["-fopenmp"], build_directory=str(workdir), is_python_module=False)
     return getattr(getattr(torch.ops, library), kernel)
+
+
+def git_show(base: str, relative: str) -> str | None:
+    """A file as it is at git revision `base` (None where it did not exist)."""
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:{relative}"], capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def base_and_tree(kernel: str, base: str) -> dict:
+    """The op `kernel` (csrc/<kernel>.cpp) built as it is at git revision `base` and in the working tree,
+    each with the headers of its own version: {"base": op, "working tree": op}."""
+    if not load_cpu_ops():
+        raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.layers.cpu_ops)")
+    relative = f"sgl_lite/runtime/layers/csrc/{kernel}.cpp"
+    base_source = git_show(base, relative)
+    if base_source is None:
+        raise SystemExit(f"{relative} does not exist at {base}")
+    ops = {}
+    for name, library, source in (("base", "ab_base", base_source), ("working tree", "ab_tree", (CSRC / f"{kernel}.cpp").read_text())):
+        workdir = Path(tempfile.mkdtemp(prefix=f"ab_{kernel}-"))
+        try:
+            for header in CSRC.glob("*.h"):
+                text = git_show(base, f"sgl_lite/runtime/layers/csrc/{header.name}") if name == "base" else None
+                (workdir / header.name).write_text(text if text is not None else header.read_text())
+            ops[name] = build(kernel, source, library, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return ops
 
 
 def main() -> None:
@@ -65,19 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=artifact_path("ab_matmul_builds.json"))
     args = parser.parse_args()
-    if not load_cpu_ops():
-        raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.layers.cpu_ops)")
-    relative = f"sgl_lite/runtime/layers/csrc/{args.kernel}.cpp"
-    base_source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{relative}"], check=True,
-                                 capture_output=True, text=True).stdout
-    workdir = Path(tempfile.mkdtemp(prefix="ab_matmul_builds-"))
-    try:
-        for header in CSRC.glob("*.h"):  # the working tree's headers serve both builds
-            shutil.copy(header, workdir)
-        ops = {"base": build(args.kernel, base_source, "ab_base", workdir),
-               "working tree": build(args.kernel, (CSRC / f"{args.kernel}.cpp").read_text(), "ab_tree", workdir)}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    ops = base_and_tree(args.kernel, args.base)
     g = torch.Generator().manual_seed(0)
     packed = [[PACK[args.kernel]((torch.randn(shape, generator=g) * 0.05).bfloat16()) for shape in SHAPES] for _ in range(LAYERS)]
 

@@ -24,7 +24,7 @@
 // bytes it saved: an 8-bit pool decoded slower than a bf16 one on the 2-core EPYC.)
 //
 // Not a standalone header: paged_decode_attention.cpp includes it inside its anonymous namespace, after
-// its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile), and fp8_vectors.h before it.
+// its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile, LookAhead), and fp8_vectors.h before it.
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)  // BW: fp8_vectors.h's row readers
@@ -108,7 +108,8 @@ inline void score_vectors(const __m512bh* qv, const __m512i (*keys)[16 * kP], fl
 // attend_chunk's contract in pairs: q [Q, D] bf16 as the model gave it (not scaled), kP = D / 32.
 template <class Rows, int64_t kP, int64_t kG>
 void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* k_base, const typename Rows::T* v_base, const int64_t* slots,
-                        const Shape& shape, const Tile& tile, int64_t row_bytes, Partial* outs) {
+                        const Shape& shape, const Tile& tile, int64_t row_bytes, int64_t cold, LookAhead& ahead,
+                        Partial* outs) {
   static_assert(kLanes == 16 && kBlock == 32, "a block's probabilities are one vector of 16 bf16 pairs");
   constexpr int64_t C = 2 * kP;  // float32 vectors per accumulator row
   const int64_t stride = shape.row_stride, D = shape.dim;
@@ -128,7 +129,7 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
   int64_t nb[kMaxVectors];
   std::fill(run_max, run_max + Q, kNegInf);
   std::fill(run_sum, run_sum + Q, 0.f);
-  for (int64_t t = 0; t < std::min(n, kPrefetchAhead); ++t) prefetch_row(k_base + slots[t] * stride, row_bytes);
+  for (int64_t t = 0; t < std::min(n, cold); ++t) prefetch_row(k_base + slots[t] * stride, row_bytes);
   // the block's K rows of one head, transposed: keys[v][p] holds pair p of tokens 16v .. 16v + 15
   alignas(64) __m512i keys[kBlock / kLanes][16 * kP];
   for (int64_t start = 0; start < n; start += kBlock) {
@@ -143,7 +144,11 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
     const auto prefetch = [&] {
       if (++loads == lines) {
         loads = 0;
-        if (token + kPrefetchAhead < n) prefetch_row(k_base + slots[token + kPrefetchAhead] * stride, row_bytes);
+        if (token + kPrefetchAhead < n) {
+          prefetch_row(k_base + slots[token + kPrefetchAhead] * stride, row_bytes);
+        } else {
+          ahead.prefetch(token + kPrefetchAhead - n);  // the next item's first rows
+        }
         prefetch_row(v_base + slots[token] * stride, row_bytes);  // read by the P.V pass of this block
         ++token;
       }

@@ -1,0 +1,102 @@
+"""The paged decode attention kernel at two versions of the code, timed in one process, interleaved.
+
+As scripts/ab_matmul_builds.py does for the matmuls (this host's ~10% process-to-process spread hides
+kernel changes of that size): builds `layers/csrc/paged_decode_attention.cpp` with its headers as they are
+at git revision --base and as they are in the working tree, each as a library of its own name, checks that
+both give the same outputs, and times a decode step's 30 layers of attention (9 query / 3 KV heads of 64,
+bf16, each layer with its own K/V pool, so that K/V stream from memory as in a served step) per case, the
+two builds alternating, best of --repeats per round:
+
+- b8 agent: 8 rows of 330-560 tokens whose first 280 slots are shared (the multi-turn agent's system
+  prompt, cached once in the radix tree), the rest each row's own;
+- b8 / b32 x 500: rows of 500 tokens, every slot its own;
+- b1 x 500: one row;
+- b8 x 460 from cache: every layer reading the same small pool (the arithmetic alone).
+
+Prints a table and writes JSON: the baseline is the --base build, measured in the same run.
+
+Usage: python scripts/ab_attention_builds.py [--base HEAD] [--rounds 3] [--repeats 7]
+       [--out artifacts/ab_attention_builds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from ab_matmul_builds import base_and_tree  # noqa: E402
+from bench_decode_kernels import LAYERS, best_seconds  # noqa: E402
+
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+
+HQ, HKV, DIM = 9, 3, 64  # SmolLM2-135M
+SCALE = DIM ** -0.5
+
+
+def make_case(lens: list[int], shared: int, pools: int, g: torch.Generator) -> tuple:
+    """q, per-layer K/V pools and the rows' kv_indptr / kv_indices: each row's first `shared` slots are the
+    same slots, the rest its own."""
+    slots = shared + sum(n - min(shared, n) for n in lens)
+    k = [torch.randn(slots, HKV, DIM, generator=g).bfloat16() for _ in range(pools)]
+    v = [torch.randn(slots, HKV, DIM, generator=g).bfloat16() for _ in range(pools)]
+    q = torch.randn(len(lens), HQ, DIM, generator=g).bfloat16()
+    indices, indptr, free = [], [0], shared
+    for n in lens:
+        own = n - min(shared, n)
+        indices += list(range(min(shared, n))) + list(range(free, free + own))
+        free += own
+        indptr.append(len(indices))
+    return (q, [k[i % pools] for i in range(LAYERS)], [v[i % pools] for i in range(LAYERS)],
+            torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int64))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="git revision of the baseline build")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=artifact_path("ab_attention_builds.json"))
+    args = parser.parse_args()
+    ops = base_and_tree("paged_decode_attention", args.base)
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "b8 agent: 330-560 tokens, 280 shared": make_case([330, 380, 420, 450, 480, 520, 540, 560], 280, LAYERS, g),
+        "b8 x 500": make_case([500] * 8, 0, LAYERS, g),
+        "b32 x 500": make_case([500] * 32, 0, LAYERS, g),
+        "b1 x 500": make_case([500], 0, LAYERS, g),
+        "b8 x 460 from cache": make_case([460] * 8, 0, 1, g),
+    }
+    for case, (q, k, v, indptr, indices) in cases.items():
+        outs = [op(q, k[0], v[0], indptr, indices, SCALE, None) for op in ops.values()]
+        if not torch.equal(outs[0], outs[1]):
+            print(f"note: the builds' outputs differ on {case} (max |diff| {(outs[0].float() - outs[1].float()).abs().max():.3g})")
+    ms: dict[str, dict[str, list[float]]] = {case: {name: [] for name in ops} for case in cases}
+    for _ in range(args.rounds):
+        for case, (q, k, v, indptr, indices) in cases.items():
+            for name, op in ops.items():
+                def one_step() -> None:
+                    for layer in range(LAYERS):
+                        op(q, k[layer], v[layer], indptr, indices, SCALE, None)
+                ms[case][name].append(1e3 * best_seconds(one_step, args.repeats))
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, paged_decode_attention: --base {args.base} against the working tree, "
+          f"{LAYERS} layers, ms per step, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
+    print("| case | base | working tree | base / working tree (best rounds) |\n|---|---|---|---:|")
+    for case, by in ms.items():
+        base, tree = by["base"], by["working tree"]
+        print(f"| {case} | {', '.join(f'{x:.2f}' for x in base)} | {', '.join(f'{x:.2f}' for x in tree)} | {min(base) / min(tree):.2f}x |")
+    out = output_file(args.out)
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "ms": ms}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
