@@ -5,13 +5,13 @@ kernel changes of that size): builds `layers/csrc/paged_decode_attention.cpp` wi
 at git revision --base and as they are in the working tree, each as a library of its own name, checks that
 both give the same outputs, and times a decode step's 30 layers of attention (9 query / 3 KV heads of 64,
 bf16, each layer with its own K/V pool, so that K/V stream from memory as in a served step) per case, the
-two builds alternating, best of --repeats per round:
+two builds alternating (each first in every other round), best of --repeats per round:
 
 - b8 agent: 8 rows of 330-560 tokens whose first 280 slots are shared (the multi-turn agent's system
   prompt, cached once in the radix tree), the rest each row's own;
 - b8 / b32 x 500: rows of 500 tokens, every slot its own;
 - b1 x 500: one row;
-- b8 x 460 from cache: every layer reading the same small pool (the arithmetic alone).
+- b8 x 460 from cache: every layer reading the same 2.8 MB pool (from L2/L3: mostly the arithmetic).
 
 Prints a table and writes JSON: the baseline is the --base build, measured in the same run.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from ab_matmul_builds import base_and_tree  # noqa: E402
+from ab_matmul_builds import base_and_tree, in_turn  # noqa: E402
 from bench_decode_kernels import LAYERS, best_seconds  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
@@ -80,9 +80,9 @@ def main() -> None:
         if not torch.equal(outs[0], outs[1]):
             print(f"note: the builds' outputs differ on {case} (max |diff| {(outs[0].float() - outs[1].float()).abs().max():.3g})")
     ms: dict[str, dict[str, list[float]]] = {case: {name: [] for name in ops} for case in cases}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for case, (q, k, v, indptr, indices) in cases.items():
-            for name, op in ops.items():
+            for name, op in in_turn(ops, round_):
                 def one_step() -> None:
                     for layer in range(LAYERS):
                         op(q, k[layer], v[layer], indptr, indices, SCALE, None)

@@ -3,11 +3,12 @@
 Across processes this host's speeds move by ~10% (where a run's memory lands, what else runs), more than
 many kernel changes move them: two runs of bench_decode_kernels.py, one per version, can show no
 difference where there is one, or one where there is none. This builds the kernel's source file
-(`layers/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it is
-in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random weights once, and times a pass over
-every layer's matmuls (qkv, o, gate_up, down: the weights stream from memory, as in a decode step) at each
-row count, the two builds alternating, best of --repeats per round. Prints a table and writes JSON: the
-baseline is the --base build, measured in the same run.
+(`layers/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
+is in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random
+weights once, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
+memory, as in a decode step) at each row count, the two builds alternating (each first in every other
+round), best of --repeats per round. Prints a table and writes JSON: the baseline is the --base build,
+measured in the same run.
 
 Usage: python scripts/ab_matmul_builds.py --kernel bf16_gemv|w8a8_gemm [--base HEAD] [--rows 1,4,8,32]
        [--rounds 3] [--repeats 5] [--out artifacts/ab_matmul_builds.json]
@@ -88,6 +89,12 @@ def base_and_tree(kernel: str, base: str) -> dict:
     return ops
 
 
+def in_turn(ops: dict, round_: int) -> list:
+    """The builds in the order round `round_` runs them: base first in even rounds, last in odd ones, so that
+    neither always runs second (after the other has warmed the caches, or the clock)."""
+    return list(ops.items()) if round_ % 2 == 0 else list(ops.items())[::-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=sorted(PACK), required=True)
@@ -112,9 +119,9 @@ def main() -> None:
 
     rows = [int(r) for r in args.rows.split(",")]
     ms: dict[int, dict[str, list[float]]] = {r: {name: [] for name in ops} for r in rows}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for r in rows:
-            for name, op in ops.items():
+            for name, op in in_turn(ops, round_):
                 ms[r][name].append(1e3 * seconds(op, r))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {args.kernel}: --base {args.base} against the working tree, "
           f"{LAYERS} layers' matmuls, ms per pass, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
