@@ -271,9 +271,9 @@ struct FirstRows {
 // chunks of 512 positions run 1.06-1.14x faster than chunks of 256 at 8-32 rows from memory (1.03x from
 // cache; a Zen 4 EPYC, builds interleaved in one process, 2026-11-26). Now the rows are on their way while
 // the previous item finishes: 1.05-1.12x at 8 and 32 rows from memory in two runs, level from cache and at
-// one row, the same bits (scripts/ab_attention_builds.py, same day). `claim` takes the next item from the shared counter and returns its rows
-// (count 0: none left); the first rows the look-ahead did not reach, [0, cold_rows()), the item prefetches
-// itself when it starts.
+// one row, the same bits (scripts/ab_attention_builds.py, same day). `claim` takes the next item from the
+// shared counter and returns its rows (count 0: none left); the first rows the look-ahead did not reach,
+// [0, cold_rows()), the item prefetches itself when it starts.
 class LookAhead {
  public:
   explicit LookAhead(const std::function<FirstRows()>& claim) : claim_(claim) {}

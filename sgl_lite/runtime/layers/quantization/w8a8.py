@@ -70,11 +70,16 @@ class W8A8Int8:
         self.packed = torch.cat([lines, trailer], dim=1).contiguous()
 
     @property
+    def _line_bytes(self) -> int:
+        """Bytes of a packed block's weight lines, before its trailer (scales, then compensations)."""
+        return -(-self.in_features // _K_GROUP) * _COLUMNS * _K_GROUP
+
+    @property
     def q(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from `packed` the first time where the kernel is the path)."""
         if self._q is None:
-            blocks, k4 = self.packed.shape[0], -(-self.in_features // _K_GROUP)
-            lines = self.packed[:, : k4 * _COLUMNS * _K_GROUP].reshape(blocks, k4, _COLUMNS, _K_GROUP)
+            blocks = self.packed.shape[0]
+            lines = self.packed[:, : self._line_bytes].reshape(blocks, -1, _COLUMNS, _K_GROUP)
             self._q = lines.permute(0, 2, 1, 3).reshape(blocks * _COLUMNS, -1)[: self.out_features, : self.in_features].contiguous()
         return self._q
 
@@ -125,8 +130,7 @@ class W8A16Int8(W8A8Int8):
     def column_sums(self) -> torch.Tensor:
         """Each output column's sum of int8 weights (int32 [N]), read back from the compensations packed
         with them (-128 * the sum), which is cheaper than summing the weights again."""
-        k4 = -(-self.in_features // _K_GROUP)
-        start = k4 * _COLUMNS * _K_GROUP + _COLUMNS * 4  # past the lines and the float32 scales
+        start = self._line_bytes + _COLUMNS * 4  # past the lines and the float32 scales
         comp = self.packed[:, start : start + _COLUMNS * 4].contiguous().view(torch.int32).reshape(-1)
         return comp[: self.out_features] // -128
 
