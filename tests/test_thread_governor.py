@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sgl_lite.runtime.model_executor.run_queue import RunQueueWait, forward_thread_ids
-from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
+from sgl_lite.runtime.model_executor.thread_governor import SUSTAINED_S, ThreadGovernor
 
 
 @pytest.fixture(autouse=True)
@@ -75,12 +75,16 @@ def test_a_new_group_starts_from_the_latest_verdict():
     assert governor.choose(300) == 1  # so the first large prefill runs on one thread too
 
 
-def test_a_sudden_slowdown_triggers_a_probe_at_once():
+def test_a_lasting_slowdown_triggers_a_probe_at_once_and_a_moment_of_one_does_not():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
     _drive(governor, 8, {2: 0.004, 1: 0.005}, 300)  # a quiet box: probes ~38 forwards apart
     assert governor.groups[4].probe_interval > 12
-    _drive(governor, 8, {2: 0.010, 1: 0.005}, 12)  # a neighbour takes a core
-    assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 128
+    # the HTTP front's burst: four slow forwards, then quiet again: no early probe, no switch
+    _drive(governor, 8, {2: 0.040, 1: 0.005}, 4)
+    _drive(governor, 8, {2: 0.004, 1: 0.005}, 4)
+    assert governor.groups[4].current == 2
+    _drive(governor, 8, {2: 0.040, 1: 0.020}, 12)  # a neighbour takes a core
+    assert governor.groups[4].current == 1  # switched within a dozen forwards, not after 38
 
 
 def test_a_switch_in_one_group_moves_the_others():
@@ -128,10 +132,11 @@ def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
     assert governor.choose(5000) == 1  # sizes not seen yet start there too
 
 
-def test_a_starved_first_forward_of_a_size_falls_at_once_and_two_threads_come_back_when_free():
+def test_a_size_starved_from_its_first_forward_falls_once_it_lasts_and_two_threads_come_back_when_free():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
-    chosen = _drive_with_waits(governor, 8, {2: 0.050, 1: 0.010}, {2: 0.9, 1: 0.1}, 3)
-    assert chosen == [2, 1, 1]  # no verdict to compare with: the wait alone decides
+    step = 0.3 * SUSTAINED_S  # four starved forwards add up to the sustained starvation
+    chosen = _drive_with_waits(governor, 8, {2: step, 1: 0.010}, {2: 0.9, 1: 0.1}, 6)
+    assert chosen == [2, 2, 2, 2, 1, 1]  # no verdict to compare with: the wait alone decides
     chosen = _drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
     assert chosen[-20:].count(2) >= 16
 
@@ -144,8 +149,8 @@ def test_sizes_moved_by_a_fall_come_back_with_the_decode_sizes_verdict():
         _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
         _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
-    # a moment of contention: one starved decode step moves every size to one thread
-    _drive_with_waits(governor, 8, {2: 0.020, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
+    # contention: one decode step starved for long enough moves every size to one thread
+    _drive_with_waits(governor, 8, {2: SUSTAINED_S, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
     # the box is free again: decode steps (many per turn) find two threads faster within a few dozen
     _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 40)
@@ -167,6 +172,24 @@ def test_a_turns_arrivals_waits_do_not_move_every_group_to_one_thread():
     chosen = _drive_with_waits(governor, 300, {2: 0.090, 1: 0.075}, {2: 0.55, 1: 0.0}, 1)
     assert chosen == [2]
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
+
+
+def test_only_starvation_that_lasts_moves_every_group_to_one_thread():
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=64)  # no probe within this test
+    free, starved = {2: 0.0, 1: 0.0}, {2: 0.9, 1: 0.0}
+    moment = 0.75 * SUSTAINED_S
+    for _ in range(10):
+        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+    # the HTTP front's burst (a turn's prompts, its clients' replies): a starved decode step and a starved
+    # prefill with a free forward between them, each shorter than the sustained starvation: nothing falls
+    assert _drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
+    assert _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1) == [2]
+    assert _drive_with_waits(governor, 300, {2: moment, 1: 0.070}, starved, 1) == [2]
+    assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
+    # a neighbour: starved forwards in a row, of any size, add up to it: every size falls
+    assert _drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
+    assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
 
 
 def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
@@ -234,11 +257,21 @@ def test_a_forward_stalled_midway_runs_its_remaining_layers_on_one_thread():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
     for _ in range(5):  # a prefill size timed on a free box: ~30 ms on two threads
         assert _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue) == [2] * 10
-    # a neighbour takes a core: every layer now waits (one thread of two off its core), and takes 10x as long
-    counts = _forward_of_layers(governor, 300, 10, 0.030, 1.0, run_queue)
-    assert counts[0] == 2 and counts[-1] == 1  # dropped partway, not after all ten stalled layers
-    assert counts.count(2) <= 4
+    # a neighbour takes a core: every layer now waits (one thread of two off its core), and takes 20x as long
+    counts = _forward_of_layers(governor, 300, 6, 0.6 * SUSTAINED_S, 1.0, run_queue)
+    # dropped once the starvation lasted (two layers, unless the sleeps overran), not after all six stalled layers
+    assert counts[0] == 2 and counts[-1] == 1 and counts.count(2) <= 3
     assert governor.summary()["threads_by_min_tokens"] == {256: 1}  # and every later forward starts on one
+
+
+def test_a_forward_stalled_for_a_moment_keeps_its_threads():
+    run_queue = _ControlledRunQueue()
+    governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
+    for _ in range(5):
+        _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue)
+    # the HTTP front takes a core for a moment: a forward's layers stall, for less than the sustained starvation
+    assert _forward_of_layers(governor, 300, 3, 0.2 * SUSTAINED_S, 1.0, run_queue) == [2] * 3
+    assert governor.summary()["threads_by_min_tokens"] == {256: 2}
 
 
 def test_a_slow_forward_whose_threads_do_not_wait_stays_on_its_threads():

@@ -13,9 +13,11 @@ forward time is clearly lower.
 
 What probing may cost is bounded: after a probe that lost, the next one waits until the time the lost
 probe wasted is at most `probe_budget` (2%) of the forward time in between, so a count that loses
-badly is tried rarely; a probe forward more than twice the current median ends the probe at once.
-When the current count's recent forwards get clearly slower than when it was chosen (a neighbour just
-took a core), the group probes at once - after a single forward if that one took over twice the time.
+badly is tried rarely; a probe forward 1.5x the current median ends the probe at once (on a free box a
+prefill on one thread takes ~2x as long: a three-forward probe of a turn's 600-token prefills cost ~0.4 s).
+When the current count's forwards have been clearly slower than when it was chosen for SUSTAINED_S
+in a row (a neighbour took a core), the group probes at once, judging the current count by those slow
+forwards.
 A busy core slows every size alike, so a switch to fewer threads in one group moves every other group
 there too (each then confirms it with a probe of its own), a hopeless probe postpones that count's probes in
 every group on the same count, and a group seen for the first time starts from the latest verdict:
@@ -43,6 +45,17 @@ faster (262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spin
 A forward need not end to be judged: the model calls the governor's ForwardWatch between layers, and a
 multi-threaded forward long past its usual time with starved threads runs the rest of its layers on one
 thread (and falls as above).
+
+Either way the governor acts only on contention that lasts: a fall needs starved forwards in a row
+(with the one under way) that add up to SUSTAINED_S of wall time, and an early probe slow forwards
+that do. The front's bursts are short - a turn's prompts rendered and tokenized, its clients' replies -
+and starved or slowed one decode step at a time (33-47 ms, 57-69% waits): when one such forward was
+enough, it moved every size to one thread (2 of 6 served 8-session runs, 22:07 UTC, 2026-11-26), or
+switched the decode sizes after a probe judged against that one forward (each of 4 servers' lives of 6
+runs, 22:11-22:17, once falls alone needed lasting starvation), for 0.5-5 s at a time. A neighbour's
+starvation does not end: a fall comes SUSTAINED_S later than it did, once. With 0.1 s, served
+8-session runs gained 1.09x and a busy neighbour's 1.03x (five interleaved pairs, docs/performance.md,
+"Threads in serving").
 """
 
 from __future__ import annotations
@@ -64,9 +77,11 @@ logger = logging.getLogger(__name__)
 
 _WINDOW = 5  # forward times kept per (group, thread count): medians of 5 shrug off one outlier
 _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
-_SLOWDOWN = 1.3  # the current count's median this much above its time at the verdict: probe now
-_HOPELESS = 2.0  # a probe forward this much slower than the current median ends the probe
+_SLOWDOWN = 1.3  # a forward this much slower than its count's time at the verdict is slow
+_LOSING = 1.5  # a probe forward this much slower than the current median ends the probe
+_HOPELESS = 2.0  # ... and this much slower, postpones the probed count's probes in every group on the same count
 STARVED_WAIT = 0.7  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
+SUSTAINED_S = 0.1  # wall time of starved (or slow) forwards in a row before the governor acts on them
 _REWATCH_EVERY = 256  # multi-threaded forwards between looks at which threads run them
 _FIRST_LOOK_UNKNOWN_S = 0.05  # a forward of a size not yet timed is first looked at after this long
 _LOOK_EVERY_S = 0.02  # then this often (and never before this long)
@@ -76,8 +91,9 @@ _LOOK_EVERY_S = 0.02  # then this often (and never before this long)
 class ForwardWatch:
     """A multi-threaded forward in progress, looked at between its layers: once it has run well past its
     usual time (twice its size's median on this thread count, or _FIRST_LOOK_UNKNOWN_S for a size not yet
-    timed) with its threads waiting for a CPU more than STARVED_WAIT of the time, the rest of it runs on
-    one thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for up to ~30x its
+    timed) with its threads waiting for a CPU more than STARVED_WAIT of the time, and the starvation has
+    lasted SUSTAINED_S (with the starved forwards just before it), the rest of it runs on one
+    thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for up to ~30x its
     time (a 372-token prefill took 5.0 s instead of 0.15 s, 2026-11-26), and waiting for its end to
     react lost most of a benchmark run. A look costs a clock read; past the first, a pread per thread
     every _LOOK_EVERY_S."""
@@ -86,6 +102,7 @@ class ForwardWatch:
     start: float
     waited_at_start: float
     next_look: float
+    starved_before: float = 0.0  # wall seconds of the starved forwards in a row just before this one
     dropped: bool = False
 
     def __call__(self) -> None:
@@ -94,7 +111,9 @@ class ForwardWatch:
             return
         self.next_look = now + _LOOK_EVERY_S
         waited = self.run_queue.seconds()
-        if waited is not None and waited - self.waited_at_start > STARVED_WAIT * (now - self.start):
+        elapsed = now - self.start
+        if (waited is not None and waited - self.waited_at_start > STARVED_WAIT * elapsed
+                and self.starved_before + elapsed >= SUSTAINED_S):
             torch.set_num_threads(1)
             self.dropped = True
 
@@ -109,6 +128,8 @@ class _Group:
     probe_interval: int = 0
     probing: int = 0  # probe forwards still to run on the other count
     verdict_seconds: float = 0.0  # the current count's median forward time when the latest probe chose it (0: none yet)
+    slow: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # the latest slow forwards in a row
+    slow_seconds: float = 0.0  # their total wall time (all of them, not only the last _WINDOW)
     imposed: bool = True  # the current count came from other groups' evidence, not from a probe of this group's own
 
     def impose(self, threads: int, probe_interval: int) -> None:
@@ -130,6 +151,7 @@ class ThreadGovernor:
     latest_verdict: int = 0  # the thread count the latest finished probe chose (0: none yet, use max_threads)
     forwards_by_threads: dict[int, int] = field(default_factory=dict)
     run_queue: RunQueueWait = field(default_factory=RunQueueWait)
+    starved_seconds: float = 0.0  # wall time of the latest multi-threaded forwards in a row that were starved
 
     @classmethod
     def for_this_process(cls) -> ThreadGovernor | None:
@@ -161,22 +183,30 @@ class ThreadGovernor:
         self.forwards_by_threads[threads] = self.forwards_by_threads.get(threads, 0) + 1
         mine_window = group.times.get(group.current)
         starved = threads > 1 and waited_seconds is not None and waited_seconds > STARVED_WAIT * seconds
-        if starved and threads == group.current and (not group.verdict_seconds or seconds > _SLOWDOWN * group.verdict_seconds):
+        if threads > 1 and waited_seconds is not None:
+            self.starved_seconds = self.starved_seconds + seconds if starved else 0.0
+        if (starved and threads == group.current and self.starved_seconds >= SUSTAINED_S
+                and (not group.verdict_seconds or seconds > _SLOWDOWN * group.verdict_seconds)):
             self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds)
             return
         if threads == group.current:
             group.since_probe += 1
-            hopeless = group.verdict_seconds and seconds > _HOPELESS * group.verdict_seconds
-            if hopeless or (group.verdict_seconds and len(mine_window) == _WINDOW
-                            and statistics.median(mine_window) > _SLOWDOWN * group.verdict_seconds):
+            if not (group.verdict_seconds and seconds > _SLOWDOWN * group.verdict_seconds):
+                group.slow.clear()
+                group.slow_seconds = 0.0
+                return
+            group.slow.append(seconds)
+            group.slow_seconds += seconds
+            if group.slow_seconds >= SUSTAINED_S:
                 # judge the current count by the forwards that slowed down, not by the times before
-                recent = [seconds] if hopeless else list(mine_window)[-(_WINDOW // 2 + 1):]
-                group.times[threads] = deque(recent, maxlen=_WINDOW)
+                group.times[threads] = deque(group.slow, maxlen=_WINDOW)
+                group.slow.clear()
+                group.slow_seconds = 0.0
                 group.since_probe, group.probe_interval = self.min_probe_interval, self.min_probe_interval
                 group.verdict_seconds = 0.0  # one early probe per slowdown; the next verdict sets a new reference
             return
         mine = statistics.median(mine_window) if mine_window else seconds
-        group.probing = 0 if seconds > _HOPELESS * mine else group.probing - 1
+        group.probing = 0 if seconds > _LOSING * mine else group.probing - 1
         if group.probing:
             return
         group.since_probe = 0
@@ -218,6 +248,7 @@ class ThreadGovernor:
         for group in self.groups.values():
             group.impose(1, self.min_probe_interval)
         self.latest_verdict = 1
+        self.starved_seconds = 0.0
 
     @contextmanager
     def forward(self, num_tokens: int) -> Iterator[ForwardWatch | None]:
@@ -233,7 +264,8 @@ class ThreadGovernor:
         if watched and waited is not None:
             usual = group.times.get(threads)
             first_look = _HOPELESS * statistics.median(usual) if usual else _FIRST_LOOK_UNKNOWN_S
-            watch = ForwardWatch(self.run_queue, start, waited, start + max(first_look, _LOOK_EVERY_S))
+            first_look = max(first_look, _LOOK_EVERY_S, SUSTAINED_S - self.starved_seconds)
+            watch = ForwardWatch(self.run_queue, start, waited, start + first_look, self.starved_seconds)
         yield watch
         seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds() if watched else None
         waited_seconds = None if waited is None or waited_after is None else max(0.0, waited_after - waited)
