@@ -22,6 +22,7 @@ from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_ca
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.model_executor.huge_pages import advise_huge_pages, tensors_of
 from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
 from sgl_lite.runtime.model_executor.tp import TensorParallel
 
@@ -150,6 +151,11 @@ class ModelRunner(ModelRunnerBase):
         self.kv_pool = KVPool(
             self.config.num_hidden_layers, self.num_slots, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, self.device
         )
+        if self.device.type == "cpu":  # 2 MiB pages under the weights and the pool (huge_pages.py)
+            self.huge_page_bytes = (advise_huge_pages(tensors_of(self.model), written=True)
+                                    + advise_huge_pages([*self.kv_pool.k, *self.kv_pool.v], written=False))
+        else:
+            self.huge_page_bytes = 0
         self.max_running_requests = args.max_running_requests or max(1, min(256, self.num_slots // _SLOTS_PER_RUNNING_REQUEST))
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.context_length, self.device)
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads,
@@ -160,9 +166,10 @@ class ModelRunner(ModelRunnerBase):
         adaptive = self.device.type == "cpu" and self.tp is None and not (args.disable_adaptive_threads or args.enable_deterministic_inference)
         self.thread_governor = ThreadGovernor.for_this_process() if adaptive else None
         logger.info(
-            "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s",
+            "model %s: %s on %s, context %d, KV pool %d slots of %s (%.1f MiB), max running requests %d, attention %s, "
+            "%.0f MiB advised onto huge pages",
             model_dir, self.dtype, self.device, self.context_length, self.num_slots, self.kv_dtype,
-            self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__,
+            self.kv_pool.total_bytes / 2**20, self.max_running_requests, type(self.attn).__name__, self.huge_page_bytes / 2**20,
         )
 
     def _gguf_int4_values(self) -> dict | None:
