@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import torch  # noqa: E402
 from bench_model import RunnerBench  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
@@ -56,7 +55,6 @@ def main() -> None:
     parser.add_argument("--out", default=artifact_path("ab_huge_pages.json"))
     args = parser.parse_args()
     model_dir = resolve_model_path("smollm2-135m")
-    torch.set_num_threads(torch.get_num_threads())
     benches = {name: RunnerBench(build(name == "2 MiB pages", args, model_dir)) for name in ("4 KiB pages", "2 MiB pages")}
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prefix + args.steps + 1)] for _ in range(args.batch)]

@@ -16,13 +16,10 @@ requirement.
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from collections.abc import Iterable, Iterator
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
