@@ -14,7 +14,7 @@ forward time is clearly lower.
 What probing may cost is bounded: after a probe that lost, the next one waits until the time the lost
 probe wasted is at most `probe_budget` (2%) of the forward time in between, so a count that loses
 badly is tried rarely; a probe forward 1.5x the current median ends the probe at once (on a free box a
-prefill on one thread takes ~2x as long: a three-forward probe of a turn's 600-token prefills cost ~0.4 s).
+prefill on one thread takes ~2x as long, so three probe forwards of a turn's 600-token prefills lose ~0.4 s).
 When the current count's forwards have been clearly slower than when it was chosen for SUSTAINED_S
 in a row (a neighbour took a core), the group probes at once, judging the current count by those slow
 forwards.
@@ -34,8 +34,8 @@ box a two-thread decode forward's threads waited 0-13% of its wall time; in serv
 and its clients take turns on the cores, mostly up to ~42%, and 54-56% when a turn's requests arrive at once
 (the front rendering and tokenizing them); with a neighbour spinning on one core 45-100% (91-100% in
 serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
-yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread right away, without waiting
-for probes: with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
+yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread without waiting for
+probes (once the starvation lasts: below): with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
 and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
 usual probes bring two threads back when they win again. STARVED_WAIT sits above a turn's arrivals: at
 0.5 they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6%
