@@ -3,7 +3,7 @@
 Why: a decode step reads ~100 MB of weights and each request's KV rows scattered over a pool of gigabytes,
 one layer after another; on 4 KiB pages that is a page-table walk every 4 KiB, more pages than the TLB holds.
 On a 2-core EPYC (Zen 4) a batch-8 w8a8 decode step ran 1.02x faster on 2 MiB pages, every round of an
-in-process A/B (`python scripts/ab_huge_pages.py`, 2026-11-26 23:44 UTC; docs/performance.md).
+in-process A/B (`python scripts/ab_huge_pages.py`, 2026-11-26 ~23:10 UTC; docs/performance.md).
 
 Where THP is "madvise" (Debian's default, and this machine's) nothing is on huge pages unless asked:
 `madvise(MADV_HUGEPAGE)` asks for a range's future faults, and `MADV_COLLAPSE` (Linux 6.1+) moves pages
