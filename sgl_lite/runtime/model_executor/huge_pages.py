@@ -41,9 +41,8 @@ def _madvise() -> ctypes._CFuncPtr | None:
 _MADVISE = _madvise()
 
 
-def _huge_range(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The whole 2 MiB pages inside the tensor's storage: (start, length), or None if there are none."""
-    storage = tensor.untyped_storage()
+def _huge_range(storage: torch.UntypedStorage) -> tuple[int, int] | None:
+    """The whole 2 MiB pages inside a storage: (start, length), or None if there are none."""
     begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     start = (begin + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     length = (end - start) // HUGE_PAGE * HUGE_PAGE
@@ -59,10 +58,13 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], written: bool) -> int:
     advised, seen = 0, set()
     for tensor in tensors:
         # (oneDNN's packed weights are opaque: no storage to advise)
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.untyped_storage().data_ptr() in seen:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
             continue
-        seen.add(tensor.untyped_storage().data_ptr())
-        span = _huge_range(tensor)
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        span = _huge_range(storage)
         if span is None or _MADVISE(span[0], span[1], _MADV_HUGEPAGE) != 0:
             continue
         if written:

@@ -35,9 +35,9 @@ and its clients take turns on the cores, mostly up to ~42%, and 54-56% when a tu
 (the front rendering and tokenizing them); with a neighbour spinning on one core 45-100% (91-100% in
 serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
 yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread without waiting for
-probes (once the starvation lasts: below): with a busy neighbour two-thread forwards in serving took up to 24x their one-thread time,
-and each group discovering that by itself cost a whole benchmark run's worth of stalled forwards. The
-usual probes bring two threads back when they win again. STARVED_WAIT sits above a turn's arrivals: at
+probes (once the starvation lasts: below): with a busy neighbour two-thread forwards in serving took up
+to 24x their one-thread time, and each group discovering that by itself cost a whole benchmark run's
+worth of stalled forwards. The usual probes bring two threads back when they win again. STARVED_WAIT sits above a turn's arrivals: at
 0.5 they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6%
 faster (262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against
 120-140).
