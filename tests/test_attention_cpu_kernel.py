@@ -189,6 +189,50 @@ def test_kernel_rejects_bad_verification_rows(op):
         op(q, k_cache, v_cache, kv_indptr, indices, 0.25, torch.tensor([0, 5], dtype=torch.int32))
 
 
+def shared_prefix_inputs(seed: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, kv_dtype: torch.dtype):
+    """Decode rows over one pool, most of them holding the same slots for a prompt of 600 tokens (two whole
+    256-token chunks and part of a third) and tails of their own: more sharers than one work item takes for
+    any group size here (34), a row sharing only the first chunk, a row whose first chunk has the same first
+    and last slots but another in the middle, a row of exactly one chunk, and rows too short for a whole one."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = 40000
+    k_cache = (torch.randn(num_slots, hkv, dim, generator=g) * 2).to(kv_dtype)
+    v_cache = torch.randn(num_slots, hkv, dim, generator=g).to(kv_dtype)
+    free = iter(torch.randperm(num_slots, generator=g).tolist())
+    take = lambda n: [next(free) for _ in range(n)]  # noqa: E731
+    prompt = take(600)
+    rows = [prompt + take(tail) for tail in [1, 40, 300, 0, 7, 511, 2] * 5]
+    rows.append(prompt[:256] + take(100))
+    middle = list(prompt[:256])
+    middle[100] = next(free)
+    rows += [middle + take(30), prompt[:256], take(200), prompt[:100]]
+    indices = torch.tensor([s for row in rows for s in row], dtype=torch.int64)
+    indptr = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(len(rows), hq, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, indptr, indices
+
+
+@pytest.mark.parametrize("arithmetic", ["fma", "dpbf16"])
+@pytest.mark.parametrize("kv", ["same", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 32)], ids=["gqa3", "mqa8", "mha"])
+def test_rows_sharing_a_prompt_get_the_bits_of_decoding_alone(op, heads, dtype, kv, arithmetic):
+    """Decode rows holding the same slots over a whole chunk are attended together (each K/V row read once
+    for all of them); each row must still get the bits it gets alone, within a rounding of float64."""
+    if dtype == torch.float32 and arithmetic == "dpbf16":
+        pytest.skip("the pairs arithmetic is for bf16 queries and K/V")
+    hq, hkv, dim = heads
+    q, k_cache, v_cache, indptr, indices = shared_prefix_inputs(dim, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
+    scale = dim**-0.5
+    with cpu_ops.bf16_arithmetic(arithmetic):
+        together = op(q, k_cache, v_cache, indptr, indices, scale)
+        alone = [op(q[i : i + 1], k_cache, v_cache, indptr[i : i + 2] - indptr[i], indices[indptr[i] : indptr[i + 1]], scale)
+                 for i in range(q.shape[0])]
+    for i, out in enumerate(alone):
+        assert torch.equal(together[i : i + 1], out), f"row {i}"
+    assert (together.double() - reference(q, k_cache, v_cache, indptr, indices, scale)).abs().max() < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("case", ["decode_only", "mixed", "verify"])
 def test_backend_matches_naive_on_mixed_batches(op, case, kv):

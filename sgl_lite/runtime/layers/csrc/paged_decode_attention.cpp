@@ -32,6 +32,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +40,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -501,11 +503,52 @@ template <> struct PairRows<E4m3Kv> { using type = sgl_lite::E4m3Rows; };
 template <> struct PairRows<E5m2Kv> { using type = sgl_lite::E5m2Rows; };
 #endif
 
-// A tile of one row's queries [query_begin, query_end) against chunk `chunk` of its context, for the KV
-// heads [head_begin, head_end).
+// A tile against chunk `chunk` of a context, for the KV heads [head_begin, head_end): the queries
+// [query_begin, query_end) of each of the rows row_list[rows_at .. rows_at + num_rows). Several rows only
+// where decode rows hold the same slots over the whole chunk (a shared prompt's), one query each.
 struct Item {
-  int64_t row, head_begin, head_end, chunk, query_begin, query_end;
+  int64_t rows_at, num_rows, head_begin, head_end, chunk, query_begin, query_end;
 };
+
+// Rows sharing a chunk: decode rows whose chunk `chunk` is whole and holds the same slots (a prompt prefix
+// the radix cache shares), two or more, in row order.
+struct SharedChunk {
+  int64_t chunk;
+  std::vector<int64_t> rows;
+};
+
+// Every chunk that two or more decode rows share. Candidates are sorted by (chunk, first slot, last slot),
+// so that only rows whose chunks agree there are compared in full: O(chunks log chunks), whatever the batch.
+std::vector<SharedChunk> shared_chunks(int64_t R, const int32_t* qo, const int32_t* kv, const int64_t* indices) {
+  std::vector<std::array<int64_t, 4>> candidates;  // (chunk, first slot, last slot, row)
+  for (int64_t r = 0; r < R; ++r) {
+    if (qo[r + 1] - qo[r] != 1) continue;  // a verification row's queries already share its reads
+    for (int64_t c = 0; (c + 1) * kChunk <= kv[r + 1] - kv[r]; ++c) {
+      const int64_t* slots = indices + kv[r] + c * kChunk;
+      candidates.push_back({c, slots[0], slots[kChunk - 1], r});
+    }
+  }
+  std::sort(candidates.begin(), candidates.end());
+  std::vector<SharedChunk> shared;
+  for (size_t i = 0; i < candidates.size();) {
+    size_t j = i + 1;
+    while (j < candidates.size() && std::equal(candidates[j].begin(), candidates[j].begin() + 3, candidates[i].begin())) ++j;
+    // [i, j): same chunk and ends; each row joins the first group whose slots it matches in full
+    const int64_t c = candidates[i][0];
+    const size_t first_group = shared.size();
+    for (size_t k = i; k < j; ++k) {
+      const int64_t r = candidates[k][3];
+      const int64_t* slots = indices + kv[r] + c * kChunk;
+      size_t g = first_group;
+      while (g < shared.size() && std::memcmp(slots, indices + kv[shared[g].rows[0]] + c * kChunk, kChunk * sizeof(int64_t)) != 0) ++g;
+      if (g == shared.size()) shared.push_back({c, {}});
+      shared[g].rows.push_back(r);
+    }
+    i = j;
+  }
+  shared.erase(std::remove_if(shared.begin(), shared.end(), [](const SharedChunk& s) { return s.rows.size() < 2; }), shared.end());
+  return shared;
+}
 
 // attend_chunk for a head size kC compiled for the group size G where it is a common one (MHA, and the GQA
 // ratios of Llama 3, Mistral, SmolLM2, Qwen2: 1, 2, 3, 4, 7, 8), else for any group.
@@ -539,33 +582,53 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // chunk) is computed alike, so the bits do not depend on the choice. (The kernel, whose arithmetic
   // overlaps its reads less well than a plain sum does, gained 1.05-1.08x from it at 8-32 x 480-2000.)
   // A verification row's queries share the reads of each chunk: up to kMaxVectors query vectors an item.
-  std::vector<int64_t> first_part(R * Hkv + 1, 0), chunks_of(R);
-  int64_t num_chunks = 0;
+  // So do decode rows holding the same slots over a whole chunk (shared_chunks: a prompt the radix cache
+  // shares): an item per KV head takes up to kMaxVectors / G of them, so that each block's K rows are
+  // transposed once for all their query vectors and its V rows interleaved once. Each query's sums are
+  // those of its own item (attend_chunk's contract), so sharing changes no bit.
+  std::vector<int64_t> first_part(R * Hkv + 1, 0), chunks_of(R), chunk_at(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
     chunks_of[r] = (len + kChunk - 1) / kChunk;
-    num_chunks += chunks_of[r];
+    chunk_at[r + 1] = chunk_at[r] + chunks_of[r];
     for (int64_t h = 0; h < Hkv; ++h) first_part[r * Hkv + h + 1] = first_part[r * Hkv + h] + chunks_of[r] * n;
   }
-  const bool whole_rows = Hkv > 1 && num_chunks >= 2 * at::get_num_threads();
+  std::vector<int64_t> row_list(R);  // an item's rows: row r's own items read row_list[r] = r, shared chunks' follow
+  std::iota(row_list.begin(), row_list.end(), int64_t{0});
   std::vector<Item> items;
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[R * Hkv]);
+  std::vector<int64_t> item_count(R * Hkv, 0);  // items per (row, kv head)
+  std::vector<uint8_t> is_shared(chunk_at[R], 0);
+  const int64_t rows_per_item = kMaxVectors / G;
+  for (const SharedChunk& sc : R > 1 ? shared_chunks(R, qo, kv, indices) : std::vector<SharedChunk>{}) {
+    for (const int64_t r : sc.rows) is_shared[chunk_at[r] + sc.chunk] = 1;
+    for (size_t b = 0; b < sc.rows.size(); b += rows_per_item) {
+      const int64_t at = int64_t(row_list.size()), m = std::min<int64_t>(rows_per_item, int64_t(sc.rows.size() - b));
+      row_list.insert(row_list.end(), sc.rows.begin() + b, sc.rows.begin() + b + m);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        items.push_back({at, m, h, h + 1, sc.chunk, 0, 1});
+        for (int64_t u = 0; u < m; ++u) ++item_count[row_list[at + u] * Hkv + h];
+      }
+    }
+  }
+  const int64_t own_chunks = chunk_at[R] - std::count(is_shared.begin(), is_shared.end(), uint8_t{1});
+  const bool whole_rows = Hkv > 1 && own_chunks + int64_t(items.size()) >= 2 * at::get_num_threads();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
     const int64_t H = whole_rows && Hkv * n * G <= kMaxVectors ? Hkv : 1, T = std::min(n, kMaxVectors / (H * G));
     for (int64_t h = 0; h < Hkv; h += H) {
-      int64_t count = 0;  // the items of heads h .. h + H - 1
       for (int64_t c = 0; c < chunks_of[r]; ++c) {
+        if (is_shared[chunk_at[r] + c]) continue;
         for (int64_t j = 0; j < n; j += T) {
           const int64_t last = std::min(n, j + T);  // the tile's last query sees len - (n - last) positions
           if (len - (n - last) <= c * kChunk) continue;  // its queries' contexts all end before the chunk
-          items.push_back({r, h, h + H, c, j, last});
-          ++count;
+          items.push_back({r, 1, h, h + H, c, j, last});
+          for (int64_t k = h; k < h + H; ++k) ++item_count[r * Hkv + k];
         }
       }
-      for (int64_t k = h; k < h + H; ++k) remaining[r * Hkv + k].store(count, std::memory_order_relaxed);
     }
   }
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[R * Hkv]);
+  for (int64_t rh = 0; rh < R * Hkv; ++rh) remaining[rh].store(item_count[rh], std::memory_order_relaxed);
   const int64_t num_parts = first_part[R * Hkv];
   std::vector<float> part_acc(num_parts * G * D), part_max(num_parts * G), part_sum(num_parts * G);
   std::vector<Partial> parts(num_parts);
@@ -599,7 +662,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       claimed = next.fetch_add(1, std::memory_order_relaxed);
       if (claimed >= num_items) return {};
       const Item& it = items[claimed];
-      const int64_t start = kv[it.row] + it.chunk * kChunk, end = std::min<int64_t>(kv[it.row + 1], start + kChunk);
+      const int64_t row = row_list[it.rows_at];  // its rows share the chunk's slots
+      const int64_t start = kv[row] + it.chunk * kChunk, end = std::min<int64_t>(kv[row + 1], start + kChunk);
       return {reinterpret_cast<const char*>(k_ptr + it.head_begin * D), indices + start, end - start,
               int64_t(sizeof(typename Kv::T)) * shape.row_stride, (it.head_end - it.head_begin) * row_bytes};
     };
@@ -609,21 +673,25 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       if (i >= num_items) break;
       LookAhead ahead(claim);
       const Item& it = items[i];
-      const int64_t r = it.row, h0 = it.head_begin, H = it.head_end - it.head_begin, T = it.query_end - it.query_begin;
-      const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r], chunk_start = it.chunk * kChunk;
-      const int64_t chunk_len = std::min(kChunk, len - chunk_start);
+      const int64_t* rows = &row_list[it.rows_at];
+      const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin, per_row = it.query_end - it.query_begin;
+      const int64_t T = it.num_rows * per_row, chunk_start = it.chunk * kChunk;  // T: the tile's queries, row by row
       int64_t limits[kMaxVectors];
       Partial outs[kMaxVectors];
-      for (int64_t j = 0; j < T; ++j) {
-        const int64_t query = it.query_begin + j;
-        limits[j] = std::clamp<int64_t>(len - (n - 1 - query) - chunk_start, 0, chunk_len);
-        for (int64_t h = 0; h < H; ++h) {
-          std::memcpy(q_tile + (h * T + j) * G * D, q_ptr + ((qo[r] + query) * Hq + (h0 + h) * G) * D, G * D * sizeof(QT));
-          outs[h * T + j] = parts[first_part[r * Hkv + h0 + h] + it.chunk * n + query];
+      for (int64_t u = 0; u < it.num_rows; ++u) {
+        const int64_t r = rows[u], len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
+        const int64_t chunk_len = std::min(kChunk, len - chunk_start);
+        for (int64_t j = 0; j < per_row; ++j) {
+          const int64_t query = it.query_begin + j, t = u * per_row + j;
+          limits[t] = std::clamp<int64_t>(len - (n - 1 - query) - chunk_start, 0, chunk_len);
+          for (int64_t h = 0; h < H; ++h) {
+            std::memcpy(q_tile + (h * T + t) * G * D, q_ptr + ((qo[r] + query) * Hq + (h0 + h) * G) * D, G * D * sizeof(QT));
+            outs[h * T + t] = parts[first_part[r * Hkv + h0 + h] + it.chunk * n + query];
+          }
         }
       }
       const Tile tile{H, T, limits};
-      const int64_t* slots = indices + kv[r] + chunk_start;
+      const int64_t* slots = indices + kv[rows[0]] + chunk_start;
       bool attended = false;
 #if SGL_LITE_HAS_DPBF16_DECODE
       if constexpr (kPairable) {
@@ -639,14 +707,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         attend(q_scaled, k_ptr + h0 * D, v_ptr + h0 * D, slots, shape, tile, H * row_bytes, cold, ahead, outs);
       }
       cold = ahead.cold_rows();
-      for (int64_t h = h0; h < h0 + H; ++h) {
-        const int64_t rh = r * Hkv + h;
-        // The last item of a (row, kv head) to finish merges; acq_rel makes the others' partials visible to it.
-        if (remaining[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-          for (int64_t query = 0; query < n; ++query) {
-            const int64_t seen = len - (n - 1 - query);
-            merge_chunks(&parts[first_part[rh] + query], (seen + kChunk - 1) / kChunk, n, shape,
-                         out_ptr + ((qo[r] + query) * Hq + h * G) * D);
+      for (int64_t u = 0; u < it.num_rows; ++u) {
+        const int64_t r = rows[u], len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
+        for (int64_t h = h0; h < h0 + H; ++h) {
+          const int64_t rh = r * Hkv + h;
+          // The last item of a (row, kv head) to finish merges; acq_rel makes the others' partials visible to it.
+          if (remaining[rh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            for (int64_t query = 0; query < n; ++query) {
+              const int64_t seen = len - (n - 1 - query);
+              merge_chunks(&parts[first_part[rh] + query], (seen + kChunk - 1) / kChunk, n, shape,
+                           out_ptr + ((qo[r] + query) * Hq + h * G) * D);
+            }
           }
         }
       }
