@@ -8,7 +8,8 @@ bf16, each layer with its own K/V pool, so that K/V stream from memory as in a s
 two builds alternating (each first in every other round), best of --repeats per round:
 
 - b8 agent: 8 rows of 330-560 tokens whose first 280 slots are shared (the multi-turn agent's system
-  prompt, cached once in the radix tree), the rest each row's own;
+  prompt, cached once in the radix tree), the rest each row's own; and the same rows each verifying 4
+  n-gram draft tokens (5 queries a row);
 - b8 / b32 x 500: rows of 500 tokens, every slot its own;
 - b1 x 500: one row;
 - b8 x 460 from cache: every layer reading the same 2.8 MB pool (from L2/L3: mostly the arithmetic).
@@ -42,21 +43,22 @@ HQ, HKV, DIM = 9, 3, 64  # SmolLM2-135M
 SCALE = DIM ** -0.5
 
 
-def make_case(lens: list[int], shared: int, pools: int, g: torch.Generator) -> tuple:
-    """q, per-layer K/V pools and the rows' kv_indptr / kv_indices: each row's first `shared` slots are the
-    same slots, the rest its own."""
+def make_case(lens: list[int], shared: int, pools: int, g: torch.Generator, queries: int = 1) -> tuple:
+    """q, per-layer K/V pools and the rows' kv_indptr / kv_indices / qo_indptr (None: one query a row, else
+    `queries`, a verification row's): each row's first `shared` slots are the same slots, the rest its own."""
     slots = shared + sum(n - min(shared, n) for n in lens)
     k = [torch.randn(slots, HKV, DIM, generator=g).bfloat16() for _ in range(pools)]
     v = [torch.randn(slots, HKV, DIM, generator=g).bfloat16() for _ in range(pools)]
-    q = torch.randn(len(lens), HQ, DIM, generator=g).bfloat16()
+    q = torch.randn(len(lens) * queries, HQ, DIM, generator=g).bfloat16()
     indices, indptr, free = [], [0], shared
     for n in lens:
         own = n - min(shared, n)
         indices += list(range(min(shared, n))) + list(range(free, free + own))
         free += own
         indptr.append(len(indices))
+    qo = None if queries == 1 else torch.arange(0, len(lens) * queries + 1, queries, dtype=torch.int32)
     return (q, [k[i % pools] for i in range(LAYERS)], [v[i % pools] for i in range(LAYERS)],
-            torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int64))
+            torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int64), qo)
 
 
 def main() -> None:
@@ -70,22 +72,23 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     cases = {
         "b8 agent: 330-560 tokens, 280 shared": make_case([330, 380, 420, 450, 480, 520, 540, 560], 280, LAYERS, g),
+        "b8 agent, each verifying 4 drafts": make_case([330, 380, 420, 450, 480, 520, 540, 560], 280, LAYERS, g, queries=5),
         "b8 x 500": make_case([500] * 8, 0, LAYERS, g),
         "b32 x 500": make_case([500] * 32, 0, LAYERS, g),
         "b1 x 500": make_case([500], 0, LAYERS, g),
         "b8 x 460 from cache": make_case([460] * 8, 0, 1, g),
     }
-    for case, (q, k, v, indptr, indices) in cases.items():
-        outs = [op(q, k[0], v[0], indptr, indices, SCALE, None) for op in ops.values()]
+    for case, (q, k, v, indptr, indices, qo) in cases.items():
+        outs = [op(q, k[0], v[0], indptr, indices, SCALE, qo) for op in ops.values()]
         if not torch.equal(outs[0], outs[1]):
             print(f"note: the builds' outputs differ on {case} (max |diff| {(outs[0].float() - outs[1].float()).abs().max():.3g})")
     ms: dict[str, dict[str, list[float]]] = {case: {name: [] for name in ops} for case in cases}
     for round_ in range(args.rounds):
-        for case, (q, k, v, indptr, indices) in cases.items():
+        for case, (q, k, v, indptr, indices, qo) in cases.items():
             for name, op in in_turn(ops, round_):
                 def one_step() -> None:
                     for layer in range(LAYERS):
-                        op(q, k[layer], v[layer], indptr, indices, SCALE, None)
+                        op(q, k[layer], v[layer], indptr, indices, SCALE, qo)
                 ms[case][name].append(1e3 * best_seconds(one_step, args.repeats))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, paged_decode_attention: --base {args.base} against the working tree, "
           f"{LAYERS} layers, ms per step, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")

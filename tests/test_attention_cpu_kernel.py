@@ -190,10 +190,13 @@ def test_kernel_rejects_bad_verification_rows(op):
 
 
 def shared_prefix_inputs(seed: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, kv_dtype: torch.dtype):
-    """Decode rows over one pool, most of them holding the same slots for a prompt of 600 tokens (two whole
-    256-token chunks and part of a third) and tails of their own: more sharers than one work item takes for
-    any group size here (34), a row sharing only the first chunk, a row whose first chunk has the same first
-    and last slots but another in the middle, a row of exactly one chunk, and rows too short for a whole one."""
+    """Rows over one pool, most of them holding the same slots for a prompt of 600 tokens (two whole 256-token
+    chunks and part of a third) and tails of their own: more sharers than one work item takes for any group
+    size here (34), some of them verification rows of 3 or 9 queries (whose first query may end before a
+    shared chunk does), a row sharing only the first chunk, a row whose first chunk has the same first and
+    last slots but another in the middle, a row of exactly one chunk, rows too short for a whole one, and
+    a verification row whose first queries see part of a chunk the others share.
+    Returns q, the pool, (kv_indptr, kv_indices, qo_indptr) and each query as a decode row of its own."""
     g = torch.Generator().manual_seed(seed)
     num_slots = 40000
     k_cache = (torch.randn(num_slots, hkv, dim, generator=g) * 2).to(kv_dtype)
@@ -201,15 +204,21 @@ def shared_prefix_inputs(seed: int, hq: int, hkv: int, dim: int, dtype: torch.dt
     free = iter(torch.randperm(num_slots, generator=g).tolist())
     take = lambda n: [next(free) for _ in range(n)]  # noqa: E731
     prompt = take(600)
-    rows = [prompt + take(tail) for tail in [1, 40, 300, 0, 7, 511, 2] * 5]
-    rows.append(prompt[:256] + take(100))
+    contexts = [prompt + take(tail) for tail in [1, 40, 300, 0, 7, 511, 2] * 5]
+    queries = [1, 3, 1, 9, 1, 1, 1] * 5  # the 9-query row with no tail: its first query ends at 592
+    contexts.append(prompt[:256] + take(100))
     middle = list(prompt[:256])
     middle[100] = next(free)
-    rows += [middle + take(30), prompt[:256], take(200), prompt[:100]]
-    indices = torch.tensor([s for row in rows for s in row], dtype=torch.int64)
-    indptr = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(len(rows), hq, dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, indptr, indices
+    contexts += [middle + take(30), prompt[:256], take(200), prompt[:100], prompt[:516]]
+    queries += [1, 1, 1, 1, 1, 9]  # the last: its first query sees 4 of the second chunk's slots fewer
+    indices = torch.tensor([s for row in contexts for s in row], dtype=torch.int64)
+    kv_indptr = torch.tensor([0, *torch.tensor([len(r) for r in contexts]).cumsum(0).tolist()], dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(queries), hq, dim, generator=g).to(dtype)
+    alone = [row[: len(row) - (n - 1 - j)] for row, n in zip(contexts, queries) for j in range(n)]
+    alone_indptr = torch.tensor([0, *torch.tensor([len(a) for a in alone]).cumsum(0).tolist()], dtype=torch.int32)
+    alone_indices = torch.tensor([s for row in alone for s in row], dtype=torch.int64)
+    return q, k_cache, v_cache, (kv_indptr, indices, qo_indptr), (alone_indptr, alone_indices)
 
 
 @pytest.mark.parametrize("arithmetic", ["fma", "dpbf16"])
@@ -217,20 +226,22 @@ def shared_prefix_inputs(seed: int, hq: int, hkv: int, dim: int, dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 32)], ids=["gqa3", "mqa8", "mha"])
 def test_rows_sharing_a_prompt_get_the_bits_of_decoding_alone(op, heads, dtype, kv, arithmetic):
-    """Decode rows holding the same slots over a whole chunk are attended together (each K/V row read once
-    for all of them); each row must still get the bits it gets alone, within a rounding of float64."""
+    """Rows holding the same slots over a whole chunk are attended together (each K/V row read once for all
+    their queries); each query must still get the bits it gets decoded alone, within a rounding of float64."""
     if dtype == torch.float32 and arithmetic == "dpbf16":
         pytest.skip("the pairs arithmetic is for bf16 queries and K/V")
     hq, hkv, dim = heads
-    q, k_cache, v_cache, indptr, indices = shared_prefix_inputs(dim, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
+    q, k_cache, v_cache, rows, alone = shared_prefix_inputs(dim, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
     scale = dim**-0.5
     with cpu_ops.bf16_arithmetic(arithmetic):
-        together = op(q, k_cache, v_cache, indptr, indices, scale)
-        alone = [op(q[i : i + 1], k_cache, v_cache, indptr[i : i + 2] - indptr[i], indices[indptr[i] : indptr[i + 1]], scale)
-                 for i in range(q.shape[0])]
-    for i, out in enumerate(alone):
-        assert torch.equal(together[i : i + 1], out), f"row {i}"
-    assert (together.double() - reference(q, k_cache, v_cache, indptr, indices, scale)).abs().max() < TOLERANCE[dtype]
+        together = op(q, k_cache, v_cache, rows[0], rows[1], scale, rows[2])
+        decoded = op(q, k_cache, v_cache, alone[0], alone[1], scale)
+        one_by_one = [op(q[i : i + 1], k_cache, v_cache, alone[0][i : i + 2] - alone[0][i], alone[1][alone[0][i] : alone[0][i + 1]], scale)
+                      for i in range(q.shape[0])]
+    for i, out in enumerate(one_by_one):
+        assert torch.equal(together[i : i + 1], out), f"query {i}"
+        assert torch.equal(decoded[i : i + 1], out), f"query {i} as a decode row"
+    assert (together.double() - reference(q, k_cache, v_cache, alone[0], alone[1], scale)).abs().max() < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])

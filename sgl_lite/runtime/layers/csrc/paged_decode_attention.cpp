@@ -504,26 +504,32 @@ template <> struct PairRows<E5m2Kv> { using type = sgl_lite::E5m2Rows; };
 #endif
 
 // A tile against chunk `chunk` of a context, for the KV heads [head_begin, head_end): the queries
-// [query_begin, query_end) of each of the rows row_list[rows_at .. rows_at + num_rows). Several rows only
-// where decode rows hold the same slots over the whole chunk (a shared prompt's), one query each.
+// [query_begin, min(query_end, the row's)) of each of the rows row_list[rows_at .. rows_at + num_rows).
+// Several rows only where rows hold the same slots over the whole chunk (a shared prompt's), every query
+// of each (query_end kAllQueries).
 struct Item {
   int64_t rows_at, num_rows, head_begin, head_end, chunk, query_begin, query_end;
 };
 
-// Rows sharing a chunk: decode rows whose chunk `chunk` is whole and holds the same slots (a prompt prefix
-// the radix cache shares), two or more, in row order.
+constexpr int64_t kAllQueries = std::numeric_limits<int64_t>::max();
+
+// Rows sharing a chunk: rows whose chunk `chunk` holds the same slots (a prompt prefix the radix cache
+// shares), seen whole by each of their queries, two or more, in row order.
 struct SharedChunk {
   int64_t chunk;
   std::vector<int64_t> rows;
 };
 
-// Every chunk that two or more decode rows share. Candidates are sorted by (chunk, first slot, last slot),
-// so that only rows whose chunks agree there are compared in full: O(chunks log chunks), whatever the batch.
-std::vector<SharedChunk> shared_chunks(int64_t R, const int32_t* qo, const int32_t* kv, const int64_t* indices) {
+// Every chunk that two or more rows share, of rows whose queries fit one item (G query vectors each).
+// Candidates are sorted by (chunk, first slot, last slot), so that only rows whose chunks agree there are
+// compared in full: O(chunks log chunks), whatever the batch.
+std::vector<SharedChunk> shared_chunks(int64_t R, int64_t G, const int32_t* qo, const int32_t* kv, const int64_t* indices) {
   std::vector<std::array<int64_t, 4>> candidates;  // (chunk, first slot, last slot, row)
   for (int64_t r = 0; r < R; ++r) {
-    if (qo[r + 1] - qo[r] != 1) continue;  // a verification row's queries already share its reads
-    for (int64_t c = 0; (c + 1) * kChunk <= kv[r + 1] - kv[r]; ++c) {
+    const int64_t n = qo[r + 1] - qo[r];
+    if (n * G > kMaxVectors) continue;
+    // a verification row's first query sees n - 1 slots fewer than its last
+    for (int64_t c = 0; (c + 1) * kChunk <= kv[r + 1] - kv[r] - (n - 1); ++c) {
       const int64_t* slots = indices + kv[r] + c * kChunk;
       candidates.push_back({c, slots[0], slots[kChunk - 1], r});
     }
@@ -582,31 +588,38 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // chunk) is computed alike, so the bits do not depend on the choice. (The kernel, whose arithmetic
   // overlaps its reads less well than a plain sum does, gained 1.05-1.08x from it at 8-32 x 480-2000.)
   // A verification row's queries share the reads of each chunk: up to kMaxVectors query vectors an item.
-  // So do decode rows holding the same slots over a whole chunk (shared_chunks: a prompt the radix cache
-  // shares): an item per KV head takes up to kMaxVectors / G of them, so that each block's K rows are
-  // transposed once for all their query vectors and its V rows interleaved once. Each query's sums are
-  // those of its own item (attend_chunk's contract), so sharing changes no bit.
-  std::vector<int64_t> first_part(R * Hkv + 1, 0), chunks_of(R), chunk_at(R + 1, 0);
+  // So do rows holding the same slots over a whole chunk (shared_chunks: a prompt the radix cache shares):
+  // an item per KV head takes as many of them as fit, so that each block's K rows are transposed once for
+  // all their query vectors and its V rows interleaved once. Each query's sums are those of its own item
+  // (attend_chunk's contract), so sharing changes no bit.
+  std::vector<int64_t> first_part(R * Hkv + 1, 0), chunk_at(R + 1, 0);  // chunk_at: the rows' chunks before row r
+  const auto chunks_of = [&](int64_t r) { return chunk_at[r + 1] - chunk_at[r]; };
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
-    chunks_of[r] = (len + kChunk - 1) / kChunk;
-    chunk_at[r + 1] = chunk_at[r] + chunks_of[r];
-    for (int64_t h = 0; h < Hkv; ++h) first_part[r * Hkv + h + 1] = first_part[r * Hkv + h] + chunks_of[r] * n;
+    chunk_at[r + 1] = chunk_at[r] + (len + kChunk - 1) / kChunk;
+    for (int64_t h = 0; h < Hkv; ++h) first_part[r * Hkv + h + 1] = first_part[r * Hkv + h] + chunks_of(r) * n;
   }
   std::vector<int64_t> row_list(R);  // an item's rows: row r's own items read row_list[r] = r, shared chunks' follow
   std::iota(row_list.begin(), row_list.end(), int64_t{0});
   std::vector<Item> items;
-  std::vector<int64_t> item_count(R * Hkv, 0);  // items per (row, kv head)
-  std::vector<uint8_t> is_shared(chunk_at[R], 0);
-  const int64_t rows_per_item = kMaxVectors / G;
-  for (const SharedChunk& sc : R > 1 ? shared_chunks(R, qo, kv, indices) : std::vector<SharedChunk>{}) {
+  // items per (row, kv head): the last of them to finish merges (no thread runs yet: relaxed counts)
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[R * Hkv]);
+  for (int64_t rh = 0; rh < R * Hkv; ++rh) remaining[rh].store(0, std::memory_order_relaxed);
+  const auto count_item = [&](int64_t rh) { remaining[rh].fetch_add(1, std::memory_order_relaxed); };
+  std::vector<uint8_t> is_shared;  // per chunk of each row (empty: none shared)
+  for (const SharedChunk& sc : R > 1 ? shared_chunks(R, G, qo, kv, indices) : std::vector<SharedChunk>{}) {
+    is_shared.resize(chunk_at[R], 0);
     for (const int64_t r : sc.rows) is_shared[chunk_at[r] + sc.chunk] = 1;
-    for (size_t b = 0; b < sc.rows.size(); b += rows_per_item) {
-      const int64_t at = int64_t(row_list.size()), m = std::min<int64_t>(rows_per_item, int64_t(sc.rows.size() - b));
-      row_list.insert(row_list.end(), sc.rows.begin() + b, sc.rows.begin() + b + m);
+    for (size_t b = 0; b < sc.rows.size();) {
+      const int64_t at = int64_t(row_list.size());
+      for (int64_t vectors = 0; b < sc.rows.size() && vectors + (qo[sc.rows[b] + 1] - qo[sc.rows[b]]) * G <= kMaxVectors; ++b) {
+        vectors += (qo[sc.rows[b] + 1] - qo[sc.rows[b]]) * G;
+        row_list.push_back(sc.rows[b]);
+      }
+      const int64_t m = int64_t(row_list.size()) - at;
       for (int64_t h = 0; h < Hkv; ++h) {
-        items.push_back({at, m, h, h + 1, sc.chunk, 0, 1});
-        for (int64_t u = 0; u < m; ++u) ++item_count[row_list[at + u] * Hkv + h];
+        items.push_back({at, m, h, h + 1, sc.chunk, 0, kAllQueries});
+        for (int64_t u = 0; u < m; ++u) count_item(row_list[at + u] * Hkv + h);
       }
     }
   }
@@ -616,19 +629,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
     const int64_t H = whole_rows && Hkv * n * G <= kMaxVectors ? Hkv : 1, T = std::min(n, kMaxVectors / (H * G));
     for (int64_t h = 0; h < Hkv; h += H) {
-      for (int64_t c = 0; c < chunks_of[r]; ++c) {
-        if (is_shared[chunk_at[r] + c]) continue;
+      for (int64_t c = 0; c < chunks_of(r); ++c) {
+        if (!is_shared.empty() && is_shared[chunk_at[r] + c]) continue;
         for (int64_t j = 0; j < n; j += T) {
           const int64_t last = std::min(n, j + T);  // the tile's last query sees len - (n - last) positions
           if (len - (n - last) <= c * kChunk) continue;  // its queries' contexts all end before the chunk
           items.push_back({r, 1, h, h + H, c, j, last});
-          for (int64_t k = h; k < h + H; ++k) ++item_count[r * Hkv + k];
+          for (int64_t k = h; k < h + H; ++k) count_item(r * Hkv + k);
         }
       }
     }
   }
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[R * Hkv]);
-  for (int64_t rh = 0; rh < R * Hkv; ++rh) remaining[rh].store(item_count[rh], std::memory_order_relaxed);
   const int64_t num_parts = first_part[R * Hkv];
   std::vector<float> part_acc(num_parts * G * D), part_max(num_parts * G), part_sum(num_parts * G);
   std::vector<Partial> parts(num_parts);
@@ -674,15 +685,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       LookAhead ahead(claim);
       const Item& it = items[i];
       const int64_t* rows = &row_list[it.rows_at];
-      const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin, per_row = it.query_end - it.query_begin;
-      const int64_t T = it.num_rows * per_row, chunk_start = it.chunk * kChunk;  // T: the tile's queries, row by row
+      const int64_t h0 = it.head_begin, H = it.head_end - it.head_begin, chunk_start = it.chunk * kChunk;
+      const auto queries_of = [&](int64_t r) { return std::min<int64_t>(it.query_end, qo[r + 1] - qo[r]) - it.query_begin; };
+      int64_t T = 0;  // the tile's queries, row by row
+      for (int64_t u = 0; u < it.num_rows; ++u) T += queries_of(rows[u]);
       int64_t limits[kMaxVectors];
       Partial outs[kMaxVectors];
-      for (int64_t u = 0; u < it.num_rows; ++u) {
+      for (int64_t u = 0, t = 0; u < it.num_rows; ++u) {
         const int64_t r = rows[u], len = kv[r + 1] - kv[r], n = qo[r + 1] - qo[r];
         const int64_t chunk_len = std::min(kChunk, len - chunk_start);
-        for (int64_t j = 0; j < per_row; ++j) {
-          const int64_t query = it.query_begin + j, t = u * per_row + j;
+        for (int64_t query = it.query_begin; query < it.query_begin + queries_of(r); ++query, ++t) {
           limits[t] = std::clamp<int64_t>(len - (n - 1 - query) - chunk_start, 0, chunk_len);
           for (int64_t h = 0; h < H; ++h) {
             std::memcpy(q_tile + (h * T + t) * G * D, q_ptr + ((qo[r] + query) * Hq + (h0 + h) * G) * D, G * D * sizeof(QT));
