@@ -12,8 +12,11 @@ run, and the CPU time the server's processes used per output token, least of the
 whatever a server spends besides its forwards is taken from them), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
 tokens, 256-token shared system prompt, seeded token ids).
 
+With --chat-history messages each turn's history goes as an agent framework sends it (answers as
+assistant messages, which a server can serve from its cache) instead of as one user message.
+
 Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
-       [--no-neighbour-for llama] [--out artifacts/bench_peers.json]
+       [--no-neighbour-for llama] [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
 
 PEERS = ROOT.parent / "shared" / "peers"
 SGL_PORT = 30190
@@ -121,11 +125,11 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def bench(url: str, sessions: int, workdir: Path, pgid: int) -> dict:
+def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     cpu_before = group_cpu_seconds(pgid)
     subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
-                    str(sessions), "--url", url, "--backend", "openai-chat", "--systems", "sgl_lite", "--no-plots",
+                    str(sessions), "--url", url, "--backend", "openai-chat", "--chat-history", chat_history, "--systems", "sgl_lite", "--no-plots",
                     "--no-progress", "--output-dir", str(out)], check=True, capture_output=True)
     cpu = group_cpu_seconds(pgid) - cpu_before  # includes the client's start-up time, when the server idles
     report = json.loads(next(out.glob("*.json")).read_text())["systems"][0]
@@ -134,21 +138,21 @@ def bench(url: str, sessions: int, workdir: Path, pgid: int) -> dict:
             "server_cpu_ms_per_token": 1000 * cpu / max(1, report["completion_tokens"])}
 
 
-def measure(name: str, rounds: int, neighbour: bool, workdir: Path) -> dict | None:
+def measure(name: str, rounds: int, neighbour: bool, workdir: Path, chat_history: str) -> dict | None:
     proc, url = start(name, workdir / f"{name}.log")
     if proc is None:
         return None
     pgid = proc.pid  # every server here is started as the leader of its own session
     try:
-        bench(url, 1, workdir, pgid)  # warm-up: first requests pay one-time costs (compilation, page faults)
+        bench(url, 1, workdir, pgid, chat_history)  # warm-up: first requests pay one-time costs (compilation, page faults)
         runs: dict[str, list[dict]] = {"8": [], "1": [], "8_neighbour": []}
         for _ in range(rounds):
-            runs["8"].append(bench(url, 8, workdir, pgid))
-            runs["1"].append(bench(url, 1, workdir, pgid))
+            runs["8"].append(bench(url, 8, workdir, pgid, chat_history))
+            runs["1"].append(bench(url, 1, workdir, pgid, chat_history))
         if neighbour:
             busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
             try:
-                runs["8_neighbour"].append(bench(url, 8, workdir, pgid))
+                runs["8_neighbour"].append(bench(url, 8, workdir, pgid, chat_history))
             finally:
                 busy.kill()
         return {"system": name, "label": LABELS[name], "runs": runs, "load_after": os.getloadavg()[0]}
@@ -168,6 +172,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-neighbour-for", default="llama",
                         help="systems to skip the busy-neighbour run for (llama-server takes ~7 minutes there)")
+    parser.add_argument("--chat-history", choices=CHAT_HISTORIES, default="one-message",
+                        help="how each turn's history is sent (sgl-lite bench --chat-history): one user message, as "
+                             "issue 17's comparison does, or the answers as assistant messages, as agent frameworks do")
     parser.add_argument("--out", default=artifact_path("bench_peers.json"))
     args = parser.parse_args()
     names = [n for n in args.systems.split(",") if n]
@@ -178,11 +185,12 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     results = []
     for name in tqdm(names, desc="systems"):
-        result = measure(name, args.rounds, name not in skip_neighbour, workdir)
+        result = measure(name, args.rounds, name not in skip_neighbour, workdir, args.chat_history)
         if result is not None:
             results.append(result)
     base = next((r for r in results if r["system"] == "vllm"), None)
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback; "
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback "
+          f"(history as {'one user message' if args.chat_history == 'one-message' else 'user and assistant messages'}); "
           f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
     print("| server | 8 sessions | 1 session | 8 sessions, one core busy | 8 sessions vs vLLM | 1 session vs vLLM "
           "| server CPU ms per output token, 8 / 1 sessions |")

@@ -6,6 +6,9 @@ is driven through. Expected values come from the server itself (its non-streamed
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
@@ -75,9 +78,12 @@ def test_chat_stream_matches_the_servers_answer_and_usage(server: str, tiny_llam
     assert asyncio.run(_collect(backend, prompt, 2))[1][0]["cached_tokens"] == 0
 
 
-def test_bench_command_line_drives_openai_compatible_servers(server: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """Two names for the same server: `--url` with `--backend openai-chat`, and an --openai-urls entry."""
+@pytest.mark.parametrize("history", ["one-message", "messages"])
+def test_bench_command_line_drives_openai_compatible_servers(server: str, tiny_llama_dir: Path, tmp_path: Path, history: str) -> None:
+    """Two names for the same server: `--url` with `--backend openai-chat`, and an --openai-urls entry; the
+    history sent either way."""
     config = parse_config(["--url", server, "--backend", "openai-chat", "--api-key", API_KEY, "--systems", "sgl_lite",
+                           "--chat-history", history,
                            "--openai-urls", f"other={server}", "--model-path", str(tiny_llama_dir),
                            "--output-dir", str(tmp_path), "--no-plots", "--no-progress",
                            *[f"--{k.replace('_', '-')}={v}" for k, v in AGENT.items()]])
@@ -96,3 +102,66 @@ def test_openai_urls_are_checked() -> None:
         with pytest.raises(ValueError, match="--openai-urls"):
             parse_config(bad)
     assert parse_config(["--systems", "", "--openai-urls", "a=http://h:1,b=http://h:2"]).all_systems == ("a", "b")
+
+
+
+class _RecordingChatServer(ThreadingHTTPServer):
+    """A stand-in OpenAI server that records each chat request's body and streams one word back."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # /v1/models
+                self._send(b'{"data": [{"id": "stand-in"}]}', "application/json")
+
+            def do_POST(self) -> None:
+                recorder.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                chunk = {"choices": [{"delta": {"content": "yes"}, "finish_reason": "length"}]}
+                self._send(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
+
+            def _send(self, payload: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("history", ["one-message", "messages"])
+def test_chat_history_sends_the_turns_as_asked(history: str, tiny_llama_dir: Path) -> None:
+    """A session's third turn (first prompt, answer, observation, answer, observation): one user message
+    holding it all, or the user's and the model's turns as alternating user and assistant messages (agent
+    frameworks send the latter, which lets a server reuse what it generated)."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    texts = ["A task for the agent.", "I will look it up.", "Observation: it rains.", "Then take a coat.", "Observation: done."]
+    pieces = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    stand_in = _RecordingChatServer()
+    backend = OpenAIChatBackend("stand-in", f"http://127.0.0.1:{stand_in.server_port}", tokenizer, chat_history=history)
+
+    async def turn() -> list:
+        try:
+            return [event async for event in backend.stream_turn(pieces, 4)]
+        finally:
+            await backend.close_async_resources()
+
+    try:
+        events = asyncio.run(turn())
+    finally:
+        stand_in.shutdown()
+    assert events[-1].meta_info is not None
+    (body,) = stand_in.bodies
+    if history == "messages":
+        assert body["messages"] == [{"role": role, "content": tokenizer.decode(piece)}
+                                    for role, piece in zip(["user", "assistant"] * 3, pieces)]
+    else:
+        assert body["messages"] == [{"role": "user", "content": tokenizer.decode([t for piece in pieces for t in piece])}]
+    with pytest.raises(ValueError, match="chat_history"):
+        OpenAIChatBackend("stand-in", "http://127.0.0.1:1", tokenizer, chat_history="threads")

@@ -103,16 +103,16 @@ def test_shared_prefix_ideal_hit_rate_counts_each_group_prompt_once() -> None:
 def test_multiturn_prompt_extends_previous_prompt_and_output_exactly() -> None:
     workload = _agent()
     session = workload.sessions[1]
-    prompt = session.first_prompt
-    assert prompt[:40] == workload.sessions[0].first_prompt[:40]  # the shared system prompt
+    pieces = [session.first_prompt]
+    assert pieces[0][:40] == workload.sessions[0].first_prompt[:40]  # the shared system prompt
     for turn in range(session.num_turns - 1):
         output = [100 + turn, 200 + turn, 300 + turn]
-        nxt = session.next_prompt(turn, prompt, output)
-        assert nxt[: len(prompt) + len(output)] == prompt + output
-        assert 3 <= len(nxt) - len(prompt) - len(output) <= 9
-        prompt = nxt
+        nxt = session.next_pieces(turn, pieces, output)
+        assert nxt[: len(pieces)] == pieces and nxt[len(pieces)] == output  # user and model turns alternate
+        assert len(nxt) == len(pieces) + 2 and 3 <= len(nxt[-1]) <= 9
+        pieces = nxt
     with pytest.raises(ValueError, match="no turn after"):
-        session.next_prompt(session.num_turns - 1, prompt, [])
+        session.next_pieces(session.num_turns - 1, pieces, [])
 
 
 def test_random_prompts_share_nothing_beyond_chance() -> None:
@@ -187,7 +187,7 @@ def test_driver_feeds_each_turn_the_actual_output_and_limits_concurrency() -> No
     for session in workload.sessions:
         turns = sorted(by_session[session.session_id], key=lambda r: r.turn)
         for prev, nxt in zip(turns, turns[1:]):
-            assert nxt.prompt_ids == session.next_prompt(prev.turn, prev.prompt_ids, prev.output_ids)
+            assert nxt.prompt_ids == prev.prompt_ids + prev.output_ids + session.appendices[prev.turn]
     summary = summarize("echo", records, duration)
     assert summary["cache_hit_rate"] == pytest.approx(summary["ideal_cache_hit_rate"])
     assert [t["turn"] for t in summary["per_turn"]] == [0, 1, 2]

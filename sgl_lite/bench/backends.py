@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from sgl_lite.runtime.client import RuntimeClient
 
@@ -35,6 +35,12 @@ class GenerationBackend(abc.ABC):
     @abc.abstractmethod
     def stream(self, input_ids: list[int], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
         ...
+
+    def stream_turn(self, pieces: Sequence[Sequence[int]], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
+        """A conversation's turn whose prompt is `pieces` joined: the user's and the model's turns in turn,
+        the user's first and last (a session's first prompt, then each answer and the observation after
+        it). By default the joined prompt, as `stream` takes it; a chat backend may send the turns as messages."""
+        return self.stream([t for piece in pieces for t in piece], max_new_tokens)
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -23,6 +23,9 @@ from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
 SYSTEM_NAMES = ("sgl_lite", "no-cache", "hf")
 # How --url is driven: SGLang's native /generate, or /v1/chat/completions (any OpenAI-compatible server).
 URL_BACKENDS = ("sglang", "openai-chat")
+# How an OpenAI chat system gets a multi-turn conversation: the whole history as one user message, or as
+# alternating user and assistant messages.
+CHAT_HISTORIES = ("one-message", "messages")
 # `router-dpN`: the benchmark starts N replicas behind sglang-router (sgl_lite.cluster) and drives
 # the router over HTTP.
 ROUTER_SYSTEM_PREFIX = "router-dp"
@@ -36,6 +39,7 @@ class BenchConfig:
     address: str | None = None  # a running runtime to use as the sgl_lite system (ZeroMQ)
     url: str | None = None  # a running HTTP server or router to use as the sgl_lite system
     backend: str = "sglang"
+    chat_history: str = "one-message"  # how OpenAI chat systems get a multi-turn conversation
     api_key: str | None = None
     systems: tuple[str, ...] = SYSTEM_NAMES
     openai_urls: tuple[str, ...] = ()  # NAME=URL: more systems, OpenAI-compatible servers already running
@@ -95,6 +99,8 @@ class BenchConfig:
             raise ValueError(f"--router-args is not a valid flag string ({e}): {self.router_args!r}") from None
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}; got {self.router_policy!r}")
+        if self.chat_history not in CHAT_HISTORIES:
+            raise ValueError(f"--chat-history must be one of {', '.join(CHAT_HISTORIES)}; got {self.chat_history!r}")
         if self.workload not in WORKLOAD_NAMES:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}; got {self.workload!r}")
         if not self.request_rate > 0:
@@ -153,6 +159,10 @@ _HELP = {
     "backend": "How --url is driven: sglang (SGLang's native /generate, token ids) or openai-chat "
                "(/v1/chat/completions, any OpenAI-compatible server: vLLM, llama-server, SGLang, sgl_lite's HTTP "
                "front; prompts are the ids decoded with --model-path's tokenizer).",
+    "chat_history": "How OpenAI chat systems (--backend openai-chat, --openai-urls) get a session's history: "
+                    "one-message (the whole conversation as one user message, as issue 17's comparison sends it) or "
+                    "messages (the first prompt and each observation as user messages, each answer as an assistant "
+                    "message, as agent frameworks send it).",
     "api_key": "Key of the runtime at --address or the server at --url.",
     "systems": f"Comma-separated systems to measure, in order: some of {','.join(SYSTEM_NAMES)}, and "
                f"{ROUTER_SYSTEM_PREFIX}N: N replicas (one CPU share each) behind sglang-router, driven over HTTP.",
@@ -210,6 +220,8 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
             parser.add_argument(flag, default=f.default, choices=URL_BACKENDS, help=help_text)
         elif f.name == "workload":
             parser.add_argument(flag, default=f.default, choices=WORKLOAD_NAMES, help=help_text)
+        elif f.name == "chat_history":
+            parser.add_argument(flag, default=f.default, choices=CHAT_HISTORIES, help=help_text)
         elif f.name == "router_policy":
             parser.add_argument(flag, default=f.default, choices=ROUTER_POLICIES, help=help_text)
         else:

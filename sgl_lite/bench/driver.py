@@ -48,10 +48,12 @@ def arrival_offsets(num_sessions: int, request_rate: float, seed: int) -> list[f
     return np.concatenate([[0.0], np.cumsum(gaps)[:-1]]).tolist() if num_sessions else []
 
 
-async def _run_request(backend: GenerationBackend, session: Session, turn: int, prompt: list[int]) -> RequestRecord:
+async def _run_request(backend: GenerationBackend, session: Session, turn: int, pieces: list[list[int]]) -> RequestRecord:
+    """One turn; its prompt is `pieces` joined (the session's first prompt, then each answer and appendix)."""
+    prompt = [t for piece in pieces for t in piece]
     record = RequestRecord(session.session_id, turn, session.group, prompt, time.perf_counter())
     try:
-        async for event in backend.stream(prompt, session.output_len):
+        async for event in backend.stream_turn(pieces, session.output_len):
             if event.new_ids:
                 record.output_ids += event.new_ids
                 record.chunk_times.append(event.time)
@@ -80,17 +82,17 @@ async def run_workload(backend: GenerationBackend, workload: Workload, *, reques
 
     async def run_session(session: Session, offset: float) -> None:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        prompt = session.first_prompt
+        pieces = [session.first_prompt]
         for turn in range(session.num_turns):
             async with limit:
-                record = await _run_request(backend, session, turn, prompt)
+                record = await _run_request(backend, session, turn, pieces)
             records.append(record)
             bar.update(1)
             if not record.ok:
                 bar.update(session.num_turns - turn - 1)  # the session's later turns are never sent
                 return
             if turn + 1 < session.num_turns:
-                prompt = session.next_prompt(turn, prompt, record.output_ids)
+                pieces = session.next_pieces(turn, pieces, record.output_ids)
 
     offsets = arrival_offsets(len(workload.sessions), request_rate, seed)
     await asyncio.gather(*(run_session(s, o) for s, o in zip(workload.sessions, offsets)))
@@ -109,7 +111,7 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
         from sgl_lite.runtime.model_executor import loader
 
         tokenizer = loader.load_tokenizer(loader.resolve_model_path(config.model_path))
-        return OpenAIChatBackend(name, openai_url, tokenizer, api_key=config.api_key)
+        return OpenAIChatBackend(name, openai_url, tokenizer, api_key=config.api_key, chat_history=config.chat_history)
     if name == "sgl_lite" and config.url:
         from sgl_lite.bench.http_backend import HTTPBackend
 

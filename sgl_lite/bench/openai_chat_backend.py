@@ -3,7 +3,11 @@ over streaming `/v1/chat/completions`, so one workload compares them in one run.
 
 The workload is token ids; a chat server takes text. Each request's ids are decoded with the model's
 tokenizer and sent as one user message (the server applies its chat template); each turn's text extends
-the previous turn's text, so a server's prefix cache sees the history as the shared prefix it is. The
+the previous turn's text, so a server's prefix cache sees the history as the shared prefix it is. With
+chat_history="messages" a turn goes as the conversation an agent framework sends instead: the first
+prompt and each observation as user messages, each answer as an assistant message, so that a server
+whose cache keeps what it generated can reuse the answers too (the one-message form puts each answer
+inside the next user message, where it is prefilled again). The
 streamed text is re-encoded to ids with the same tokenizer: per chunk for the timings, and as the
 output the next turn's prompt is built from. Token counts and cached tokens come from the server's
 `usage` (stream_options.include_usage; `prompt_tokens_details.cached_tokens` where reported), else
@@ -19,11 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import httpx2
 
 from sgl_lite.bench.backends import StreamEvent
+from sgl_lite.bench.config import CHAT_HISTORIES
 from sgl_lite.bench.http_backend import FLUSH_ATTEMPTS, FLUSH_RETRY_S, HTTPBackend, HTTPStreamError
 
 logger = logging.getLogger(__name__)
@@ -35,9 +40,13 @@ FLUSH_ENDPOINTS = ("/flush_cache", "/reset_prefix_cache")
 class OpenAIChatBackend(HTTPBackend):
     """Streams `/v1/chat/completions` from `url`; `tokenizer` is the served model's (decode/encode)."""
 
-    def __init__(self, name: str, url: str, tokenizer: Any, *, api_key: str | None = None) -> None:
+    def __init__(self, name: str, url: str, tokenizer: Any, *, api_key: str | None = None,
+                 chat_history: str = "one-message") -> None:
         super().__init__(name, url, api_key=api_key)
+        if chat_history not in CHAT_HISTORIES:
+            raise ValueError(f"chat_history must be one of {', '.join(CHAT_HISTORIES)}; got {chat_history!r}")
         self.tokenizer = tokenizer
+        self.chat_history = chat_history
         self._model: str | None = None
 
     def _model_name(self) -> str:
@@ -57,9 +66,19 @@ class OpenAIChatBackend(HTTPBackend):
         async for event in self._stream_from(self.url, input_ids, max_new_tokens):
             yield event
 
-    async def _stream_from(self, base_url: str, input_ids: list[int],
-                           max_new_tokens: int) -> AsyncIterator[StreamEvent]:
-        body = {"model": self._model_name(), "messages": [{"role": "user", "content": self.tokenizer.decode(input_ids)}],
+    def stream_turn(self, pieces: Sequence[Sequence[int]], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
+        if self.chat_history == "messages":
+            return self._stream_from(self.url, [t for piece in pieces for t in piece], max_new_tokens, pieces)
+        return super().stream_turn(pieces, max_new_tokens)
+
+    def _messages(self, pieces: Sequence[Sequence[int]]) -> list[dict[str, str]]:
+        """The user's and the model's turns in turn, the user's first."""
+        return [{"role": "assistant" if i % 2 else "user", "content": self.tokenizer.decode(piece)} for i, piece in enumerate(pieces)]
+
+    async def _stream_from(self, base_url: str, input_ids: list[int], max_new_tokens: int,
+                           pieces: Sequence[Sequence[int]] | None = None) -> AsyncIterator[StreamEvent]:
+        """`input_ids` as one user message, or its `pieces` as the conversation's messages."""
+        body = {"model": self._model_name(), "messages": self._messages(pieces or [input_ids]),
                 "max_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         endpoint = base_url + "/v1/chat/completions"

@@ -2,7 +2,8 @@
 
 A workload is a list of sessions. A session is a chain of turns: turn 0 sends `first_prompt`; turn
 t+1 is sent only after turn t finished, and its prompt is turn t's prompt + the output ids the
-system actually returned + `appendices[t]` (a tool observation, say). Single-turn workloads
+system actually returned + `appendices[t]` (a tool observation, say), kept in those pieces for
+backends that send a conversation as chat messages. Single-turn workloads
 (shared-prefix, random) are sessions of one turn. Everything random is drawn at construction time
 from one seed, so two systems serving the same workload see the same text wherever their outputs
 agree (and greedy decoding with ignore_eos makes the outputs agree up to numerics).
@@ -74,11 +75,13 @@ class Session:
     def num_turns(self) -> int:
         return len(self.appendices) + 1
 
-    def next_prompt(self, turn: int, prompt: Sequence[int], output_ids: Sequence[int]) -> list[int]:
-        """The prompt of turn `turn + 1`, given turn `turn`'s prompt and actual output."""
+    def next_pieces(self, turn: int, pieces: Sequence[list[int]], output_ids: Sequence[int]) -> list[list[int]]:
+        """The prompt of turn `turn + 1` in pieces, given turn `turn`'s pieces and actual output: the first
+        prompt, then each turn's output and appendix (joined, the prompt; as chat messages, the user's and
+        the model's turns in turn)."""
         if not 0 <= turn < self.num_turns - 1:
             raise ValueError(f"session {self.session_id} has {self.num_turns} turns; no turn after {turn}")
-        return [*prompt, *output_ids, *self.appendices[turn]]
+        return [*pieces, list(output_ids), self.appendices[turn]]
 
 
 @dataclass(frozen=True)
