@@ -24,7 +24,9 @@ struct SharedChunk {
 
 // Every chunk that two or more rows share, of rows whose queries fit one item (G query vectors each).
 // Candidates are sorted by (chunk, first slot, last slot), so that only rows whose chunks agree there are
-// compared in full: O(chunks log chunks), whatever the batch.
+// compared in full: O(chunks log chunks) for the batches the runtime makes, where two chunks agreeing at
+// both ends are one radix-tree path (the same slots throughout). Chunks that agree at the ends and differ
+// between (only a hand-made batch) cost a comparison with each group of their run.
 std::vector<SharedChunk> shared_chunks(int64_t R, int64_t G, const int32_t* qo, const int32_t* kv, const int64_t* indices) {
   std::vector<std::array<int64_t, 4>> candidates;  // (chunk, first slot, last slot, row)
   for (int64_t r = 0; r < R; ++r) {
