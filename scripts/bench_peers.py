@@ -125,7 +125,7 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str) -> dict:
+def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message") -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     cpu_before = group_cpu_seconds(pgid)
     subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
