@@ -8,8 +8,8 @@ bf16, each layer with its own K/V pool, so that K/V stream from memory as in a s
 two builds alternating (each first in every other round), best of --repeats per round:
 
 - b8 agent: 8 rows of 330-560 tokens whose first 280 slots are shared (the multi-turn agent's system
-  prompt, cached once in the radix tree), the rest each row's own; and the same rows each verifying 4
-  n-gram draft tokens (5 queries a row);
+  prompt, cached once in the radix tree), the rest each row's own; the same rows each verifying 4
+  n-gram draft tokens (5 queries a row); and 32 such rows;
 - b8 / b32 x 500: rows of 500 tokens, every slot its own;
 - b1 x 500: one row;
 - b8 x 460 from cache: every layer reading the same 2.8 MB pool (from L2/L3: mostly the arithmetic).
@@ -73,6 +73,7 @@ def main() -> None:
     cases = {
         "b8 agent: 330-560 tokens, 280 shared": make_case([330, 380, 420, 450, 480, 520, 540, 560], 280, LAYERS, g),
         "b8 agent, each verifying 4 drafts": make_case([330, 380, 420, 450, 480, 520, 540, 560], 280, LAYERS, g, queries=5),
+        "b32 agent: 330-560 tokens, 280 shared": make_case([330, 380, 420, 450, 480, 520, 540, 560] * 4, 280, LAYERS, g),
         "b8 x 500": make_case([500] * 8, 0, LAYERS, g),
         "b32 x 500": make_case([500] * 32, 0, LAYERS, g),
         "b1 x 500": make_case([500], 0, LAYERS, g),
