@@ -29,7 +29,12 @@
 #include <tuple>
 #include <type_traits>
 
+#include "rope.h"
+
 namespace {
+
+using sgl_lite::stored;
+using sgl_lite::widened;
 
 using Gemv = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
@@ -40,34 +45,6 @@ using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// A float rounded to T and back, as ATen rounds each bf16 op's float result (to nearest even; NaN to
-// c10's quiet NaN), written without branches so that the loops below vectorize.
-inline float rounded(float x, float) { return x; }
-inline float rounded(float x, c10::BFloat16) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint32_t nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const uint32_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : nearest;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float widened(float x) { return x; }
-inline float widened(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// A value of the model's dtype as the KV pool stores it (KVPool.write): as it is, or, in an 8-bit float
-// pool, saturated to the format's largest finite value (e5m2 would make inf of an out-of-range value, and
-// inf * 0 poisons attention; NaN stays NaN) and converted as torch's .to() converts (c10's conversion).
-template <class C>
-inline C stored(float x) {
-  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>) {
-    const float finite = static_cast<float>(std::numeric_limits<C>::max());
-    return C(x > finite ? finite : x < -finite ? -finite : x);
-  } else {
-    return static_cast<C>(x);
-  }
 }
 
 // Rotate-half RoPE on the q and k heads of qkv [n, (Hq + 2 Hkv) * D] and the KV write in one pass: q rotated
@@ -84,16 +61,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_store(const T* qkv, const
     const T* row = qkv + i * width;
     const T* c = cos + i * half;
     const T* s = sin + i * half;
-    const auto rotate = [&](const T* x, auto* out) {
-      using O = std::remove_pointer_t<decltype(out)>;
-      for (int64_t d = 0; d < half; ++d) {
-        const float x1 = widened(x[d]), x2 = widened(x[d + half]), cd = widened(c[d]), sd = widened(s[d]);
-        const float lo = rounded(rounded(x1 * cd, T()) - rounded(x2 * sd, T()), T());
-        const float hi = rounded(rounded(x2 * cd, T()) + rounded(x1 * sd, T()), T());
-        out[d] = stored<O>(lo);  // exact into T: lo and hi are already values of T
-        out[d + half] = stored<O>(hi);
-      }
-    };
+    const auto rotate = [&](const T* x, auto* out) { sgl_lite::rotate_half(x, c, s, half, out); };
     for (int64_t h = 0; h < hq; ++h) rotate(row + h * dim, q_out + (i * hq + h) * dim);
     for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * dim, k_cache + (loc[i] * hkv + h) * dim);
     const T* v = row + (hq + hkv) * dim;
