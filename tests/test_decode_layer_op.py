@@ -136,3 +136,18 @@ def test_an_out_of_pool_slot_is_refused_not_written(tiny_llama_dir: Path) -> Non
     outside = torch.tensor([runner.kv_pool.k[0].shape[0] + 5])
     with pytest.raises(RuntimeError, match="out_cache_loc must hold one slot"):
         decode_hidden(runner, [req], outside)
+
+
+def test_a_layers_operands_follow_its_packed_forms_and_the_pool(tiny_llama_dir: Path) -> None:
+    """fused_decode_operands keeps its last answer only while the rows, the packed forms and the pool are
+    the ones it was made for: a swapped pool or packed dict (bench_model.py installs both per variant) is
+    seen at once."""
+    runner = make_runner(tiny_llama_dir, dtype=KERNEL_DTYPE)
+    layer, pool = runner.model.layers[1], runner.kv_pool
+    weights, caches, heads = layer.fused_decode_operands(3, pool)
+    assert caches[0] is pool.k[1] and caches[1] is pool.v[1] and heads == (layer.num_heads, layer.num_kv_heads)
+    assert layer.fused_decode_operands(3, pool)[0] is weights  # kept
+    other = ModelRunner(runner.args, model_dir=runner.model_dir).kv_pool
+    assert layer.fused_decode_operands(3, other)[1][0] is other.k[1]
+    layer.packed = dict.fromkeys(layer.packed)  # no small-row forms: the layer runs op by op
+    assert layer.fused_decode_operands(3, other) is None
