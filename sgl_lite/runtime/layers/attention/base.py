@@ -15,6 +15,7 @@ With page size 1 every "page" is one slot, so FlashInfer's paged_kv_last_page_le
 from __future__ import annotations
 
 import abc
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,32 +71,30 @@ class AttentionMetadata:
         req_to_token: ReqToTokenPool,
         verify_rows: list[int] | None = None,
     ) -> AttentionMetadata:
-        """Gather every request's slot row from the table with one indexing op (no per-token Python)."""
+        """Gather every request's slot row from the table with one indexing op (no per-token Python); the
+        lengths and offsets are summed in Python first (a decode step's batch is a few requests, and each
+        torch op on such tiny tensors costs more than the list arithmetic)."""
         device = req_to_token.table.device
         if not (len(req_pool_rows) == len(prefix_lens) == len(extend_lens)):
             raise ValueError("req_pool_rows, prefix_lens and extend_lens must have one entry per request")
         num_new = sum(extend_lens)
         if out_cache_loc.numel() != num_new:
             raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots but the batch extends {num_new} tokens")
-        extend = torch.tensor(extend_lens, dtype=torch.int64)
-        seq = torch.tensor(prefix_lens, dtype=torch.int64) + extend
-        max_kv = int(seq.max()) if seq.numel() else 0
+        seq_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        max_kv = max(seq_list, default=0)
         if max_kv > req_to_token.max_context:
             raise ValueError(f"a request needs {max_kv} KV slots, more than the context length {req_to_token.max_context}")
-        rows = torch.tensor(req_pool_rows, dtype=torch.int64, device=device)
-        seq = seq.to(device)
-        padded = req_to_token.table[rows, :max_kv]
+        seq = torch.tensor(seq_list, dtype=torch.int64, device=device)
+        padded = req_to_token.table[torch.tensor(req_pool_rows, dtype=torch.int64, device=device), :max_kv]
         valid = torch.arange(max_kv, device=device)[None, :] < seq[:, None]
-        padded = padded.masked_fill(~valid, 0)
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
         return cls(
-            qo_indptr=torch.cat((zero, torch.cumsum(extend.to(device), 0).to(torch.int32))),
-            kv_indptr=torch.cat((zero, torch.cumsum(seq, 0).to(torch.int32))),
+            qo_indptr=torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int32, device=device),
+            kv_indptr=torch.tensor([0, *itertools.accumulate(seq_list)], dtype=torch.int32, device=device),
             kv_indices=padded[valid],
             out_cache_loc=out_cache_loc.to(device, torch.int64),
             prefix_lens=list(prefix_lens),
             extend_lens=list(extend_lens),
-            padded_kv_indices=padded,
+            padded_kv_indices=padded.masked_fill_(~valid, 0),
             seq_lens=seq,
             verify_rows=list(verify_rows or []),
         )
