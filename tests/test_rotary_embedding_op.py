@@ -7,6 +7,7 @@ import torch
 
 from sgl_lite.runtime.layers import cpu_ops
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope
+from test_silu_and_mul_op import assert_same_bits
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,15 +19,6 @@ def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bit for bit, except that a NaN may carry another payload (both are NaN)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan())
-    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
 
 
 def qk_of_qkv(rows: int, q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
