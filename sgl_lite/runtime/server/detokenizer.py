@@ -49,13 +49,13 @@ class IncrementalDetokenizer:
     def update(self, output_ids: Sequence[int]) -> str:
         """Take the full output ids so far; return the text that is safe to stream now (maybe "")."""
         if len(output_ids) > self._read_offset:
-            ids = list(output_ids)
-            settled_text = self._decode(ids[self._prefix_offset : self._read_offset])
-            window_text = self._decode(ids[self._prefix_offset :])
+            # only the window is copied: a long output's whole id list once per streamed token adds up
+            settled_text = self._decode(list(output_ids[self._prefix_offset : self._read_offset]))
+            window_text = self._decode(list(output_ids[self._prefix_offset :]))
             if len(window_text) > len(settled_text) and not window_text.endswith(REPLACEMENT_CHAR):
                 self._confirmed += window_text[len(settled_text) :]
                 self._prefix_offset = self._read_offset
-                self._read_offset = len(ids)
+                self._read_offset = len(output_ids)
                 self._tentative = ""
             elif window_text.startswith(settled_text):
                 # Only the trailing U+FFFD run can still change (UTF-8 decoding resynchronizes at
