@@ -87,14 +87,16 @@ class AttentionMetadata:
         seq = torch.tensor(seq_list, dtype=torch.int64, device=device)
         padded = req_to_token.table[torch.tensor(req_pool_rows, dtype=torch.int64, device=device), :max_kv]
         valid = torch.arange(max_kv, device=device)[None, :] < seq[:, None]
+        kv_indices = padded[valid]
+        padded.masked_fill_(~valid, 0)  # a copy of the table's rows (advanced indexing), not a view
         return cls(
             qo_indptr=torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int32, device=device),
             kv_indptr=torch.tensor([0, *itertools.accumulate(seq_list)], dtype=torch.int32, device=device),
-            kv_indices=padded[valid],
+            kv_indices=kv_indices,
             out_cache_loc=out_cache_loc.to(device, torch.int64),
             prefix_lens=list(prefix_lens),
             extend_lens=list(extend_lens),
-            padded_kv_indices=padded.masked_fill_(~valid, 0),
+            padded_kv_indices=padded,
             seq_lens=seq,
             verify_rows=list(verify_rows or []),
         )
