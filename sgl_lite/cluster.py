@@ -20,7 +20,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
+from sgl_lite.runtime.server.ports import free_port
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -65,12 +65,6 @@ def cpu_sets(dp: int, cpus: list[int] | None = None) -> list[list[int]]:
         sets.append(cpus[start:start + size])
         start += size
     return sets
-
-
-def free_port(host: str = _LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _last_value(cmd: list[str], flag: str) -> str | None:

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata
+from sgl_lite.runtime.server.ports import free_port
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class TensorParallel:
             raise RuntimeError("this process already runs a tensor-parallel model; one per process")
         if os.environ.get(_ENV_RANK) is not None:  # a worker rank: main() already joined the group
             return cls(dist.get_rank(), dist.get_world_size(), device, [])
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         workers = [_spawn_rank(r, size, init_method, args, model_dir) for r in range(1, size)]
         backend = "nccl" if device.type == "cuda" else "gloo"
         logger.info("tensor parallel: %d ranks (%s), waiting for ranks 1..%d", size, backend, size - 1)
@@ -262,12 +262,6 @@ def run_worker(runner: Any) -> None:
 
 def _threads_per_rank(size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // size)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn_rank(rank: int, size: int, init_method: str, args: ServerArgs, model_dir: Path) -> subprocess.Popen[bytes]:
