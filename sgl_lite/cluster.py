@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
-from sgl_lite.runtime.server.ports import free_port
+from sgl_lite.runtime.free_port import free_port
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_lite.runtime.server import ports
-from sgl_lite.runtime.server.ports import free_port
+from sgl_lite.runtime import free_port as ports
+from sgl_lite.runtime.free_port import free_port
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -20,6 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "sgl_lite"
 LAYERS: dict[str, int] = {
     "sgl_lite.runtime.protocol": 0,
     "sgl_lite.runtime.server_args": 0,
+    "sgl_lite.runtime.free_port": 0,
     "sgl_lite.runtime": 0,  # the package docstring only
     "sgl_lite.runtime.client": 1,
     "sgl_lite.runtime.managers.request": 1,

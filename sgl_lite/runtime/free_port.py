@@ -1,0 +1,50 @@
+"""A port that is free now, for another process to bind later (sglang-router, torch's TP rendezvous).
+
+Picked below the kernel's ephemeral range: a port from inside it (what bind(host, 0) returns) can be
+taken before that process binds it by any outgoing connection or bind(0) on the machine, and gloo's
+tensor-parallel ranks open dozens of those while a cluster starts (a CI run lost its router's port so).
+Imports nothing of sgl_lite: the TP launcher (model_executor) and the cluster (a tool) both use it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_FREE_PORT_SPAN = 12000  # how far below the kernel's ephemeral range free_port looks
+_FREE_PORT_TRIES = 64
+_handed_out: set[int] = set()  # ports free_port returned in this process, never returned twice
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port bindable now on `host`, below the ephemeral range when there is room, never one this
+    process handed out before; else the kernel's pick."""
+    low = _ephemeral_low()
+    candidates = range(max(1024, low - _FREE_PORT_SPAN), low)
+    rng = random.Random()
+    for _ in range(_FREE_PORT_TRIES if len(candidates) > 1000 else 0):
+        port = rng.choice(candidates)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's pick
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
