@@ -15,8 +15,11 @@ tokens, 256-token shared system prompt, seeded token ids).
 With --chat-history messages each turn's history goes as an agent framework sends it (answers as
 assistant messages, which a server can serve from its cache) instead of as one user message.
 
+With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, as a system of its own after
+--systems: a flag's effect beside the named configurations and the peers, in one run.
 Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
-       [--no-neighbour-for llama] [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
+       [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--no-neighbour-for llama]
+       [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -170,6 +174,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--serve-args", action="append", default=[],
+                        help="also measure `sgl-lite serve` with these flags (repeatable; write --serve-args=\"...\")")
     parser.add_argument("--no-neighbour-for", default="llama",
                         help="systems to skip the busy-neighbour run for (llama-server takes ~7 minutes there)")
     parser.add_argument("--chat-history", choices=CHAT_HISTORIES, default="one-message",
@@ -181,6 +187,11 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    for flags in args.serve_args:
+        name = "sgl_lite " + " ".join(shlex.split(flags))
+        SYSTEMS[name] = ("serve", shlex.split(flags), SGL_PORT)
+        LABELS[name] = "sgl_lite serve " + " ".join(shlex.split(flags))
+        names.append(name)
     skip_neighbour = set(args.no_neighbour_for.split(","))
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     results = []
