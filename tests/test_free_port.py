@@ -62,3 +62,15 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch):
     assert port >= 1500
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")
+def test_an_ipv6_host_gets_an_ipv6_port():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = free_port("::1")
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))

@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's pick
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:  # no room below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -41,8 +41,12 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
