@@ -25,6 +25,7 @@ import sgl_lite as sgl
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.client.discovery import reachable_address
+from sgl_lite.runtime.free_port import free_port
 from sgl_lite.runtime.protocol import READY_PREFIX
 
 SERVER_ARGS = dict(dtype="float32", max_total_tokens=2048, log_level="warning")
@@ -143,15 +144,9 @@ def test_runtime_endpoint_on_an_http_server_that_is_not_sgl_lite():
         with pytest.raises(RuntimeUnavailableError, match="names no ZeroMQ endpoint"):
             sgl.RuntimeEndpoint(f"http://127.0.0.1:{server.server_address[1]}", timeout=5)
         with pytest.raises(RuntimeUnavailableError, match="no HTTP server answers"):
-            sgl.RuntimeEndpoint(f"http://127.0.0.1:{_closed_port()}", timeout=5)
+            sgl.RuntimeEndpoint(f"http://127.0.0.1:{free_port()}", timeout=5)  # nobody listens there
     finally:
         server.shutdown()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(model: Path, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
