@@ -3,7 +3,8 @@
 Each system is started alone, warmed up with one session, then measured with the same workload over
 streaming OpenAI chat on loopback (`sgl-lite bench --backend openai-chat --url ...`): 8 concurrent
 sessions and 1 session, each `--rounds` times, then 8 sessions while a neighbour process
-(`python -c "while 1: pass"`) keeps one core busy. Then the server is stopped and the next one starts.
+(`python -c "while 1: pass"`) keeps one core busy - or, with --neighbour bursts, takes a core for 0.3 s
+every 1.5 s, as a shared box's other jobs or a front's bursts do. Then the server is stopped and the next one starts.
 Peers come from ../shared/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
 that is not installed is skipped with a line saying so.
 
@@ -18,7 +19,7 @@ assistant messages, which a server can serve from its cache) instead of as one u
 With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, as a system of its own after
 --systems: a flag's effect beside the named configurations and the peers, in one run.
 Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
-       [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--no-neighbour-for llama]
+       [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
        [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
 """
 
@@ -46,6 +47,10 @@ from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
 
 PEERS = ROOT.parent / "shared" / "peers"
 SGL_PORT = 30190
+NEIGHBOURS = {  # --neighbour -> the process that shares the box during the third measurement
+    "spin": "while 1: pass",
+    "bursts": "import time\nwhile 1:\n    t = time.time()\n    while time.time() - t < 0.3: pass\n    time.sleep(1.2)",
+}
 SYSTEMS = {  # name -> how to start it: a peer of ../shared/peers, or `sgl-lite serve` with extra flags
     "vllm": ("peer", "vllm", 8013),
     "llama": ("peer", "llama", 8014),
@@ -142,7 +147,7 @@ def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str =
             "server_cpu_ms_per_token": 1000 * cpu / max(1, report["completion_tokens"])}
 
 
-def measure(name: str, rounds: int, neighbour: bool, workdir: Path, chat_history: str) -> dict | None:
+def measure(name: str, rounds: int, neighbour: str | None, workdir: Path, chat_history: str) -> dict | None:
     proc, url = start(name, workdir / f"{name}.log")
     if proc is None:
         return None
@@ -153,8 +158,8 @@ def measure(name: str, rounds: int, neighbour: bool, workdir: Path, chat_history
         for _ in range(rounds):
             runs["8"].append(bench(url, 8, workdir, pgid, chat_history))
             runs["1"].append(bench(url, 1, workdir, pgid, chat_history))
-        if neighbour:
-            busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+        if neighbour is not None:
+            busy = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[neighbour]])
             try:
                 runs["8_neighbour"].append(bench(url, 8, workdir, pgid, chat_history))
             finally:
@@ -176,6 +181,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve-args", action="append", default=[],
                         help="also measure `sgl-lite serve` with these flags (repeatable; write --serve-args=\"...\")")
+    parser.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="spin",
+                        help="the third measurement's neighbour: one core kept busy, or taken in bursts (0.3 s every 1.5 s)")
     parser.add_argument("--no-neighbour-for", default="llama",
                         help="systems to skip the busy-neighbour run for (llama-server takes ~7 minutes there)")
     parser.add_argument("--chat-history", choices=CHAT_HISTORIES, default="one-message",
@@ -196,14 +203,15 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     results = []
     for name in tqdm(names, desc="systems"):
-        result = measure(name, args.rounds, name not in skip_neighbour, workdir, args.chat_history)
+        result = measure(name, args.rounds, None if name in skip_neighbour else args.neighbour, workdir, args.chat_history)
         if result is not None:
             results.append(result)
     base = next((r for r in results if r["system"] == "vllm"), None)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback "
           f"(history as {'one user message' if args.chat_history == 'one-message' else 'user and assistant messages'}); "
           f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
-    print("| server | 8 sessions | 1 session | 8 sessions, one core busy | 8 sessions vs vLLM | 1 session vs vLLM "
+    busy = "one core busy" if args.neighbour == "spin" else "a neighbour in bursts"
+    print(f"| server | 8 sessions | 1 session | 8 sessions, {busy} | 8 sessions vs vLLM | 1 session vs vLLM "
           "| server CPU ms per output token, 8 / 1 sessions |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
@@ -226,7 +234,7 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    kinds = [("8", "8 sessions"), ("1", "1 session"), ("8_neighbour", "8 sessions, core busy")]
+    kinds = [("8", "8 sessions"), ("1", "1 session"), ("8_neighbour", f"8 sessions, {busy}")]
     width = 0.8 / max(1, len(results))
     for i, r in enumerate(results):
         ax.bar([k + i * width for k in range(len(kinds))], [best(r, kind) or 0 for kind, _ in kinds], width, label=r["label"])

@@ -46,6 +46,16 @@ A forward need not end to be judged: the model calls the governor's ForwardWatch
 multi-threaded forward long past its usual time with starved threads runs the rest of its layers on one
 thread (and falls as above).
 
+A fall ends early when the box is free again: each one-thread forward after it looks, once, between its
+layers (QuietLook), whether anything else on the machine is runnable (/proc/loadavg's count of runnable
+tasks); when nothing is, every size goes back to the count it had before the fall. Why: the front's burst
+at a turn's arrival - not a neighbour - caused most falls in serving (about one 8-session run in three,
+2026-11-27), and until the probes brought two threads back (~1 s) the turn's prefills ran at half speed
+(583 tokens: 625 ms against ~290) and its decode steps ~40% slower. A spinning neighbour is always
+runnable, so it holds the fall; a fall within _RECOVERY_HOLD_S of an early end is left to the probes (a
+neighbour that comes and goes). The count is machine-wide: on a host shared with other tenants it is
+rarely zero, and falls end as before.
+
 Either way the governor acts only on contention that lasts: a fall needs starved forwards in a row
 (with the one under way) that add up to SUSTAINED_S of wall time, and an early probe slow forwards
 that do. The front's bursts are short - a turn's prompts rendered and tokenized, its clients' replies -
@@ -65,12 +75,14 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from sgl_lite.runtime.model_executor.forward_looks import (LOOK_EVERY_S, STARVED_WAIT, SUSTAINED_S, ForwardWatch,
+                                                          QuietLook, others_runnable)
 from sgl_lite.runtime.model_executor.run_queue import RunQueueWait, forward_thread_ids
 
 logger = logging.getLogger(__name__)
@@ -80,42 +92,9 @@ _SWITCH_MARGIN = 0.93  # the other count must be at least 7% faster to take over
 _SLOWDOWN = 1.3  # a forward this much slower than its count's time at the verdict is slow
 _LOSING = 1.5  # a probe forward this much slower than the current median ends the probe
 _HOPELESS = 2.0  # ... and this much slower, postpones the probed count's probes in every group on the same count
-STARVED_WAIT = 0.7  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
-SUSTAINED_S = 0.1  # wall time of starved (or slow) forwards in a row before the governor acts on them
 _REWATCH_EVERY = 256  # multi-threaded forwards between looks at which threads run them
 _FIRST_LOOK_UNKNOWN_S = 0.05  # a forward of a size not yet timed is first looked at after this long
-_LOOK_EVERY_S = 0.02  # then this often (and never before this long)
-
-
-@dataclass
-class ForwardWatch:
-    """A multi-threaded forward in progress, looked at between its layers: once it has run well past its
-    usual time (twice its size's median on this thread count, or _FIRST_LOOK_UNKNOWN_S for a size not yet
-    timed) with its threads waiting for a CPU more than STARVED_WAIT of the time, and the starvation has
-    lasted SUSTAINED_S (with the starved forwards just before it), the rest of it runs on one
-    thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for up to ~30x its
-    time (a 372-token prefill took 5.0 s instead of 0.15 s, 2026-11-26), and waiting for its end to
-    react lost most of a benchmark run. A look costs a clock read; past the first, a pread per thread
-    every _LOOK_EVERY_S."""
-
-    run_queue: RunQueueWait
-    start: float
-    waited_at_start: float
-    next_look: float
-    starved_before: float = 0.0  # wall seconds of the starved forwards in a row just before this one
-    dropped: bool = False
-
-    def __call__(self) -> None:
-        now = time.perf_counter()
-        if self.dropped or now < self.next_look:
-            return
-        self.next_look = now + _LOOK_EVERY_S
-        waited = self.run_queue.seconds()
-        elapsed = now - self.start
-        if (waited is not None and waited - self.waited_at_start > STARVED_WAIT * elapsed
-                and self.starved_before + elapsed >= SUSTAINED_S):
-            torch.set_num_threads(1)
-            self.dropped = True
+_RECOVERY_HOLD_S = 2.0  # a fall this soon after a fall ended early is left to the probes
 
 
 @dataclass
@@ -152,6 +131,11 @@ class ThreadGovernor:
     forwards_by_threads: dict[int, int] = field(default_factory=dict)
     run_queue: RunQueueWait = field(default_factory=RunQueueWait)
     starved_seconds: float = 0.0  # wall time of the latest multi-threaded forwards in a row that were starved
+    runnable: Callable[[], int | None] = others_runnable
+    # each group's (count, verdict time, imposed) and the latest verdict just before the current fall, while
+    # it may still end early (None: no fall, a fall held, or the probes took over)
+    before_fall: tuple[dict[int, tuple[int, float, bool]], int] | None = None
+    fall_ended_early_at: float = -math.inf
 
     @classmethod
     def for_this_process(cls) -> ThreadGovernor | None:
@@ -231,6 +215,7 @@ class ThreadGovernor:
         group.verdict_seconds = min(mine, theirs)
         group.imposed = False
         self.latest_verdict = group.current
+        self.before_fall = None  # a probe's verdict replaces what the fall remembered
         self._follow(group)
 
     def _follow(self, judge: _Group) -> None:
@@ -245,16 +230,34 @@ class ThreadGovernor:
         logger.info("threads: a %d-token forward on %d threads waited %.0f%% of its %.1f ms for a CPU (a core is taken%s): "
                     "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3,
                     "; its last layers ran on 1" if finished_on_one else "")
+        held = time.monotonic() - self.fall_ended_early_at < _RECOVERY_HOLD_S
+        snapshot = {bits: (g.current, g.verdict_seconds, g.imposed) for bits, g in self.groups.items()}
+        self.before_fall = None if held else (snapshot, self.latest_verdict)
         for group in self.groups.values():
             group.impose(1, self.min_probe_interval)
         self.latest_verdict = 1
         self.starved_seconds = 0.0
 
+    def _end_fall(self) -> None:
+        """Nothing else runs: every group back to its count from before the fall (groups first seen since,
+        to the verdict of then)."""
+        assert self.before_fall is not None
+        snapshot, verdict = self.before_fall
+        for bits, group in self.groups.items():
+            if bits in snapshot:
+                group.impose(snapshot[bits][0], self.min_probe_interval)
+                group.verdict_seconds, group.imposed = snapshot[bits][1], snapshot[bits][2]
+            else:
+                group.impose(verdict or self.max_threads, self.min_probe_interval)
+        self.latest_verdict, self.before_fall = verdict, None
+        self.fall_ended_early_at = time.monotonic()
+        logger.info("threads: nothing else is runnable now: every forward back on its thread count from before the fall")
+
     @contextmanager
-    def forward(self, num_tokens: int) -> Iterator[ForwardWatch | None]:
+    def forward(self, num_tokens: int) -> Iterator[ForwardWatch | QuietLook | None]:
         """Run the body on the chosen thread count and record how long it took and how long its threads
-        waited for a CPU. The body gets a ForwardWatch to call between layers when the forward runs on
-        several threads (None on one)."""
+        waited for a CPU. The body gets a callable for between its layers: a ForwardWatch when the forward
+        runs on several threads, a QuietLook when it runs on one while a fall may still end early, else None."""
         threads = self.choose(num_tokens)
         watched = threads > 1  # a one-thread forward has no barrier for a lost core to stall
         if watched and self.forwards_by_threads.get(threads, 0) % _REWATCH_EVERY == 0:
@@ -264,9 +267,10 @@ class ThreadGovernor:
         if watched and waited is not None:
             usual = group.times.get(threads)
             first_look = _HOPELESS * statistics.median(usual) if usual else _FIRST_LOOK_UNKNOWN_S
-            first_look = max(first_look, _LOOK_EVERY_S, SUSTAINED_S - self.starved_seconds)
+            first_look = max(first_look, LOOK_EVERY_S, SUSTAINED_S - self.starved_seconds)
             watch = ForwardWatch(self.run_queue, start, waited, start + first_look, self.starved_seconds)
-        yield watch
+        look = QuietLook(start, self.runnable) if not watched and self.before_fall is not None else None
+        yield watch if watched else look
         seconds, waited_after = time.perf_counter() - start, self.run_queue.seconds() if watched else None
         waited_seconds = None if waited is None or waited_after is None else max(0.0, waited_after - waited)
         if watch is not None and watch.dropped and threads == group.current:
@@ -275,6 +279,8 @@ class ThreadGovernor:
             self._fall_to_one_thread(num_tokens, threads, seconds, waited_seconds or 0.0, finished_on_one=True)
             return
         self.record(num_tokens, threads, seconds, waited_seconds)
+        if look is not None and look.quiet and self.before_fall is not None:
+            self._end_fall()
 
     def summary(self) -> dict[str, object]:
         """Current thread count per group (keyed by the group's smallest token count) and forwards per count."""
