@@ -194,10 +194,10 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    for flags in args.serve_args:
-        name = "sgl_lite " + " ".join(shlex.split(flags))
-        SYSTEMS[name] = ("serve", shlex.split(flags), SGL_PORT)
-        LABELS[name] = "sgl_lite serve " + " ".join(shlex.split(flags))
+    for flags in map(shlex.split, args.serve_args):
+        name = "sgl_lite " + " ".join(flags)
+        SYSTEMS[name] = ("serve", flags, SGL_PORT)
+        LABELS[name] = "sgl_lite serve " + " ".join(flags)
         names.append(name)
     skip_neighbour = set(args.no_neighbour_for.split(","))
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))

@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)
             return port
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:  # no room below the range: the kernel's pick
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:  # no room below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -41,12 +41,13 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _family(host: str) -> socket.AddressFamily:
+def address_family(host: str) -> socket.AddressFamily:
+    """IPv6 for a host written with colons, else IPv4."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:

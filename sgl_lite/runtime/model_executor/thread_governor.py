@@ -49,8 +49,8 @@ thread (and falls as above).
 A fall ends early when the box is free again: each one-thread forward after it looks, once, between its
 layers (QuietLook), whether anything else on the machine is runnable (/proc/loadavg's count of runnable
 tasks); when nothing is, every size goes back to the count it had before the fall. Why: the front's burst
-at a turn's arrival - not a neighbour - caused most falls in serving (about one 8-session run in three,
-2026-11-27), and until the probes brought two threads back (~1 s) the turn's prefills ran at half speed
+at a turn's arrival - not a neighbour - caused the falls seen in serving without a neighbour (2 of ~30
+8-session runs, 2026-11-27), and until the probes brought two threads back (~1 s) the turn's prefills ran at half speed
 (583 tokens: 625 ms against ~290) and its decode steps ~40% slower. A spinning neighbour is always
 runnable, so it holds the fall; a fall within _RECOVERY_HOLD_S of an early end is left to the probes (a
 neighbour that comes and goes). The count is machine-wide: on a host shared with other tenants it is

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from sgl_lite.runtime.free_port import address_family
 from sgl_lite.runtime.server_args import ServerArgs
 
 LISTEN_BACKLOG = 2048  # uvicorn's default
@@ -66,8 +67,7 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 
 def _bind(host: str, port: int, what: str, flag: str) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(address_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
