@@ -19,6 +19,9 @@ import pytest
 
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
+from sgl_lite.runtime.managers.validation import QueueFullError
+from sgl_lite.runtime.sampling.grammar_backend import grammar_key
+from sgl_lite.runtime.server import core as core_module
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.tiny_model import make_tiny_model
 from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
@@ -88,6 +91,53 @@ def test_regex_and_ebnf_over_the_size_cap_are_refused(engine):
         engine.generate("hi", {"max_new_tokens": 4, "ebnf": 'root ::= "' + "a" * 70_000 + '"'})
 
 
+def structural_tag(schema: object) -> dict:
+    """A structural tag (xgrammar's format, as the HTTP front builds for tools) holding `schema`."""
+    return {"type": "structural_tag", "format": {"type": "tag", "begin": "<x>", "end": "</x>",
+                                                 "content": {"type": "json_schema", "json_schema": schema}}}
+
+
+@pytest.mark.parametrize("tag, named", [
+    ('[' * 100_000, "--max-grammar-chars 65536"),
+    ('[' * 10_000 + "]" * 10_000, "--max-json-schema-depth 64"),  # past Python's recursion limit
+    (structural_tag(nested_schema(30)), "--max-json-schema-depth 64"),
+    (structural_tag({"enum": [f"value-number-{i}" for i in range(20_000)]}), "--max-grammar-chars 65536"),
+    (structural_tag({"$ref": "https://example.com/a.json"}), "only local references"),
+])
+def test_structural_tags_have_the_json_schema_caps(engine, tag, named):
+    for given in (tag, json.dumps(tag)) if isinstance(tag, dict) else (tag,):
+        with pytest.raises(ValueError, match="structural_tag") as info:
+            engine.generate("hi", {"max_new_tokens": 4, "structural_tag": given})
+        assert named in str(info.value)
+    assert not engine.core.scheduler.has_work()
+
+
+def test_a_hostile_structural_tag_with_a_long_prompt_costs_one_request(engine, tmp_path, monkeypatch):
+    """A long text is tokenized off the loop and queued from there (here every text is: the threshold is
+    lowered), where a structural tag that raised RecursionError once ended the server loop; and any other
+    failure to queue a request there costs that request only."""
+    monkeypatch.setattr(core_module, "INLINE_TOKENIZE_MAX_CHARS", 1)
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=60) as client:
+            with pytest.raises(RuntimeRequestError, match="structural_tag") as info:
+                client.generate("hi there", sampling_params={"max_new_tokens": 4, "structural_tag": "[" * 30_000})
+            assert info.value.code == "bad_request"
+            submit = engine.core.submit
+
+            def broken_submit(req):
+                monkeypatch.setattr(engine.core, "submit", submit)  # once
+                raise RuntimeError("a bug in queueing")
+
+            monkeypatch.setattr(engine.core, "submit", broken_submit)
+            with pytest.raises(RuntimeRequestError, match="a bug in queueing") as info:
+                client.generate("hi there", sampling_params={"max_new_tokens": 4})
+            assert info.value.code == "internal"
+        still_serving(server.address)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("schema", [
     {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
     {"$ref": "#"},
@@ -147,6 +197,22 @@ def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_
             assert regex.text in ("yes", "no")
     finally:
         server.stop()
+
+
+def test_a_request_refused_by_a_full_queue_leaves_no_compile_behind(engine, monkeypatch):
+    raise_caps(engine, monkeypatch, max_queued_requests=1)
+    scheduler = engine.core.scheduler
+    waiting = engine.core.make_req("waiting", "hi", None, {"max_new_tokens": 4})
+    scheduler.add_request(waiting)
+    refused = engine.core.make_req("refused", "hi", None, {"max_new_tokens": 4, "json_schema": nested_schema(SLOW_LEVELS)})
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(refused)
+    backend = scheduler.validator._grammar_backend
+    key = grammar_key(refused.sampling_params)
+    assert key not in backend._waiters and key not in backend._compiled  # cancelled or written off, and forgotten
+    assert scheduler.abort_request("waiting")
+    engine.core.step()
+    assert not scheduler.has_work()
 
 
 def test_a_compile_past_its_time_budget_is_refused(engine, tmp_path, monkeypatch):

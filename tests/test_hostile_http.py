@@ -137,6 +137,16 @@ def test_a_large_body_is_parsed_and_served(front):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]  # parsed, then refused by the runtime
 
 
+def test_tool_call_arguments_nested_past_the_parser_are_no_internal_error(front):
+    deep = "[" * 5000 + "]" * 5000  # JSON, nested past Python's recursion limit: sent on as the string it is
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = front.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------------------- item 7: disconnects
 
 
@@ -252,6 +262,18 @@ def test_openapi_needs_the_key(front):
     assert httpx2.get(front.http.url + "/docs", timeout=10).status_code in (401, 404)
     r = httpx2.get(front.http.url + "/openapi.json", headers=AUTH, timeout=10)
     assert r.status_code == 200 and "/v1/completions" in r.json()["paths"]
+
+
+def test_a_wrong_key_is_refused_before_the_body_is_read(front):
+    """A caller without the key cannot make the front buffer (or wait up to a minute for) a body."""
+    for auth in ("", "Authorization: Bearer wrong\r\n"):
+        with socket.create_connection((front.http.host, front.http.port), timeout=10) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                         f"Content-Length: {LIMITS.max_request_body_bytes}\r\n\r\n".encode())  # and no body
+            start = time.monotonic()
+            head = sock.recv(65536).decode(errors="replace")
+            assert head.startswith("HTTP/1.1 401") and "invalid_api_key" in head, head
+            assert time.monotonic() - start < 5.0
 
 
 def test_slow_headers_are_cut_off(front):

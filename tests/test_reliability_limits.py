@@ -26,6 +26,8 @@ pytestmark = pytest.mark.timeout(120)
         (dict(input_ids=list(range(2, 300)) * 20), "context length"),
         (dict(input_ids=[5], sampling_params={"max_new_tokens": 5000}), "max_new_tokens"),
         (dict(input_ids=[5], top_logprobs_num=10**9, return_logprob=True), "top_logprobs_num"),
+        (dict(input_ids=[5], top_logprobs_num=65, return_logprob=True), "top_logprobs_num must be in \\[0, 64\\]"),
+        (dict(input_ids=[5], sampling_params={"stop_token_ids": [5] * 257}), "stop_token_ids"),
         (dict(input_ids=[5], logprob_start_len=-7, return_logprob=True), "logprob_start_len"),
         (dict(input_ids=[5], priority=2**63), "priority"),
         (dict(input_ids=[5], sampling_params={"seed": 2**64 - 1}), "seed"),
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
         (dict(input_ids=[5, 10**6]), "vocabulary"),
         (dict(input_ids=[]), "empty"),
     ],
-    ids=["huge-text", "long-ids", "max-new", "top-logprobs", "logprob-start", "priority", "seed", "top-k",
+    ids=["huge-text", "long-ids", "max-new", "top-logprobs", "top-logprobs-cap", "stop-token-ids", "logprob-start", "priority", "seed", "top-k",
          "empty-stop", "oov", "empty"],
 )
 def test_limits_are_refused_with_the_field_named(tokenizer, kwargs, named):

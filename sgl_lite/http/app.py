@@ -7,7 +7,6 @@ can probe liveness without the secret; it reveals nothing but up/down).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from typing import Any, Callable
@@ -18,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_lite.http.api_key import api_key_error, bearer_key_matches
 from sgl_lite.http.disconnect import cancel_on_disconnect
 from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.generation import RequestRunner
@@ -46,7 +46,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     """Build the app over `client`; the caller owns the client (and closes it after the server stops)."""
     # /openapi.json is served below, behind the API key like every route but /health.
     app = FastAPI(title="sgl_lite", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestGuard, max_body_bytes=limits.max_request_body_bytes)
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_request_body_bytes, api_key=api_key)
     metrics = HttpMetrics()
     runner = RequestRunner(client, metrics)
     contexts = ModelContextCache(client.server_info, served_model_name)
@@ -57,12 +57,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         return lambda outcome: metrics.count_request(endpoint, outcome)
 
     async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise HttpError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                            code="invalid_api_key")
+        if api_key is not None and not bearer_key_matches(request.headers.get("authorization", ""), api_key):
+            raise api_key_error()
 
     protected = [Depends(require_api_key)]
 

@@ -86,6 +86,6 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     function = dict(call["function"])
     try:
         function["arguments"] = json.loads(function["arguments"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # RecursionError: nested past Python's limit
         pass
     return {"id": call.get("id"), "type": "function", "function": function}

@@ -1,8 +1,9 @@
 """What one HTTP client may cost the front (issue 16): body size, read times, fan-out, chat length.
 
-- `RequestGuard` (ASGI middleware) reads each request body itself, up to `max_request_body_bytes`
-  (413 past it, at once when Content-Length says so) and within BODY_READ_TIMEOUT_S (408), then
-  hands it to the app. Reading the body here, once, is what FastAPI would do anyway.
+- `RequestGuard` (ASGI middleware) refuses a missing or wrong API key (401) before anything else, then
+  reads each request body itself, up to `max_request_body_bytes` (413 past it, at once when
+  Content-Length says so) and within BODY_READ_TIMEOUT_S (408), and hands it to the app. Reading the
+  body here, once, is what FastAPI would do anyway.
 - `guarded_h11_protocol` closes a connection whose request headers are not complete within
   HEADER_READ_TIMEOUT_S of its opening (or of its previous response): uvicorn itself only times out
   idle keep-alive connections, and a header sent a byte at a time (slowloris) would hold a
@@ -25,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from sgl_lite.http.api_key import OPEN_PATHS, api_key_error, bearer_key_matches
 from sgl_lite.http.errors import HttpError, bad_request
 
 HEADER_READ_TIMEOUT_S = 10.0
@@ -50,16 +52,24 @@ class HttpLimits:
 class RequestGuard:
     """ASGI middleware: a bounded, timed read of the request body (see the module docstring)."""
 
-    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = BODY_READ_TIMEOUT_S) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = BODY_READ_TIMEOUT_S,
+                 api_key: str | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.api_key = api_key
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope.get("path") not in OPEN_PATHS:  # before any body is read
+            if not bearer_key_matches(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
+                error = api_key_error()
+                await self._refuse(send, error.status, error.message, error.code)
+                return
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._refuse(send, 413, f"request body of {int(declared)} bytes exceeds --max-request-body-bytes "
                                           f"{self.max_body_bytes}", "body_too_large")

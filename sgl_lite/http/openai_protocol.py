@@ -13,6 +13,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sgl_lite.runtime.protocol import MAX_STOP_TOKEN_IDS
+
 # The largest n (choices per prompt) one request may ask for: each choice is one runtime request.
 MAX_CHOICES = 64
 MAX_TOP_LOGPROBS = 20
@@ -66,7 +68,7 @@ class SamplingFields(_Lenient):
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
 

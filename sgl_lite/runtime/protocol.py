@@ -41,6 +41,10 @@ MAX_RID_CHARS = 256
 # Stop strings are matched after every token and withheld from streams up to the longest one's length.
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 512
+# Stop token ids are looked up after every token (and, under min_new_tokens, masked in every step's logits).
+MAX_STOP_TOKEN_IDS = 256
+# Top logprobs cost a top-k over the vocabulary and a list per generated token (OpenAI's own cap is 20).
+MAX_TOP_LOGPROBS_NUM = 64
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
 
 
@@ -55,7 +59,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: Union[str, list[str], None] = None
-    stop_token_ids: Union[list[int], None] = None
+    stop_token_ids: Union[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)], None] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -101,6 +105,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         # Positive logits are divided by it in float32: a tinier one overflows them to inf (NaN probabilities).
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]; got {self.repetition_penalty}")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:  # a SamplingParams built in Python skips msgspec's check
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         if vocab_size is not None:
             for tok in self.stop_token_ids or ():
                 if not 0 <= tok < vocab_size:

@@ -80,8 +80,8 @@ class ServerArgs:
     abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "Reject requests that carry a priority when priority scheduling is off."})
 
     # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
-    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF or JSON schema longer than this many characters is refused (compile time and memory grow with it)."})
-    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
+    max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF, JSON schema or structural tag longer than this many characters is refused (compile time and memory grow with it)."})
+    max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema or structural tag nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
     grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
     grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
 

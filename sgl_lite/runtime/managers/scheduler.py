@@ -111,7 +111,12 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         matcher_future = self.validator.validate(req)
         if self.validator.priority_default is not None and req.priority is None:
             req.priority = self.validator.priority_default
-        self._make_queue_room(req)
+        try:
+            self._make_queue_room(req)
+        except QueueFullError:
+            if matcher_future is not None:
+                self.validator.release_grammar(req)  # else its compile would run, and be kept, for nobody
+            raise
         req.queue_enter_time = self.clock()
         self._live[req.rid] = req
         if matcher_future is not None:

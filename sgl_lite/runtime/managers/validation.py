@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.protocol import INT64_MAX, SamplingParams
+from sgl_lite.runtime.protocol import INT64_MAX, MAX_TOP_LOGPROBS_NUM, SamplingParams
 from sgl_lite.runtime.sampling.grammar_limits import check_grammar_limits
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -106,8 +106,9 @@ class RequestValidator:
                 f"{self.context_length}")
 
     def _check_logprob_options(self, top_logprobs_num: int, logprob_start_len: int) -> None:
-        if not 0 <= top_logprobs_num <= self.vocab_size:
-            raise ValueError(f"top_logprobs_num must be in [0, vocab size {self.vocab_size}]; got {top_logprobs_num}")
+        most = min(self.vocab_size, MAX_TOP_LOGPROBS_NUM)
+        if not 0 <= top_logprobs_num <= most:
+            raise ValueError(f"top_logprobs_num must be in [0, {most}]; got {top_logprobs_num}")
         if logprob_start_len < -1:
             raise ValueError(f"logprob_start_len must be >= -1 (-1: no input logprobs); got {logprob_start_len}")
 

@@ -296,7 +296,11 @@ class RuntimeServer:
                 logger.exception("tokenizing %s failed", key)
                 self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, f"internal error: {e}", "internal"))
                 continue
-            self._submit(pending.identity, pending.msg, req)
+            try:
+                self._submit(pending.identity, pending.msg, req)
+            except Exception as e:  # as in _handle: a bug must cost one request, not the server
+                logger.exception("internal error queueing %s", key)
+                self._send(pending.identity, protocol.ErrorReply(pending.msg.rid, f"internal error: {e}", "internal"))
 
     def _submit(self, identity: bytes, msg: protocol.GenerateReq, req: Req) -> None:
         try:
