@@ -17,6 +17,7 @@ import httpx2
 import pytest
 
 from sgl_lite.http.app import create_app
+from sgl_lite.http.chat_template import ChatTemplate
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.http.limits import HttpLimits
 from sgl_lite.runtime.client import RuntimeClient
@@ -145,6 +146,18 @@ def test_tool_call_arguments_nested_past_the_parser_are_no_internal_error(front)
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
     r = front.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+def test_a_chat_with_bad_sampling_fields_is_refused_before_its_template_is_rendered(front, monkeypatch):
+    def no_render(*args, **kwargs):
+        raise AssertionError("the chat template was rendered for a request refused anyway")
+
+    monkeypatch.setattr(ChatTemplate, "prompt", no_render)
+    messages = [{"role": "user", "content": "hi " * 20_000}]
+    for extra, param in (({"stop": [f"s{i}" for i in range(300)]}, "stop"), ({"n": 17}, "n"),
+                         ({"logit_bias": {"5": 1.0}}, "logit_bias")):
+        r = front.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ---------------------------------------------------------------------------- item 7: disconnects

@@ -112,7 +112,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     @app.post("/v1/chat/completions", dependencies=protected)
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        response = await cancel_on_disconnect(request, serving.chat(body, count("/v1/chat/completions")))
+        body_bytes = len(await request.body())  # read once, by parse_body: starlette keeps it
+        response = await cancel_on_disconnect(request, serving.chat(body, count("/v1/chat/completions"), body_bytes))
         _count_unless_streaming(metrics, "/v1/chat/completions", body.stream)
         return response
 

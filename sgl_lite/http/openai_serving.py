@@ -24,11 +24,11 @@ from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionReque
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
 from sgl_lite.http.tools import ToolRequest, tool_request
-from sgl_lite.runtime.protocol import sampling_params_from_dict
+from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 # Chats with more text than this are rendered on a worker thread (a big one takes seconds in Jinja).
-RENDER_INLINE_CHARS = 64 * 1024
+RENDER_INLINE_BYTES = 64 * 1024
 
 
 def finish_reason_name(finish_reason: dict[str, Any] | None) -> str:
@@ -49,30 +49,34 @@ def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
     }
 
 
-def _runtime_inputs(body: SamplingFields, prompts: list[tuple[str | None, list[int] | None]],
-                    return_logprob: bool, top_logprobs_num: int, max_fanout: int,
-                    structural_tag: dict[str, Any] | None = None) -> list[GenerationInput]:
+def _choice_params(body: SamplingFields, num_prompts: int, max_fanout: int,
+                   structural_tag: dict[str, Any] | None = None) -> list[SamplingParams]:
+    """Each choice's checked sampling params; before any prompt work (rendering, tokenizing)."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise bad_request(unsupported[1], unsupported[0])
     # Checked before anything is sent: each prompt x choice is one runtime request.
-    if len(prompts) * body.n > max_fanout:
-        param = "n" if len(prompts) == 1 else "prompt"
-        raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} is {len(prompts) * body.n} generations; "
+    if num_prompts * body.n > max_fanout:
+        param = "n" if num_prompts == 1 else "prompt"
+        raise bad_request(f"{num_prompts} prompt(s) x n={body.n} is {num_prompts * body.n} generations; "
                           f"at most --max-request-fanout {max_fanout}", param)
-    inputs = []
-    for text, input_ids in prompts:
-        for choice in range(body.n):
-            try:
-                params_dict = body.sampling_params(choice)
-                if structural_tag is not None:
-                    params_dict["structural_tag"] = structural_tag
-                params = sampling_params_from_dict(params_dict)
-            except ValueError as e:
-                raise bad_request(str(e), _param_of(str(e))) from None
-            inputs.append(GenerationInput(text, input_ids, params, return_logprob=return_logprob,
-                                          top_logprobs_num=top_logprobs_num, priority=body.priority))
-    return inputs
+    choices = []
+    for choice in range(body.n):
+        try:
+            params_dict = body.sampling_params(choice)
+            if structural_tag is not None:
+                params_dict["structural_tag"] = structural_tag
+            choices.append(sampling_params_from_dict(params_dict))
+        except ValueError as e:
+            raise bad_request(str(e), _param_of(str(e))) from None
+    return choices
+
+
+def _runtime_inputs(prompts: list[tuple[str | None, list[int] | None]], choices: list[SamplingParams],
+                    return_logprob: bool, top_logprobs_num: int, priority: int | None) -> list[GenerationInput]:
+    return [GenerationInput(text, input_ids, params, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                            priority=priority)
+            for text, input_ids in prompts for params in choices]
 
 
 # Runtime (SGLang) sampling field -> the OpenAI request field it comes from.
@@ -101,9 +105,11 @@ class OpenAIServing:
         self._contexts = contexts
         self._limits = limits
 
-    async def chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+    async def chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
+        """`body_bytes`: the size of the request's body, which decides whether its chat template is rendered
+        off the event loop."""
         try:
-            return await self._chat(body, on_stream_end)
+            return await self._chat(body, on_stream_end, body_bytes)
         except HttpError as e:
             raise _with_openai_param(e) from None
 
@@ -113,7 +119,7 @@ class OpenAIServing:
         except HttpError as e:
             raise _with_openai_param(e) from None
 
-    async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
+    async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
         context = await self._contexts.get()
         template = context.require_chat_template()
         limit = self._limits.max_chat_messages
@@ -121,6 +127,7 @@ class OpenAIServing:
             raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages {limit}", "messages")
         tools = tool_request(body, context.tool_call_parser, not body.tools or template.renders_tools,
                              context.constrain_tool_calls)
+        choice_params = _choice_params(body, 1, self._limits.max_request_fanout, tools.structural_tag() if tools else None)
         try:
             messages = [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
                                          [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
@@ -129,14 +136,15 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from None
         try:
             args = (messages, tools.tools if tools else None, context.token_texts.encoder())
-            if sum(len(m["content"]) for m in messages) > RENDER_INLINE_CHARS:
+            # the body bounds all the template renders (contents, tool calls, tools)
+            if body_bytes > RENDER_INLINE_BYTES:
                 prompt = await anyio.to_thread.run_sync(template.prompt, *args)  # not on the event loop
             else:
                 prompt = template.prompt(*args)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        inputs = _runtime_inputs(body, [(prompt.text, prompt.input_ids)], body.logprobs, body.top_logprobs_num(),
-                                 self._limits.max_request_fanout, tools.structural_tag() if tools else None)
+        inputs = _runtime_inputs([(prompt.text, prompt.input_ids)], choice_params, body.logprobs, body.top_logprobs_num(),
+                                 body.priority)
         response_id = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -164,7 +172,8 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
         top = body.logprobs or 0
-        inputs = _runtime_inputs(body, prompts, body.logprobs is not None, top, self._limits.max_request_fanout)
+        choice_params = _choice_params(body, len(prompts), self._limits.max_request_fanout)
+        inputs = _runtime_inputs(prompts, choice_params, body.logprobs is not None, top, body.priority)
         echo_logprobs = body.echo and body.logprobs is not None
         if echo_logprobs:
             for runtime_input in inputs:
