@@ -96,3 +96,25 @@ def test_priority_rules_at_admission() -> None:
     assert r.priority == 0
     run_to_end(lenient)
     run_to_end(enabled)
+
+
+def test_no_preemption_for_a_request_its_own_cached_prefix_still_keeps_out() -> None:
+    """The shortfall that sizes preemption counts the newcomer's cached prefix as it will be once locked:
+    no longer evictable. Counted as evictable, a victim was preempted and the newcomer still refused."""
+    sched, _ = make(slots=200, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10)
+    shared = prompt_of(1, 50)
+    sched.add_request(req("cached", shared, max_new=1, ignore_eos=True))
+    run_to_end(sched)  # its 50 tokens stay in the tree, unlocked
+    victim = req("victim", prompt_of(2, 10), max_new=20, priority=0, ignore_eos=True)
+    busy = req("busy", prompt_of(3, 20), max_new=200, priority=95, ignore_eos=True)  # within the threshold
+    sched.add_request(victim)
+    sched.add_request(busy)
+    for _ in range(3):
+        sched.step()
+    urgent = req("urgent", shared + prompt_of(4, 10), max_new=10, priority=100, ignore_eos=True)
+    sched.add_request(urgent)
+    sched.step()
+    assert urgent in sched.running or (sched.num_preemptions == 0 and victim in sched.running)
+    done = run_to_end(sched)
+    assert done["urgent"].output_ids == reference_output(urgent.input_ids, 10, VOCAB)
+    assert done["victim"].output_ids == reference_output(victim.input_ids, 20, VOCAB)

@@ -162,7 +162,8 @@ class PrefillAdder:
         return True, self.budget_state()
 
     def tokens_short(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> float:
-        """How many more budget tokens `req` needs to pass the NO_TOKEN check (<= 0: none)."""
+        """How many more budget tokens `req` needs to pass add_one_req's NO_TOKEN checks (<= 0: none):
+        the second one, after its match is locked, when the match no longer counts as evictable."""
         borrowed = borrow.length if borrow is not None else 0
         total_tokens = req.seq_len - match.length - borrowed + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
-        return total_tokens - self.rem_total_tokens + 1
+        return total_tokens - (self.rem_total_tokens - self.tree_cache.unlocked_length(match.last_node)) + 1

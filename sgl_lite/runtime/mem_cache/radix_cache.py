@@ -171,6 +171,16 @@ class RadixCache:
 
     # ---------------------------------------------------------------- locks / eviction
 
+    def unlocked_length(self, node: TreeNode | None) -> int:
+        """Tokens of the path root..node that nothing locks: what inc_lock_ref(node) moves out of
+        evictable_size."""
+        length = 0
+        while node is not None and node is not self.root_node:
+            if node.lock_ref == 0:
+                length += len(node.key)
+            node = node.parent
+        return length
+
     def inc_lock_ref(self, node: TreeNode | None) -> int:
         """Lock the path root..node; return the increase of protected_size."""
         if node is not None and node.evicted:
