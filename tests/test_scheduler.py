@@ -381,3 +381,25 @@ def test_randomized_workload_with_eviction_retraction_and_aborts(policy: str, nu
     for rid in aborted:
         assert done[rid].finished_reason.kind is FinishKind.ABORT
     sched.check_invariant()
+
+
+def test_a_step_that_raises_keeps_what_it_had_to_report(monkeypatch) -> None:
+    """An abort reported by no step yet (and anything a failing step finished before it raised) is
+    reported by the next step: the server loop, which aborts every request after such a failure, then
+    answers each client (it lost them with the failing step's list)."""
+    sched, _ = make()
+    aborted, other = req("aborted", prompt_of(5, 6)), req("other", prompt_of(6, 6))
+    sched.add_request(aborted)
+    sched.add_request(other)
+    assert sched.abort_request("aborted")
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug in a step")
+
+    monkeypatch.setattr(sched, "_prefill_batch", boom)
+    with pytest.raises(RuntimeError, match="a bug in a step"):
+        sched.step()
+    monkeypatch.undo()
+    assert aborted in sched.step()
+    done = run_to_end(sched)
+    assert done["other"].output_ids == reference_output(other.input_ids, 8, VOCAB)

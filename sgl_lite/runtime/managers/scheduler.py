@@ -153,9 +153,11 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             self.chunked_req = None
         elif req in self._waiting:
             self._dequeue(req)
-        else:
+        elif any(r is req for r, _ in self.grammar_pending):
             self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
             self.validator.release_grammar(req)  # a compile nobody else waits for is cancelled
+        # else: in no queue, after a step that raised between dequeuing it and running it (its grammar,
+        # if any, was released when it left grammar_pending)
         self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
         self._reports.append(req)
         return True
@@ -183,8 +185,17 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Req]:
-        """Run at most one forward; return every request with new output or a finish since the last step."""
+        """Run at most one forward; return every request with new output or a finish since the last step.
+        When it raises, what it had to report so far is reported by the next step (or take_reports)."""
         changed, self._reports = self._reports, []
+        try:
+            self._step(changed)
+        except BaseException:
+            self._reports = changed + self._reports
+            raise
+        return changed
+
+    def _step(self, changed: list[Req]) -> None:
         self._collect_grammars(changed)
         batch, num_prefill = self._prefill_batch()
         if batch is None:
@@ -206,7 +217,6 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                     self._process_prefill(batch, output, changed, end=num_prefill)
         if not self.running and self.chunked_req is None:
             self.new_token_ratio = self.init_new_token_ratio
-        return changed
 
     def _fail_batch(self, batch: ForwardBatch, error: Exception, changed: list[Req]) -> None:
         """Abort exactly the batch's requests, naming the cause. Their KV computed before this step
