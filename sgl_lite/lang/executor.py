@@ -70,6 +70,7 @@ class StreamExecutor:
         self._queue: queue.Queue[Optional[SglExpr]] = queue.Queue()
         self._ended = False
         self._body_error: Optional[BaseException] = None
+        self._scope_starts: dict[str, int] = {}  # var_scope name -> where its text starts (not a value)
         # Fork branches end with their parent at the latest, so no worker thread outlives its program.
         self.children: list[StreamExecutor] = []
         self.use_thread = use_thread
@@ -148,6 +149,15 @@ class StreamExecutor:
                 self._queue.task_done()
                 self.stream_event.set()
 
+    def record_error(self, error: BaseException) -> None:
+        """The program failed (here, or in a fork branch it joined): the first error is what readers of
+        every variable not yet produced get, and none of them may wait any longer."""
+        with self._lock:
+            if self.error_ is None:
+                self.error_ = error
+            for event in self.variable_event.values():
+                event.set()
+
     def _run_one(self, expr: SglExpr) -> None:
         if self.error_ is not None:
             return  # after an error nothing more runs; the error is what readers get
@@ -155,10 +165,7 @@ class StreamExecutor:
             self._execute(expr)
         except Exception as e:  # surfaces on state.error() and on reads of the missing variables
             logger.warning("program %s failed: %r", self.sid[:8], e)
-            with self._lock:
-                self.error_ = e
-                for event in self.variable_event.values():
-                    event.set()
+            self.record_error(e)
 
     def _finish(self) -> None:
         if self.error_ is None and self._body_error is not None:
@@ -183,12 +190,15 @@ class StreamExecutor:
         elif isinstance(expr, SglRoleEnd):
             self._role_end(expr.role)
         elif isinstance(expr, SglVarScopeBegin):
-            self.variables[expr.name] = len(self.text_)
+            self._scope_starts[expr.name] = len(self.text_)
         elif isinstance(expr, SglVarScopeEnd):
-            self.variables[expr.name] = self.text_[self.variables[expr.name]:]
+            self.variables[expr.name] = self.text_[self._scope_starts.pop(expr.name):]
             self.variable_event[expr.name].set()
         elif isinstance(expr, SglCommitLazy):
-            self.backend.cache_prefix(self.text_)
+            try:
+                self.backend.cache_prefix(self.text_)
+            except Exception as e:  # a hint: a backend that refuses it (vLLM: max_tokens=0) loses only the hint
+                logger.debug("prefix hint not taken: %r", e)
         else:
             raise TypeError(f"cannot execute {expr!r}")
 
@@ -216,12 +226,18 @@ class StreamExecutor:
         name = expr.name
         if name is not None:
             self.variables[name] = ""
-        for piece, meta_info in self.backend.generate_stream(self.text_, params):
-            self.text_ += piece
-            if name is not None:
-                self.variables[name] += piece
-                self.meta_info[name] = meta_info
-            self.stream_event.set()
+        try:
+            for piece, meta_info in self.backend.generate_stream(self.text_, params):
+                self.text_ += piece
+                if name is not None:
+                    self.variables[name] += piece
+                    self.meta_info[name] = meta_info
+                self.stream_event.set()
+        except Exception:
+            if name is not None:  # a gen that failed produced no value, streamed or not: readers get the error
+                self.variables.pop(name, None)
+                self.meta_info.pop(name, None)
+            raise
         if name is not None:
             self.variable_event[name].set()
 

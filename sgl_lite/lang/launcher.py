@@ -104,7 +104,11 @@ class Runtime:
         _live_runtimes.add(self)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # Ctrl-C too: the server is in its own session, and nobody else could stop it
+            self.shutdown()
+            raise
 
     @property
     def pid(self) -> int:
@@ -121,7 +125,7 @@ class Runtime:
         if self._endpoint is None:
             from sgl_lite.lang.endpoint import RuntimeEndpoint
 
-            self._endpoint = RuntimeEndpoint(self.address, api_key=self.api_key)
+            self._endpoint = RuntimeEndpoint(self.address, api_key=self.api_key, timeout=self._client_timeout)
         return self._endpoint
 
     # ------------------------------------------------------------------ SGLang's Runtime API
@@ -184,7 +188,6 @@ class Runtime:
                     f"runtime server exited with code {self.process.returncode} before it was ready; "
                     f"last log lines:\n{self.stderr_tail()}")
             if time.monotonic() > deadline:
-                self.shutdown()
                 raise RuntimeLaunchError(f"runtime server not ready after {timeout:g} s (launch_timeout/startup_timeout); "
                                          f"last log lines:\n{self.stderr_tail()}")
 

@@ -254,7 +254,7 @@ class ProgramStateGroup:
                     value = child.variables[name]
                     parent.variables.setdefault(name, []).append(value)
                     parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
-            if child.error_ is not None and parent.error_ is None:
-                parent.error_ = child.error_
+            if child.error_ is not None:
+                parent.record_error(child.error_)
         if appended:
             self.src_state += "".join(appended)
