@@ -11,6 +11,7 @@ import time
 import pytest
 
 import sgl_lite as sgl
+from sgl_lite.lang import launcher
 from sgl_lite.lang.ir import REGEX_STR
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
@@ -327,3 +328,18 @@ def test_agent_demo_runs_several_turns_with_growing_cache(runtime):
     cached = [state.get_meta_info(f"thought_{i}")["cached_tokens"] for i in range(len(turns))]
     assert cached == sorted(cached) and cached[-1] > cached[0]
     assert any(line.startswith("[turn 2]") for line in lines)
+
+
+def test_an_interrupted_start_stops_the_server(model_dir, monkeypatch):
+    """Ctrl-C while sgl.Runtime waits for its server: the server runs in a session of its own (no Ctrl-C
+    reaches it) and the caller gets no object to stop, so the Runtime stops it."""
+    started = []
+
+    def interrupted(self, timeout):
+        started.append(self.process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher.Runtime, "_wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sgl.Runtime(model_path=str(model_dir), dtype="float32", log_level="warning")
+    assert started[0].poll() is not None, "the server outlived an interrupted start"
