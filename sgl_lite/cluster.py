@@ -16,6 +16,7 @@ Replicas watch this process: if it dies without stopping them, they exit too (ea
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import os
@@ -142,6 +143,8 @@ class Cluster:
                                "pip install 'sgl-lite[router]' (or sglang-router==0.3.2)")
         from sgl_lite.runtime.server.ports import check_port_free
 
+        if self.http_port == 0:  # "pick a free one", as `serve --port 0` does; the router needs it given
+            self.http_port = free_port(self.http_host)
         check_port_free(self.http_host, self.http_port, "sglang-router", "--port")  # before any replica loads
         deadline = time.monotonic() + self.startup_timeout
         for i, cpus in enumerate(cpu_sets(self.dp)):
@@ -151,7 +154,9 @@ class Cluster:
             _wait_http_ok(url + "/health", replica, deadline, self.args.api_key)
         cmd = router_command(self.worker_urls, self.http_host, self.http_port, self.router_policy,
                              self.args.log_level) + self.router_args
-        self.router = _spawn("router", cmd, env=self._env(threads=None))
+        # sglang-router has no parent watch of its own (replicas get --parent-pid): without this, a SIGKILLed
+        # `serve` left it holding the public port, in front of no workers.
+        self.router = _spawn("router", cmd, env=self._env(threads=None), preexec_fn=dies_with(os.getpid()))
         _wait_http_ok(self.url + "/health", self.router, deadline, None)
         _wait_router_workers(self.url, len(self.worker_urls), self.router, deadline, self.args.api_key)
         logger.info("cluster ready: router (%s) on %s over %d replicas %s", self.router_policy, self.url,
@@ -250,6 +255,26 @@ def launch_cluster(args: ServerArgs, dp: int, router_policy: str = "cache_aware"
         cluster.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dies_with(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when its parent dies (Linux's parent-death signal; elsewhere,
+    nothing), and ends at once if the parent is already gone. The signal follows the thread that forks
+    it: start such children from a thread that lives as long as they should (the main thread)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # died before the signal was set
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return in_child
 
 
 def _spawn(name: str, cmd: list[str], *, env: dict[str, str] | None = None,

@@ -83,3 +83,33 @@ def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
         if cluster.poll() is None:
             cluster.kill()
             cluster.wait()
+
+
+def test_a_killed_cluster_leaves_nothing_running_and_port_0_picks_one(tiny_llama_dir: Path) -> None:
+    """SIGKILL gives `serve --dp-size N` no chance to stop its children: replicas watch its pid, and the
+    router (which cannot) gets the parent-death signal. `--port 0` means a free port, announced."""
+    script = ("import sys; from sgl_lite.cluster import launch_cluster; "
+              "from sgl_lite.runtime.server_args import ServerArgs; "
+              f"sys.exit(launch_cluster(ServerArgs(model_path={str(tiny_llama_dir)!r}, dtype='float32', "
+              "log_level='warning', port=0), 2, 'round_robin'))")
+    cluster = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert cluster.stdout is not None
+        line = cluster.stdout.readline()
+        assert line.startswith(READY_PREFIX), f"cluster did not start (exit code {cluster.poll()})"
+        url = line.split()[1]
+        assert not url.endswith(":0") and requests.get(url + "/health", timeout=10).status_code == 200
+        started = children_of(cluster.pid)
+        started |= {front for pid in started for front in children_of(pid)}
+        assert len(started) == 5
+        cluster.kill()
+        cluster.wait()
+        deadline = time.monotonic() + 20
+        while any(alive(pid) for pid in started):
+            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
+            time.sleep(0.1)
+    finally:
+        if cluster.poll() is None:
+            cluster.kill()
+            cluster.wait()
