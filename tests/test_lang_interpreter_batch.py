@@ -46,6 +46,26 @@ def test_run_batch_shared_prefix_hint(backend):
     assert all(kind != "prefill" for kind, _ in backend.requests)
 
 
+def test_run_batch_traces_the_body_once_with_placeholders(backend):
+    """The prefix hint runs the body once (as SGLang's tracer does), not once more per item with its real
+    arguments: side effects before the first gen (a tool call, a counter, taking from a queue) happen once
+    per item, plus that one trace."""
+    long_context = "This is a long shared context that every program in the batch starts with. " * 2
+    calls: list = []
+
+    @sgl.function
+    def prog(s, q):
+        calls.append(q)
+        s += long_context
+        s += f"Question: {q}" + sgl.gen("x", max_tokens=2)
+
+    states = prog.run_batch([("a",), ("b",), ("c",)], backend=backend)
+    assert all(state.error() is None for state in states)
+    real = [q for q in calls if isinstance(q, str)]
+    assert sorted(real) == ["a", "b", "c"] and len(calls) == 4
+    assert backend.requests[0] == ("prefill", long_context)
+
+
 def test_streaming_joins_to_final_text(backend):
     @sgl.function
     def prog(s):

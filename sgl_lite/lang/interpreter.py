@@ -1,17 +1,17 @@
 """Running programs: one state per run, a thread pool for run_batch, and the batch prefix hint.
 
-Before a batch fans out, each program body is traced up to its first model call (gen, select,
-fork): the constant text it would send first. When all traces share a leading text longer than
-64 characters, that text is prefilled once, so the batch's requests all hit the prefix cache
-instead of prefilling it side by side. Tracing executes the body's Python code up to that point
-(as SGLang's tracer does), which must therefore be free of side effects worth avoiding.
+Before a batch fans out, the program body is traced once, with placeholders for the batch's
+arguments, up to its first model call (gen, select, fork) or the first use of an argument: the
+constant text every item would send first. When it is longer than 64 characters it is prefilled
+once, so the batch's requests all hit the prefix cache instead of prefilling it side by side.
+Tracing executes the body's Python code up to that point once (as SGLang's tracer does), so side
+effects there happen once more than the batch's items.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
@@ -20,7 +20,7 @@ from sgl_lite.lang.backend import BaseBackend, PrefillRequest
 from sgl_lite.lang.executor import StreamExecutor
 from sgl_lite.lang.function import running_state
 from sgl_lite.lang.global_config import global_config
-from sgl_lite.lang.ir import SglSamplingParams
+from sgl_lite.lang.ir import SglExpr, SglSamplingParams
 from sgl_lite.lang.state import ProgramState
 
 if TYPE_CHECKING:
@@ -115,13 +115,38 @@ class _TracingBackend(BaseBackend):
         return self.real.get_server_info()
 
 
-def trace_prefix(program: SglFunction, backend: BaseBackend, kwargs: dict[str, Any]) -> str:
-    """The text a program builds before its first model call."""
+class _TracedArgument(SglExpr):
+    """An argument of the batch while its prefix is traced: the text before it is every item's. Appended,
+    it ends the trace (the executor cannot run it); used as a value (str, f-string, len, iteration,
+    truth), it ends the statement that uses it (_StopTracing, which the body's `except Exception` does
+    not catch); anything else it raises is an Exception and ends the trace too."""
+
+    def __str__(self) -> str:
+        raise _StopTracing
+
+    def __format__(self, spec: str) -> str:
+        raise _StopTracing
+
+    def __len__(self) -> int:
+        raise _StopTracing
+
+    def __iter__(self) -> Iterator[Any]:
+        raise _StopTracing
+
+    def __getitem__(self, key: Any) -> Any:
+        raise _StopTracing
+
+    def __bool__(self) -> bool:
+        raise _StopTracing
+
+
+def trace_prefix(program: SglFunction, backend: BaseBackend, arg_names: set[str]) -> str:
+    """The text a program builds before its first model call or the first use of one of `arg_names`."""
     executor = StreamExecutor(_TracingBackend(backend), SglSamplingParams(), use_thread=False)
     state = ProgramState(executor)
     token = running_state.set(state)
     try:
-        program.func(state, **{**program.bind_arguments, **kwargs})
+        program.func(state, **{**program.bind_arguments, **{name: _TracedArgument() for name in arg_names}})
     except (_StopTracing, Exception):
         pass
     finally:
@@ -129,15 +154,9 @@ def trace_prefix(program: SglFunction, backend: BaseBackend, kwargs: dict[str, A
     return executor.text_
 
 
-def shared_prefix(texts: list[str]) -> str:
-    if not texts:
-        return ""
-    return os.path.commonprefix(texts)
-
-
 def cache_batch_prefix(program: SglFunction, backend: BaseBackend, batch: list[dict[str, Any]]) -> str:
     """Prefill the batch's shared leading text when it is long enough; return what was prefilled."""
-    prefix = shared_prefix([trace_prefix(program, backend, kwargs) for kwargs in batch])
+    prefix = trace_prefix(program, backend, {name for kwargs in batch for name in kwargs})
     if len(prefix) <= MIN_SHARED_PREFIX_CHARS:
         return ""
     backend.cache_prefix(prefix)
