@@ -149,10 +149,18 @@ def _dsl_text(template, messages: list[dict]) -> str:
     return text
 
 
-@pytest.mark.parametrize("source", [SMOLLM2_TEMPLATE, LLAMA3_TEMPLATE,
+ZEPHYR_TEMPLATE = (  # ends every message with eos_token
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("source", [SMOLLM2_TEMPLATE, LLAMA3_TEMPLATE, ZEPHYR_TEMPLATE,
                                     __import__("sgl_lite.testing.tiny_model").testing.tiny_model.CHATML_TEMPLATE])
 def test_chat_template_roles_reproduce_apply_chat_template(source):
-    template = chat_template_from_jinja(source)
+    from sgl_lite.testing.tiny_model import build_tokenizer
+
+    template = chat_template_from_model_info({"chat_template": source, "eos_token": build_tokenizer().eos_token})
     conversations = [
         [{"role": "user", "content": "hi"}],
         [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},

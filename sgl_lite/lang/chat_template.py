@@ -61,22 +61,29 @@ LLAMA3 = ChatTemplate(
 def chat_template_from_model_info(info: dict[str, Any]) -> ChatTemplate:
     """The ChatTemplate for a runtime's model_info/server_info dict (see module docstring)."""
     template = info.get("chat_template")
+    eos, bos = _token_text(info.get("eos_token")), _token_text(info.get("bos_token"))
     if template:
         try:
-            return chat_template_from_jinja(template)
+            return chat_template_from_jinja(template, eos_token=eos)
         except Exception as e:  # a template we cannot cut at sentinels: fall back, but say so
             logger.warning("could not derive role prefixes from the model's chat template (%s); using a fallback", e)
-    eos = str(info.get("eos_token") or "")
-    bos = str(info.get("bos_token") or "")
     if "<|eot_id|>" in (eos, bos) or bos == "<|begin_of_text|>":
         return LLAMA3
     return CHATML
 
 
-def _render(template: TemplateRenderer, messages: list[dict[str, str]]) -> str:
+def _token_text(value: Any) -> str:
+    """bos/eos as server_info gives them: a string, a list of strings (several EOS: the first), or None."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, str) else ""
+
+
+def _render(template: TemplateRenderer, messages: list[dict[str, str]], eos_token: str) -> str:
     # bos_token is rendered empty: a DSL program's text is tokenized by the runtime, whose tokenizer
     # adds BOS itself when the model wants one (so the prompt has one BOS, as transformers gives).
-    return template.render(messages, add_generation_prompt=False)
+    # eos_token is the model's: templates that end each message with it (Zephyr, Mistral) need it there.
+    return template.render(messages, add_generation_prompt=False, eos_token=eos_token)
 
 
 def _split_at(text: str, sentinel: str) -> tuple[str, str]:
@@ -97,9 +104,13 @@ def _strip_prefix(text: str, prefix: str) -> str:
     return text[len(prefix):]
 
 
-def chat_template_from_jinja(source: str) -> ChatTemplate:
+def chat_template_from_jinja(source: str, eos_token: str = "") -> ChatTemplate:
     """Cut a Jinja chat template into role prefixes/suffixes with sentinel contents."""
     template = TemplateRenderer(source)
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return _render(template, messages, eos_token)
+
     sys_s, user_s, asst_s = _SENTINELS["system"], _SENTINELS["user"], _SENTINELS["assistant"]
     sys_msg = {"role": "system", "content": sys_s}
     user_msg = {"role": "user", "content": user_s}
@@ -107,14 +118,14 @@ def chat_template_from_jinja(source: str) -> ChatTemplate:
 
     roles: dict[str, tuple[str, str]] = {}
     try:
-        roles["system"] = _split_at(_render(template, [sys_msg]), sys_s)
+        roles["system"] = _split_at(render([sys_msg]), sys_s)
         head: list[dict[str, str]] = [sys_msg]
     except ChatTemplateError:
         head = []  # templates without a system role (some Mistral/Gemma ones) raise on it
 
     # Each role's prefix is read after a preceding message, so a default system message that the
     # template inserts into a conversation without one cannot leak into the user prefix.
-    conv_user = _render(template, head + [user_msg])
+    conv_user = render(head + [user_msg])
     user_suffix = _split_at(conv_user, user_s)[1]
     if head:
         user_prefix = _strip_prefix(_between(conv_user, sys_s, user_s), roles["system"][1])
@@ -122,13 +133,13 @@ def chat_template_from_jinja(source: str) -> ChatTemplate:
         user_prefix = _split_at(conv_user, user_s)[0]
     roles["user"] = (user_prefix, user_suffix)
 
-    conv_asst = _render(template, head + [user_msg, asst_msg])
+    conv_asst = render(head + [user_msg, asst_msg])
     asst_prefix = _strip_prefix(_between(conv_asst, user_s, asst_s), user_suffix)
     roles["assistant"] = (asst_prefix, _split_at(conv_asst, asst_s)[1])
 
     default_system = None
     if head:
-        before_user = _split_at(_render(template, [user_msg]), user_s)[0]
+        before_user = _split_at(render([user_msg]), user_s)[0]
         injected = before_user[: len(before_user) - len(user_prefix)]
         sys_prefix, sys_suffix = roles["system"]
         if injected and injected.startswith(sys_prefix) and injected.endswith(sys_suffix):
