@@ -51,14 +51,18 @@ def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:
         cpu_sets(0)
 
 
-def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
-    port = free_port()
+def launch(model_dir: Path, port: int, policy: str) -> subprocess.Popen:
+    """`launch_cluster` (2 replicas) in a process of its own, as `serve --dp-size 2` runs it."""
     script = ("import sys; from sgl_lite.cluster import launch_cluster; "
               "from sgl_lite.runtime.server_args import ServerArgs; "
-              f"sys.exit(launch_cluster(ServerArgs(model_path={str(tiny_llama_dir)!r}, dtype='float32', "
-              f"log_level='warning', port={port}), 2, 'cache_aware'))")
-    cluster = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+              f"sys.exit(launch_cluster(ServerArgs(model_path={str(model_dir)!r}, dtype='float32', "
+              f"log_level='warning', port={port}), 2, {policy!r}))")
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+
+def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
+    cluster = launch(tiny_llama_dir, free_port(), "cache_aware")
     try:
         assert cluster.stdout is not None
         line = cluster.stdout.readline()
@@ -88,12 +92,7 @@ def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
 def test_a_killed_cluster_leaves_nothing_running_and_port_0_picks_one(tiny_llama_dir: Path) -> None:
     """SIGKILL gives `serve --dp-size N` no chance to stop its children: replicas watch its pid, and the
     router (which cannot) gets the parent-death signal. `--port 0` means a free port, announced."""
-    script = ("import sys; from sgl_lite.cluster import launch_cluster; "
-              "from sgl_lite.runtime.server_args import ServerArgs; "
-              f"sys.exit(launch_cluster(ServerArgs(model_path={str(tiny_llama_dir)!r}, dtype='float32', "
-              "log_level='warning', port=0), 2, 'round_robin'))")
-    cluster = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    cluster = launch(tiny_llama_dir, 0, "round_robin")
     try:
         assert cluster.stdout is not None
         line = cluster.stdout.readline()
