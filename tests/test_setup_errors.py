@@ -58,6 +58,14 @@ def test_flashinfer_missing_on_cuda(tiny_llama_dir, monkeypatch):
     assert "FlashInfer" in line and "pip install flashinfer-python" in line
 
 
+def test_tp_size_beyond_the_gpus(tiny_llama_dir, monkeypatch):
+    # The machine is faked to have one GPU (there is none here); 2 heads per rank divide evenly.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = _serve_error(tiny_llama_dir, "--device", "cuda", "--attention-backend", "torch_native", "--tp-size", "2")
+    assert "--tp-size 2" in line and "has 1" in line
+
+
 def test_priority_as_a_policy_name_points_at_the_flag(tiny_llama_dir):
     line = _serve_error(tiny_llama_dir, "--schedule-policy", "priority")
     assert "--enable-priority-scheduling" in line

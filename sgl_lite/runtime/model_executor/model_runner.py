@@ -194,6 +194,8 @@ class ModelRunner(ModelRunnerBase):
         budget = int(available_memory_bytes(self.device) * fraction)
         if self.device.type == "cpu" and self.args.mem_fraction_static is None:
             budget = min(budget, _CPU_DEFAULT_POOL_BYTES)
+        if self.device.type == "cpu" and self.tp is not None:
+            budget //= self.tp.size  # the ranks share one machine's memory (on CUDA each has its own GPU)
         slots = min(budget // per_slot, _MAX_SLOTS_PER_CONTEXT * self.context_length)
         if slots < self.context_length:
             logger.warning("KV pool holds %d tokens, less than one full context (%d)", slots, self.context_length)

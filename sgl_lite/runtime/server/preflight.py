@@ -26,6 +26,13 @@ def check_setup(args: ServerArgs) -> None:
     except ValueError as e:
         raise SetupError(f"{e}: use --device cpu (or auto)") from None
     _check_attention_backend(args, device.type)
+    if device.type == "cuda" and args.tp_size > 1:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < args.tp_size:  # else a rank dies at set_device and rank 0 waits out the group's timeout
+            raise SetupError(f"--tp-size {args.tp_size} puts one rank on each GPU, and this machine has {gpus}: "
+                             f"give at most --tp-size {gpus}")
     try:
         config = loader.load_config(loader.resolve_model_path(args.model_path))
     except loader.LoaderError as e:
