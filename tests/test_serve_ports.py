@@ -188,6 +188,23 @@ def test_zmq_port_clash_is_found_before_the_model_loads(tmp_path):
         context.term()
 
 
+@pytest.mark.timeout(120)
+def test_an_ipc_path_a_server_answers_on_is_refused_before_the_model_loads(tmp_path):
+    path = tmp_path / "live.sock"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+    try:
+        line = _one_line_error(_serve(tmp_path / "no-model", "--port", "0", "--host", f"ipc://{path}"))
+        assert str(path) in line and "--host" in line and "no-model" not in line
+    finally:
+        router.close(linger=0)
+        context.term()
+    # A file nobody answers on any more (a killed server's) is no obstacle: the next check is the model's.
+    line = _one_line_error(_serve(tmp_path / "no-model", "--port", "0", "--host", f"ipc://{path}"))
+    assert "no-model" in line
+
+
 @pytest.mark.timeout(180)
 def test_the_server_stops_when_its_http_front_dies(tiny_llama_dir):
     process = subprocess.Popen([sys.executable, "-m", "sgl_lite.cli", "serve", "--model-path", str(tiny_llama_dir),

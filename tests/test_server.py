@@ -321,11 +321,16 @@ def secure_server(engine, tmp_path):
     engine.core.scheduler.check_invariant()
 
 
-def test_ipc_socket_is_private(secure_server):
+def test_ipc_socket_is_private_and_removed_at_shutdown(secure_server):
     path = secure_server.address[len("ipc://") :]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     with RuntimeClient(secure_server.address, api_key="s3cret", timeout=30) as c:
         check_still_serving(c)
+    secure_server.request_shutdown()
+    deadline = time.monotonic() + 30
+    while os.path.exists(path):  # ZeroMQ itself leaves the file behind
+        assert time.monotonic() < deadline, "the ipc socket file outlived its server"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("key", [None, "wrong", "s3cre"])

@@ -50,6 +50,11 @@ def claim_ports(args: ServerArgs) -> ClaimedPorts:
     http_socket.listen(LISTEN_BACKLOG)
     http_port = http_socket.getsockname()[1]
     if args.host.startswith("ipc://"):
+        try:
+            check_ipc_path_free(args.host[len("ipc://"):])
+        except PortUnavailableError:
+            http_socket.close()
+            raise
         return ClaimedPorts(http_socket, None, args.replace(port=http_port))
     zmq_port = args.zmq_port if args.zmq_port is not None else (http_port + 1 if args.port else 0)
     try:
@@ -59,6 +64,21 @@ def claim_ports(args: ServerArgs) -> ClaimedPorts:
         http_socket.close()
         raise
     return ClaimedPorts(http_socket, reservation, args.replace(port=http_port, zmq_port=reservation.getsockname()[1]))
+
+
+def check_ipc_path_free(path: str) -> None:
+    """Fail if a server answers on this socket path: ZeroMQ would unlink it and bind over it, leaving that
+    server running and unreachable. A file nobody answers on (a server that was killed) is fine."""
+    if path.startswith("@"):  # Linux's abstract namespace: the bind itself fails when it is taken
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # no such file, or nobody listening
+    finally:
+        probe.close()
+    raise PortUnavailableError(f"cannot use ipc://{path} (--host): a running server listens there")
 
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:

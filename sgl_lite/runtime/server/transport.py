@@ -34,6 +34,7 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -85,6 +86,7 @@ class RuntimeServer:
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._socket: zmq.Socket | None = None
+        self._socket_file: tuple[str, int] | None = None  # an ipc endpoint's file and its inode
         self._inflight: dict[str, _InFlight] = {}
         self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
@@ -119,7 +121,10 @@ class RuntimeServer:
                 sock.bind(host)
             finally:
                 os.umask(previous_umask)
-            os.chmod(host[len("ipc://") :], 0o600)
+            path = host[len("ipc://") :]
+            if not path.startswith("@"):  # an abstract name (Linux) has no file
+                os.chmod(path, 0o600)
+                self._socket_file = (path, os.stat(path).st_ino)
             self.address = host
         elif self._args.resolved_zmq_port() == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
@@ -197,6 +202,12 @@ class RuntimeServer:
         if self._socket is not None:
             self._socket.close(linger=SHUTDOWN_LINGER_MS)
             self._socket = None
+        if self._socket_file is not None:  # ZeroMQ leaves an ipc socket's file behind; remove ours, not a successor's
+            path, inode = self._socket_file
+            self._socket_file = None
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
 
     # ------------------------------------------------------------------ incoming
 
