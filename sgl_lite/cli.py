@@ -134,6 +134,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
 
     from sgl_lite.http.launch import HttpFront, connect_host
     from sgl_lite.http.limits import HttpLimits
+    from sgl_lite.runtime.free_port import url_host
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
     from sgl_lite.runtime.server.ports import claim_ports
@@ -149,7 +150,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     except SetupError as e:
         claimed.close()
         raise click.ClickException(str(e)) from None
-    zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{connect_host(args.host)}:{args.zmq_port}"
+    zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{url_host(connect_host(args.host))}:{args.zmq_port}"
     limits = HttpLimits(args.max_request_body_bytes, args.max_chat_messages, args.max_request_fanout)
     front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
                       served_model_name=served_model_name, log_level=args.log_level, limits=limits)

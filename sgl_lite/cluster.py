@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
-from sgl_lite.runtime.free_port import free_port
+from sgl_lite.runtime.free_port import free_port, url_host
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -128,7 +128,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://{_connect_host(self.http_host)}:{self.http_port}"
+        return f"http://{url_host(_connect_host(self.http_host))}:{self.http_port}"
 
     def start(self) -> None:
         try:
@@ -360,4 +360,4 @@ def _auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def _connect_host(host: str) -> str:
-    return _LOOPBACK if host in ("0.0.0.0", "") else host
+    return _LOOPBACK if host in ("0.0.0.0", "", "::") else host

@@ -188,6 +188,28 @@ def test_zmq_port_clash_is_found_before_the_model_loads(tmp_path):
         context.term()
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.timeout(180)
+def test_serve_on_an_ipv6_host(tiny_llama_dir):
+    """`--host ::1`: both endpoints on IPv6, announced with the address in brackets (libzmq needs its IPv6
+    option for the ROUTER and the DEALER; a bare ::1 in a URL is no URL)."""
+    with Runtime(model_path=str(tiny_llama_dir), startup_timeout=180, client_timeout=60, host="::1",
+                 **SERVER_ARGS) as rt:
+        assert rt.url.startswith("http://[::1]:") and rt.address.startswith("tcp://[::1]:")
+        assert _get(rt.url + "/server_info")["zmq_address"] == rt.address
+        out = rt.client.generate("The quick brown fox", sampling_params={"max_new_tokens": 3, "temperature": 0})
+        assert len(out.output_ids) == 3
+
+
 @pytest.mark.timeout(120)
 def test_an_ipc_path_a_server_answers_on_is_refused_before_the_model_loads(tmp_path):
     path = tmp_path / "live.sock"

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import click
 
+from sgl_lite.runtime.free_port import url_host
 from sgl_lite.runtime.client.discovery import check_zmq_address
 from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
 from sgl_lite.http.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
@@ -96,7 +97,7 @@ class HttpServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
         self._server.should_exit = True
@@ -111,7 +112,7 @@ class HttpFront:
                  served_model_name: str | None = None, log_level: str = "info",
                  limits: HttpLimits = HttpLimits()) -> None:
         host, port = listening.getsockname()[:2]
-        self.url = f"http://{connect_host(host)}:{port}"
+        self.url = f"http://{url_host(connect_host(host))}:{port}"
         fd = listening.fileno()
         cmd = [sys.executable, "-m", "sgl_lite.http.launch", "--runtime", runtime_address, "--host", host,
                "--port", str(port), "--fd", str(fd), "--log-level", log_level, "--parent-pid", str(os.getpid())]

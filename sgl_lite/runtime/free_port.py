@@ -46,6 +46,11 @@ def address_family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+def url_host(host: str) -> str:
+    """`host` as a URL or a ZeroMQ tcp:// endpoint writes it: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         try:

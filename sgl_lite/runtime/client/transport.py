@@ -175,6 +175,7 @@ class ClientTransport:
         # Unbounded queue while the runtime is unreachable: sending never blocks this thread, so the
         # liveness check keeps running and fails the pending requests instead.
         dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.IPV6, 1)  # IPv6 runtimes too (IPv4 ones as before)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, _milliseconds(self._health_interval))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _milliseconds(self._health_timeout))
         monitor = dealer.get_monitor_socket(_LINK_EVENTS)  # before connect(): no event may be missed

@@ -45,6 +45,7 @@ import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
+from sgl_lite.runtime.free_port import url_host
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
 from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, is_authorized, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
@@ -126,12 +127,15 @@ class RuntimeServer:
                 os.chmod(path, 0o600)
                 self._socket_file = (path, os.stat(path).st_ino)
             self.address = host
-        elif self._args.resolved_zmq_port() == 0:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-            self.address = f"tcp://{host}:{port}"
         else:
-            self.address = f"tcp://{host}:{self._args.resolved_zmq_port()}"
-            sock.bind(self.address)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)  # else libzmq refuses an IPv6 address ("No such device")
+            if self._args.resolved_zmq_port() == 0:
+                port = sock.bind_to_random_port(f"tcp://{url_host(host)}")
+                self.address = f"tcp://{url_host(host)}:{port}"
+            else:
+                self.address = f"tcp://{url_host(host)}:{self._args.resolved_zmq_port()}"
+                sock.bind(self.address)
         self._socket = sock
         return self.address
 
