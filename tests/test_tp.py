@@ -8,6 +8,7 @@ from the unsharded runtime itself, never from constants.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.distributed
 import transformers
 from safetensors.torch import load_file
 
+from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.model_executor.tp import check_shardable
@@ -97,8 +99,9 @@ def test_tp2_matches_one_process_on_qwen2_with_sharded_qkv_biases(tiny_qwen2_dir
     assert_same_results(run(tiny_qwen2_dir, 1)[0], run(tiny_qwen2_dir, 2)[0])
 
 
-def tp_rank_pids() -> set[int]:
-    """This process's live children that run a tensor-parallel rank (from /proc; zombies count as gone)."""
+def tp_rank_pids(parent: int | None = None) -> set[int]:
+    """The live children of `parent` (this process) that run a tensor-parallel rank (from /proc; zombies
+    count as gone)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -108,7 +111,7 @@ def tp_rank_pids() -> set[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(ppid) == os.getpid() and state != "Z" and b"sgl_lite.runtime.model_executor.tp" in cmdline:
+        if int(ppid) == (parent or os.getpid()) and state != "Z" and b"sgl_lite.runtime.model_executor.tp" in cmdline:
             pids.add(int(entry.name))
     return pids
 
@@ -128,6 +131,19 @@ def test_engine_shutdown_stops_the_tp_ranks(tiny_llama_dir: Path) -> None:
         engine.shutdown()  # idempotent
     finally:
         engine.shutdown()
+
+
+def test_a_server_that_loses_a_rank_exits(tiny_llama_dir: Path) -> None:
+    """Without rank 1 every forward fails while heartbeats and /health still answer: the server exits
+    (non-zero), so that its clients fail at once and a router or supervisor sees it gone."""
+    runtime = Runtime(model_path=str(tiny_llama_dir), dtype="float32", tp_size=2, max_total_tokens=1024,
+                      log_level="warning", startup_timeout=180)
+    try:
+        (rank1,) = tp_rank_pids(runtime.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert runtime.process.wait(30) != 0
+    finally:
+        runtime.shutdown()
 
 
 @pytest.mark.default_model

@@ -204,6 +204,13 @@ class TensorParallel:
         dist.broadcast(t, src=0)
         return t.cpu()
 
+    def exited_ranks(self) -> list[tuple[int, int]]:
+        """Rank 0: (rank, exit code) of each other rank that has exited while the group was open; after
+        that every collective fails, so rank 0 cannot serve any more."""
+        if self._closed:
+            return []
+        return [(rank, code) for rank, code in enumerate((w.poll() for w in self._workers), start=1) if code is not None]
+
     def close(self) -> None:
         """Rank 0: stop the other ranks and leave the group (idempotent)."""
         if self._closed:

@@ -74,6 +74,14 @@ class RuntimeCore:
         )
         return core
 
+    def lost_ranks(self) -> str | None:
+        """What ended the tensor-parallel group (a rank that exited), or None while it is whole."""
+        tp = getattr(self.runner, "tp", None)
+        exited = tp.exited_ranks() if tp is not None else []
+        if not exited:
+            return None
+        return ", ".join(f"tensor-parallel rank {rank} exited with code {code}" for rank, code in exited)
+
     def close(self) -> None:
         """Stop the processes and threads this runtime started: the tensor-parallel ranks, the
         tokenizer thread (idempotent)."""

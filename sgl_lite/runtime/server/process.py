@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -22,6 +22,9 @@ from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
+
+if TYPE_CHECKING:
+    from sgl_lite.runtime.server.core import RuntimeCore
 
 logger = logging.getLogger("sgl_lite.runtime.server.transport")
 
@@ -54,7 +57,7 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
             server.serve_forever()  # returns at once: closes the socket
             core.close()
             raise
-    _start_watchdog(server, args.watchdog_timeout)
+    _start_watchdog(server, core, args.watchdog_timeout)
     # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
     logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
     warn_if_exposed(args.host, args.api_key, "the runtime")
@@ -75,10 +78,11 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
         os._exit(0)
 
 
-def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
+def _start_watchdog(server: RuntimeServer, core: RuntimeCore, timeout: float) -> None:
     """--watchdog-timeout: a step that runs longer (a hung forward, a deadlocked collective) ends the
     process, as SGLang's watchdog does; clients see the connection drop at once, and a supervisor can
-    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps."""
+    restart the server, instead of everyone waiting on a server that answers heartbeats but never steps.
+    So does losing a tensor-parallel rank."""
 
     def watch() -> None:
         while True:
@@ -86,6 +90,13 @@ def _start_watchdog(server: RuntimeServer, timeout: float) -> None:
             started = server.step_started_at
             if started is not None and time.monotonic() - started > timeout:
                 logger.error("a scheduler step has run for more than --watchdog-timeout %g s; exiting", timeout)
+                logging.shutdown()
+                os._exit(1)
+            # Without a rank every forward fails, while heartbeats and /health still answer: a server that
+            # looks alive to a router and serves nothing. Exit, as for a hung step.
+            lost = core.lost_ranks()
+            if lost is not None:
+                logger.error("%s; exiting", lost)
                 logging.shutdown()
                 os._exit(1)
 
