@@ -80,7 +80,8 @@ def test_watchdog_ends_a_process_whose_step_hangs():
     # The real watchdog over a stand-in whose step began 10 s ago, in a process of its own (it exits).
     script = ("import time; from sgl_lite.runtime.server.process import _start_watchdog\n"
               "class Hung: step_started_at = time.monotonic() - 10\n"
-              "_start_watchdog(Hung(), 0.5); time.sleep(30)")
+              "class Whole: lost_ranks = staticmethod(lambda: None)\n"
+              "_start_watchdog(Hung(), Whole(), 0.5); time.sleep(30)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20,
                             env=_child_env())
     assert result.returncode == 1 and "--watchdog-timeout" in result.stderr
