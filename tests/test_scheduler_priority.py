@@ -118,3 +118,21 @@ def test_no_preemption_for_a_request_its_own_cached_prefix_still_keeps_out() -> 
     done = run_to_end(sched)
     assert done["urgent"].output_ids == reference_output(urgent.input_ids, 10, VOCAB)
     assert done["victim"].output_ids == reference_output(victim.input_ids, 20, VOCAB)
+
+
+def test_no_preemption_for_a_row_a_request_cannot_use_this_round() -> None:
+    """A newcomer over this round's prefill budget (behind another admitted one) is refused whatever is
+    preempted: no victim is taken for its row, and it is admitted on a later round."""
+    sched, _ = make(rows=2, enable_priority_scheduling=True, max_prefill_tokens=64)
+    low = req("low", prompt_of(20, 5), max_new=40, priority=0, ignore_eos=True)
+    sched.add_request(low)
+    sched.step()
+    small = req("small", prompt_of(21, 10), max_new=2, priority=50, ignore_eos=True)
+    big = req("big", prompt_of(22, 60), max_new=2, priority=50, ignore_eos=True)
+    sched.add_request(small)
+    sched.add_request(big)
+    sched.step()
+    assert small in sched.running and low in sched.running and sched.num_preemptions == 0
+    done = run_to_end(sched)
+    assert done["big"].output_ids == reference_output(big.input_ids, 2, VOCAB)
+    assert done["low"].output_ids == reference_output(low.input_ids, 40, VOCAB)

@@ -138,7 +138,7 @@ class PrefillAdder:
         total_tokens = extend_len + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
         if not alone and total_tokens >= self.rem_total_tokens:
             return False, AddResult.NO_TOKEN
-        if extend_len >= self.rem_input_tokens and self.plans:
+        if self.over_input_budget(req, match, borrow):
             return False, AddResult.OTHER
         self.tree_cache.inc_lock_ref(match.last_node)
         # Locking turned part of the evictable size protected: check again.
@@ -160,6 +160,11 @@ class PrefillAdder:
             self.new_chunked_req = req
             self._update_budget(chunk, 0)
         return True, self.budget_state()
+
+    def over_input_budget(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> bool:
+        """Whether add_one_req refuses `req` this round for its input budget (OTHER), whatever is freed."""
+        borrowed = borrow.length if borrow is not None else 0
+        return bool(self.plans) and req.seq_len - match.length - borrowed >= self.rem_input_tokens
 
     def tokens_short(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> float:
         """How many more budget tokens `req` needs to pass add_one_req's NO_TOKEN checks (<= 0: none):

@@ -88,6 +88,8 @@ class PrefillScheduling(_Base):
         """
         freed = 0
         if need_row:
+            if adder.over_input_budget(req, match, borrow):  # a row would not admit it this round
+                return False, AddResult.OTHER, 0
             freed = self._preempt_for(req, match, borrow, adder, need_row=True)
             if not freed:
                 return False, AddResult.NO_TOKEN, 0
