@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Callable
 
-from sgl_lite.runtime.free_port import free_port, url_host
+from sgl_lite.runtime.free_port import connect_host, free_port, url_host
 from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -128,7 +128,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://{url_host(_connect_host(self.http_host))}:{self.http_port}"
+        return f"http://{url_host(connect_host(self.http_host))}:{self.http_port}"
 
     def start(self) -> None:
         try:
@@ -357,7 +357,3 @@ def _wait_router_workers(router_url: str, expected: int, router: _Child, deadlin
 
 def _auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _connect_host(host: str) -> str:
-    return _LOOPBACK if host in ("0.0.0.0", "", "::") else host

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import click
 
-from sgl_lite.runtime.free_port import url_host
+from sgl_lite.runtime.free_port import connect_host, url_host
 from sgl_lite.runtime.client.discovery import check_zmq_address
 from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
 from sgl_lite.http.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
@@ -159,11 +159,6 @@ class HttpFront:
         for line in self.process.stdout:
             if line.strip() == HTTP_READY_PREFIX:
                 self._ready.set()
-
-
-def connect_host(host: str) -> str:
-    """A wildcard bind is reached through loopback."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 @click.command("http")

@@ -16,6 +16,7 @@ import anyio
 from sgl_lite.http.chat_template import ChatTemplate, ChatTemplateError
 from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.token_text import TokenTexts
+from sgl_lite.lang.chat_template import token_text
 
 
 @dataclass
@@ -37,8 +38,8 @@ class ModelContext:
         template: ChatTemplate | None = None
         error: str | None = None
         try:
-            template = ChatTemplate(info.get("chat_template"), _token_str(info.get("bos_token")),
-                                    _token_str(info.get("eos_token")))
+            template = ChatTemplate(info.get("chat_template"), token_text(info.get("bos_token")),
+                                    token_text(info.get("eos_token")))
         except ChatTemplateError as e:
             error = str(e)
         return cls(
@@ -56,13 +57,6 @@ class ModelContext:
         if self.chat_template is None:
             raise HttpError(400, self.chat_template_error or "the model has no chat template", param="messages")
         return self.chat_template
-
-
-def _token_str(value: Any) -> str | None:
-    """bos/eos as text: server_info may give a string, a list of strings (several EOS), or None."""
-    if isinstance(value, list):
-        return value[0] if value and isinstance(value[0], str) else None
-    return value if isinstance(value, str) else None
 
 
 class ModelContextCache:

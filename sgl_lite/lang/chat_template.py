@@ -61,7 +61,7 @@ LLAMA3 = ChatTemplate(
 def chat_template_from_model_info(info: dict[str, Any]) -> ChatTemplate:
     """The ChatTemplate for a runtime's model_info/server_info dict (see module docstring)."""
     template = info.get("chat_template")
-    eos, bos = _token_text(info.get("eos_token")), _token_text(info.get("bos_token"))
+    eos, bos = token_text(info.get("eos_token")), token_text(info.get("bos_token"))
     if template:
         try:
             return chat_template_from_jinja(template, eos_token=eos)
@@ -72,7 +72,7 @@ def chat_template_from_model_info(info: dict[str, Any]) -> ChatTemplate:
     return CHATML
 
 
-def _token_text(value: Any) -> str:
+def token_text(value: Any) -> str:
     """bos/eos as server_info gives them: a string, a list of strings (several EOS: the first), or None."""
     if isinstance(value, list):
         value = value[0] if value else None

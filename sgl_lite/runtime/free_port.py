@@ -4,6 +4,8 @@ Picked below the kernel's ephemeral range: a port from inside it (what bind(host
 taken before that process binds it by any outgoing connection or bind(0) on the machine, and gloo's
 tensor-parallel ranks open dozens of those while a cluster starts (a CI run lost its router's port so).
 Imports nothing of sgl_lite: the TP launcher (model_executor) and the cluster (a tool) both use it.
+Beside it, how a host is written where others connect to it (`connect_host`, `url_host`), for every
+layer that announces an address.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def _ephemeral_low() -> int:
 def address_family(host: str) -> socket.AddressFamily:
     """IPv6 for a host written with colons, else IPv4."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def connect_host(host: str) -> str:
+    """Where a client reaches a server bound to `host`: a wildcard bind through loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def url_host(host: str) -> str:
