@@ -203,3 +203,46 @@ def test_closing_a_stream_early_aborts_it():
         assert [m.rid for m in server.received if isinstance(m, protocol.AbortReq)] == ["s1"]
     finally:
         server.close()
+
+
+def test_generate_all_sends_every_request_before_waiting_and_keeps_their_order():
+    """A server that answers only once it holds all three requests: a client waiting for each reply before
+    sending the next request would time out. The fake router shuffles its replies."""
+    held: list[protocol.GenerateReq] = []
+
+    def barrier(msg: protocol.Request) -> list[protocol.Reply]:
+        if not isinstance(msg, protocol.GenerateReq):
+            return []
+        held.append(msg)
+        if len(held) < 3:
+            return []
+        return [protocol.Finished(m.rid, m.text[::-1], [], {}) for m in held]
+
+    server = FakeRouter(barrier)
+    try:
+        with RuntimeClient(server.address, timeout=5) as client:
+            replies = client.generate_all([{"text": t} for t in ("one", "two", "three")])
+        assert [r.text for r in replies] == ["eno", "owt", "eerht"]
+    finally:
+        server.close()
+
+
+def test_generate_all_raises_the_first_failure_at_once_and_aborts_the_rest():
+    def one_fails(msg: protocol.Request) -> list[protocol.Reply]:
+        if isinstance(msg, protocol.GenerateReq) and msg.text == "fail":
+            return [protocol.ErrorReply(msg.rid, "temperature must be >= 0", "bad_request")]
+        return []  # the others never finish
+
+    server = FakeRouter(one_fails)
+    try:
+        with RuntimeClient(server.address, timeout=30) as client:
+            start = time.monotonic()
+            with pytest.raises(RuntimeRequestError, match="temperature"):
+                client.generate_all([{"text": "hang", "rid": "h1"}, {"text": "fail"}, {"text": "hang", "rid": "h2"}])
+            assert time.monotonic() - start < 10  # not after the first request's timeout
+            deadline = time.monotonic() + 5
+            while len([m for m in server.received if isinstance(m, protocol.AbortReq)]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert sorted(m.rid for m in server.received if isinstance(m, protocol.AbortReq)) == ["h1", "h2"]
+    finally:
+        server.close()

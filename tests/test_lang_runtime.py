@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -177,6 +178,30 @@ def test_select_matches_transformers_logprobs(runtime, hf, method, prefix, choic
     assert ranked[0] - ranked[1] > 1e-3, "near-tie: the comparison would be decided by rounding"
     assert state["city"] == choices[scores.index(ranked[0])]
     assert state.text() == prefix + state["city"]
+
+
+def test_select_over_many_choices_starts_no_thread_per_choice(runtime, monkeypatch):
+    """The scoring requests of a select are all in flight at once, sent and awaited from the program's
+    thread: a thread per choice would start hundreds under run_batch."""
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    choices = [f" option {i}" for i in range(48)]
+
+    @sgl.function
+    def prog(s):
+        s += "Pick one:" + sgl.select("pick", choices=choices)
+
+    state = prog.run()
+    assert state.error() is None, state.error()
+    assert state["pick"] in choices
+    assert len(state.get_meta_info("pick")["normalized_prompt_logprobs"]) == len(choices)
+    assert len(started) < 4, started
 
 
 def test_fork_join_and_nested_forks(runtime, hf):

@@ -8,7 +8,6 @@ batches (select scoring) are sent concurrently so the runtime can put them in on
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
 from sgl_lite.lang.backend import BaseBackend, PrefillRequest
@@ -78,16 +77,11 @@ class RuntimeEndpoint(BaseBackend):
             yield chunk.text, chunk.meta_info
 
     def prefill(self, requests: list[PrefillRequest]) -> list[dict[str, Any]]:
-        def send(r: PrefillRequest) -> dict[str, Any]:
-            reply = self.client.generate(text=r.text, input_ids=r.input_ids, sampling_params={"max_new_tokens": 0},
-                                         return_logprob=r.return_logprob, logprob_start_len=r.logprob_start_len)
-            return reply.meta_info
-
-        if len(requests) == 1:
-            return [send(requests[0])]
-        # All in flight at once (threads, not asyncio: callers may be inside a running event loop).
-        with ThreadPoolExecutor(len(requests), thread_name_prefix="sgl-prefill") as pool:
-            return list(pool.map(send, requests))
+        # All in flight at once, sent and awaited from this thread (no thread per choice, and no asyncio:
+        # callers may be inside a running event loop).
+        calls = [{"text": r.text, "input_ids": r.input_ids, "sampling_params": {"max_new_tokens": 0},
+                  "return_logprob": r.return_logprob, "logprob_start_len": r.logprob_start_len} for r in requests]
+        return [reply.meta_info for reply in self.client.generate_all(calls)]
 
     def flush_cache(self) -> bool:
         return self.client.flush_cache()

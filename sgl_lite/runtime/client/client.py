@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -62,6 +63,32 @@ class RuntimeClient:
         replies: queue.Queue[Item] = queue.Queue()
         self._submit(rid, request, replies.put, is_generate=True)
         return self._expect(self._wait(replies, rid), Finished)
+
+    def generate_all(self, calls: Sequence[Mapping[str, Any]]) -> list[Finished]:
+        """Blocking generate of several requests at once, from this thread: every request is sent before
+        any reply is awaited (so the runtime can batch them), and the whole wait is bounded by `timeout`.
+        Each mapping holds generate()'s arguments; the replies come back in the calls' order. The first
+        failure to arrive is raised at once, and the requests still running are aborted."""
+        replies: queue.Queue[tuple[int, Item]] = queue.Queue()
+        rids: list[str] = []
+        try:
+            for call in calls:
+                rid, request = self._generate_req(stream=False, **call)
+                self._submit(rid, request, lambda item, i=len(rids): replies.put((i, item)), is_generate=True)
+                rids.append(rid)
+            results: list[Finished] = [None] * len(rids)  # type: ignore[list-item]  # each set below
+            deadline = time.monotonic() + self.timeout
+            for _ in rids:
+                try:
+                    i, item = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeUnavailableError(f"runtime at {self.address} is not responding: {len(rids)} requests "
+                                                  f"not all answered within {self.timeout:g} s") from None
+                results[i] = self._expect(item, Finished)
+            return results
+        finally:
+            for rid in rids:
+                self._transport.abandon(rid)  # a no-op for a request already answered
 
     def generate_stream(self, text: str | None = None, input_ids: list[int] | None = None,
                         sampling_params: dict[str, Any] | SamplingParams | None = None,
@@ -149,8 +176,8 @@ class RuntimeClient:
 
     # ------------------------------------------------------------------ request plumbing
 
-    def _generate_req(self, text: str | None, input_ids: list[int] | None,
-                      sampling_params: dict[str, Any] | SamplingParams | None, *, stream: bool,
+    def _generate_req(self, text: str | None = None, input_ids: list[int] | None = None,
+                      sampling_params: dict[str, Any] | SamplingParams | None = None, *, stream: bool,
                       rid: str | None = None, **options: Any) -> tuple[str, protocol.GenerateReq]:
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params
