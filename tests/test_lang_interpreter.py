@@ -222,6 +222,21 @@ def test_nested_fork(backend):
     assert len(leaves) == 2 and all(len(x) == 2 for x in leaves)
 
 
+def test_a_finished_state_cannot_fork_and_starts_no_worker(backend):
+    """run() ends the program's executor: a branch forked from it would start a worker thread nothing ends."""
+    @sgl.function
+    def prog(s):
+        s += "done " + sgl.gen("a", max_tokens=2)
+
+    state = prog.run(backend=backend)
+    before = {t.name for t in threading.enumerate()}
+    for size in (1, 2):
+        with pytest.raises(RuntimeError, match="ended"):
+            state.fork(size)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("sgl-program")} - before
+    assert state.text() == "done " + state["a"]
+
+
 def test_nested_function_calls(backend):
     @sgl.function
     def greet(s, name):

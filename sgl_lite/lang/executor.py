@@ -111,6 +111,24 @@ class StreamExecutor:
                 return
         self._finish()
 
+    def branch(self) -> StreamExecutor:
+        """A fork branch continuing from this executor's text, variables and role (call once its queue has
+        drained); it ends with this executor at the latest. An ended executor has no branches: a worker
+        started for one would never be ended."""
+        with self._lock:
+            if self._ended:
+                raise RuntimeError("cannot fork a program state that has ended")
+            child = StreamExecutor(self.backend, self.default_params, self.stream, self.chat_template, self.use_thread)
+            self.children.append(child)
+        child.variables = dict(self.variables)
+        child.meta_info = dict(self.meta_info)
+        child.text_ = self.text_
+        child.messages_ = list(self.messages_)
+        child.cur_role = self.cur_role
+        child.cur_role_begin_pos = self.cur_role_begin_pos
+        child.error_ = self.error_
+        return child
+
     def fail(self, error: BaseException) -> None:
         """Record an error raised by the program body itself. Expressions it queued before raising
         still run; the error is reported once they have."""

@@ -84,19 +84,7 @@ class ProgramState:
         if size > 1:
             executor.submit(SglCommitLazy())
         executor.sync()
-        branches = []
-        for _ in range(size):
-            child = StreamExecutor(executor.backend, executor.default_params, executor.stream, executor.chat_template,
-                                   executor.use_thread)
-            executor.children.append(child)
-            child.variables = dict(executor.variables)
-            child.meta_info = dict(executor.meta_info)
-            child.text_ = executor.text_
-            child.messages_ = list(executor.messages_)
-            child.cur_role = executor.cur_role
-            child.cur_role_begin_pos = executor.cur_role_begin_pos
-            child.error_ = executor.error_
-            branches.append(ProgramState(child))
+        branches = [ProgramState(executor.branch()) for _ in range(size)]
         return ProgramStateGroup(branches, self, fork_text_len=len(executor.text_))
 
     @contextlib.contextmanager
