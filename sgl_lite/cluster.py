@@ -279,10 +279,12 @@ def dies_with(parent_pid: int) -> Callable[[], None]:
 
 def _spawn(name: str, cmd: list[str], *, env: dict[str, str] | None = None,
            preexec_fn: Callable[[], None] | None = None, stdout: int | None = None) -> _Child:
-    """Start `cmd`; its stderr (the logs) is kept in a bounded tail, and also echoed to ours."""
+    """Start `cmd` in a session of its own (a terminal's Ctrl-C reaches the cluster alone, which stops the
+    router before the replicas; a router that took it too exited first and was logged as having failed);
+    its stderr (the logs) is kept in a bounded tail, and also echoed to ours."""
     process = subprocess.Popen(cmd, stdout=stdout if stdout is not None else subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, env=env or _child_env(threads=None),
-                               preexec_fn=preexec_fn)
+                               preexec_fn=preexec_fn, start_new_session=True)
     child = _Child(name, process)
 
     def read_stderr() -> None:

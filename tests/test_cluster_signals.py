@@ -51,13 +51,15 @@ def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:
         cpu_sets(0)
 
 
-def launch(model_dir: Path, port: int, policy: str) -> subprocess.Popen:
-    """`launch_cluster` (2 replicas) in a process of its own, as `serve --dp-size 2` runs it."""
+def launch(model_dir: Path, port: int, policy: str, *, as_shell_job: bool = False) -> subprocess.Popen:
+    """`launch_cluster` (2 replicas) in a process of its own, as `serve --dp-size 2` runs it; as a shell job:
+    in a process group of its own (the one a terminal's Ctrl-C signals), its stderr kept."""
     script = ("import sys; from sgl_lite.cluster import launch_cluster; "
               "from sgl_lite.runtime.server_args import ServerArgs; "
               f"sys.exit(launch_cluster(ServerArgs(model_path={str(model_dir)!r}, dtype='float32', "
               f"log_level='warning', port={port}), 2, {policy!r}))")
-    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE if as_shell_job else subprocess.DEVNULL, start_new_session=as_shell_job,
                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
 
 
@@ -111,4 +113,29 @@ def test_a_killed_cluster_leaves_nothing_running_and_port_0_picks_one(tiny_llama
     finally:
         if cluster.poll() is None:
             cluster.kill()
+            cluster.wait()
+
+
+def test_a_terminal_ctrl_c_stops_the_cluster_quietly(tiny_llama_dir: Path) -> None:
+    """Ctrl-C signals the whole foreground process group: the children are the cluster's to stop (router
+    first). When they took the SIGINT themselves, the router's exit was logged as a failure."""
+    cluster = launch(tiny_llama_dir, 0, "round_robin", as_shell_job=True)
+    try:
+        assert cluster.stdout is not None and cluster.stderr is not None
+        line = cluster.stdout.readline()
+        assert line.startswith(READY_PREFIX), f"cluster did not start (exit code {cluster.poll()})"
+        started = children_of(cluster.pid)
+        started |= {front for pid in started for front in children_of(pid)}
+        assert len(started) == 5
+        os.killpg(cluster.pid, signal.SIGINT)
+        assert cluster.wait(30) == 0
+        stderr = cluster.stderr.read()
+        assert "exited" not in stderr and "Traceback" not in stderr, stderr
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in started):
+            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
+            time.sleep(0.1)
+    finally:
+        if cluster.poll() is None:
+            os.killpg(cluster.pid, signal.SIGKILL)
             cluster.wait()

@@ -244,3 +244,51 @@ def test_the_server_stops_when_its_http_front_dies(tiny_llama_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_terminal_ctrl_c_stops_the_server_quietly(tiny_llama_dir):
+    """Ctrl-C in a terminal signals the whole foreground process group. The front and the tensor-parallel
+    ranks are serve's to stop: when they took the SIGINT themselves, a rank died mid-collective with a
+    traceback and serve logged that its front had died (an error) while it was stopping anyway. Ranks log
+    at serve's --log-level."""
+    process = subprocess.Popen([sys.executable, "-m", "sgl_lite.cli", "serve", "--model-path", str(tiny_llama_dir),
+                                "--port", "0", "--dtype", "float32", "--log-level", "warning", "--tp-size", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+                               start_new_session=True)  # its own process group, as a shell job
+    try:
+        line = process.stdout.readline()
+        assert line.startswith(READY_PREFIX), process.stderr.read() if process.poll() is not None else line
+        front_pid = int(subprocess.run(["pgrep", "-P", str(process.pid), "-f", "sgl_lite.http.launch"],
+                                       capture_output=True, text=True).stdout.split()[0])
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) == 0
+        stderr = process.stderr.read()
+        assert "exited" not in stderr and "Traceback" not in stderr and "INFO" not in stderr, stderr
+        with pytest.raises(ProcessLookupError):  # the front was stopped with it
+            os.kill(front_pid, 0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_sigterm_while_the_front_starts_stops_without_announcing_readiness(tiny_llama_dir):
+    """The ready line is a promise to launchers that the server serves: one printed after a SIGTERM
+    already asked it to stop was followed by the server's exit."""
+    process = subprocess.Popen([sys.executable, "-m", "sgl_lite.cli", "serve", "--model-path", str(tiny_llama_dir),
+                                "--port", "0", "--dtype", "float32", "--log-level", "info"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+    try:
+        for line in process.stderr:  # the model is loaded; the socket binds and the front starts next
+            if "runtime ready" in line:
+                break
+        time.sleep(0.3)  # past the bind (milliseconds), inside the front's start (a Python process's, >= 1 s)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert READY_PREFIX not in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

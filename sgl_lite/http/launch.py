@@ -124,8 +124,11 @@ class HttpFront:
         env.pop(API_KEY_ENV, None)
         if api_key:
             env[API_KEY_ENV] = api_key
-        # The child's stdout carries only its ready line; its logs go to stderr (ours).
-        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, pass_fds=(fd,))
+        # The child's stdout carries only its ready line; its logs go to stderr (ours). Its own session: a
+        # terminal's Ctrl-C (sent to the whole foreground process group) reaches serve alone, which stops the
+        # front after the runtime (stop); a front that took it too exited first and was logged as having died.
+        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, pass_fds=(fd,),
+                                        start_new_session=True)
         self._ready = threading.Event()
         self._stopping = False
         threading.Thread(target=self._read_stdout, name="sgl-lite-http-front-stdout", daemon=True).start()

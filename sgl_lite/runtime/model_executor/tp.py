@@ -280,8 +280,10 @@ def _spawn_rank(rank: int, size: int, init_method: str, args: ServerArgs, model_
     env.update({_ENV_RANK: str(rank), _ENV_WORLD: str(size), _ENV_INIT: init_method,
                 _ENV_ARGS: json.dumps(server_args), _ENV_MODEL_DIR: str(model_dir)})
     env["OMP_NUM_THREADS"] = str(_threads_per_rank(size))
+    # Its own session: a terminal's Ctrl-C (sent to the whole foreground process group) reaches rank 0 alone,
+    # which stops the ranks once it has stopped serving; a rank that took it died mid-collective with a traceback.
     return subprocess.Popen([sys.executable, "-m", "sgl_lite.runtime.model_executor.tp", "--parent-pid", str(os.getpid())],
-                            env=env, stdout=sys.stderr)
+                            env=env, stdout=sys.stderr, start_new_session=True)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -295,11 +297,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def main() -> None:
     """Entry point of ranks 1..N-1 (spawned by rank 0; not meant to be started by hand)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[tp]: %(message)s")
     _exit_with_parent(int(sys.argv[sys.argv.index("--parent-pid") + 1]))
     rank, size = int(os.environ[_ENV_RANK]), int(os.environ[_ENV_WORLD])
     args = ServerArgs(**json.loads(os.environ[_ENV_ARGS]))
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[tp]: %(message)s")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(rank)

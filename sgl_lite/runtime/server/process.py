@@ -57,12 +57,15 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
             server.serve_forever()  # returns at once: closes the socket
             core.close()
             raise
-    _start_watchdog(server, core, args.watchdog_timeout)
-    # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
-    logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
-    warn_if_exposed(args.host, args.api_key, "the runtime")
-    print(READY_PREFIX, *announced, flush=True)
-    logger.info("ready")
+    if server.stop_requested:  # a signal while the front started: stop without announcing a server that ends
+        logger.info("stopping before serving (signal during the start)")
+    else:
+        _start_watchdog(server, core, args.watchdog_timeout)
+        # RuntimeCore.from_args has logged the model, dtype, parameters, KV slots and bytes and policy.
+        logger.info("listening on %s%s", " and ".join(announced), " (api key required)" if args.api_key else "")
+        warn_if_exposed(args.host, args.api_key, "the runtime")
+        print(READY_PREFIX, *announced, flush=True)
+        logger.info("ready")
     try:
         server.serve_forever()
     finally:

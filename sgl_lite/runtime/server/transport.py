@@ -143,6 +143,10 @@ class RuntimeServer:
         """Ask the loop to stop after the current step (safe to call from a signal handler)."""
         self._stop_requested = True
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
     def serve_forever(self) -> None:
         assert self._socket is not None, "bind() first"
         poller = zmq.Poller()
