@@ -8,16 +8,19 @@ Measures, in one run on the same weights and dtype:
   `backend+w8a16_int8` / `+w4a16_int4` also runs the matmuls as with that --quantization, and
   `backend+onednn` runs every matmul through oneDNN (without the small-row bf16 kernel, as before it);
 next to transformers (a forward over the prompt; generate() with a KV cache for decode) and next to
-two limits:
-- matmul limit: GFLOP/s of the model's dense matmul kernels (by row count as the model picks them: the
-  small-row bf16 kernel, oneDNN-packed bf16, else F.linear) at its
-  own weight shapes and the batch's row count, one layer's weights timed over and over (so they sit in
-  cache: an upper bound), divided by 2 x (matmul parameters per token). Attention FLOPs are not part of it;
+two limits and the lower of them (the roofline):
+- matmul limit: GFLOP/s of the variant's own matmul kernels (as the model picks them by row count: the
+  small-row bf16 kernel, oneDNN-packed bf16, a --quantization's int8/int4 kernels, else F.linear) at the
+  model's first layer's weights and LM head and the batch's row count, at 1 thread and at all (the better),
+  one layer's weights timed over and over (so they sit in cache: an upper bound), divided by
+  2 x (matmul parameters per token). Attention FLOPs are not part of it;
 - memory limit: the bytes a decode step must read (every matmul weight and the LM head once, in the form
   the step's calls use - quantized bytes for a +quantization variant up to its row limit - plus each
   request's K and V over all layers at its mean context length during the timed steps, in the variant's
   KV dtype) divided by the read bandwidth measured here (sum over a 512 MiB float32 tensor with the same
-  threads). Activations and caches are ignored, so both limits are upper bounds.
+  threads; measured before each batch size, the best of the run for every row). Activations and caches
+  are ignored, so both limits are upper bounds, and where the matmul limit is the lower one a step cannot
+  reach its memory limit whatever its reads cost.
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
 Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N]
@@ -48,8 +51,6 @@ from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
 from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
     QuantizedLinear,
-    gemv_supported,
-    cpu_packed_linear_supported,
     linear,
 )
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402
@@ -63,46 +64,50 @@ from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 DTYPE_FLAGS = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 
 
-def matmul_shapes(runner: ModelRunner) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """(out, in) of every per-layer matmul weight, and of the LM head."""
+MATMUL_WEIGHTS = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
+
+
+def matmul_limit(runner: ModelRunner, forms: tuple[list[dict], object], rows: int, with_lm_head: bool,
+                 repeats: int = 10) -> dict:
+    """Time a variant's own matmul kernels (`forms`: its packed forms per layer and the LM head's, as the
+    model calls them, quantized ones included) at the model's first layer's weights for `rows` tokens, at
+    1 thread and at all (the better of the two, as the thread governor picks), each the best of `repeats`
+    runs; return GFLOP/s and the
+    implied tokens/s."""
     layer = runner.model.layers[0]
-    per_layer = [tuple(w.shape) for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
-    return per_layer, tuple(runner.model.lm_head.shape)
-
-
-def matmul_limit(runner: ModelRunner, rows: int, with_lm_head: bool, repeats: int = 5) -> dict:
-    """Time the dense matmul kernel at the model's shapes for `rows` tokens; return GFLOP/s and the implied tokens/s."""
-    per_layer, lm_head = matmul_shapes(runner)
-    num_layers = runner.config.num_hidden_layers
-    x = torch.randn(rows, max(i for _, i in per_layer + [lm_head]), dtype=runner.dtype)
-    weights = [torch.randn(shape, dtype=runner.dtype) for shape in per_layer]
-    head = torch.randn(lm_head, dtype=runner.dtype)
-    # the dense kernels the model itself runs, chosen by row count as it does: the small-row bf16 kernel,
-    # oneDNN-packed bf16, else F.linear
-    pack = cpu_packed_linear_supported(runner.dtype, runner.device)
-
-    def packed_form(w: torch.Tensor) -> object:
-        dense = torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None
-        return GemvLinear.pack(w, dense) if gemv_supported(w) else dense
-
-    packed = [packed_form(w) for w in weights]
-    head_packed = packed_form(head)
+    layer_forms, head_form = forms[0][0], forms[1]
+    weights = [(getattr(layer, attr), layer_forms.get(name)) for name, attr in MATMUL_WEIGHTS.items()]
+    head = runner.model.lm_head
+    x = torch.randn(rows, max(w.shape[1] for w, _ in weights + [(head, None)]), dtype=runner.dtype)
 
     def timed(fn) -> float:
         fn()  # warm-up (packing, allocation)
-        start = time.perf_counter()
-        for _ in range(repeats):
+        best = float("inf")
+        for _ in range(repeats):  # the best run: a limit is what the kernels can do, not what neighbours allow
+            start = time.perf_counter()
             fn()
-        return (time.perf_counter() - start) / repeats
+            best = min(best, time.perf_counter() - start)
+        return best
 
-    # one set of layer weights timed, scaled to all layers (they share shapes)
-    layer_time = timed(lambda: [linear(x[:, : w.shape[1]].contiguous(), w, None, p) for w, p in zip(weights, packed)])
-    head_time = timed(lambda: linear(x[:, : head.shape[1]].contiguous(), head, None, head_packed)) if with_lm_head else 0.0
-    params_layer = sum(o * i for o, i in per_layer)
-    head_params = lm_head[0] * lm_head[1] if with_lm_head else 0
-    total_time = layer_time * num_layers + head_time
-    params_per_token = params_layer * num_layers + head_params
-    gflops = 2 * params_per_token * rows / total_time / 1e9
+    def step_time() -> float:
+        # one set of layer weights timed, scaled to all layers (they share shapes)
+        layer_time = timed(lambda: [linear(x[:, : w.shape[1]].contiguous(), w, None, f) for w, f in weights])
+        head_time = timed(lambda: linear(x[:, : head.shape[1]].contiguous(), head, None, head_form)) if with_lm_head else 0.0
+        return layer_time * runner.config.num_hidden_layers + head_time
+
+    governor = runner.thread_governor
+    current = torch.get_num_threads()
+    counts = sorted({1, governor.max_threads}) if governor else [current]
+    best = float("inf")
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            best = min(best, step_time())
+    finally:
+        torch.set_num_threads(current)
+    params_per_token = (sum(w.numel() for w, _ in weights) * runner.config.num_hidden_layers
+                        + (head.numel() if with_lm_head else 0))
+    gflops = 2 * params_per_token * rows / best / 1e9
     return {"gflops": gflops, "params_per_token": params_per_token, "tokens_per_s": gflops * 1e9 / (2 * params_per_token)}
 
 
@@ -130,9 +135,8 @@ def decode_bytes(runner: ModelRunner, batch: int, context: float, kv_dtype: torc
             return form.quantized.nbytes
         return dense.numel() * itemsize
 
-    names = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
     weights = sum(weight_bytes(getattr(layer, attr), forms.get(name))
-                  for layer, forms in zip(runner.model.layers, layers) for name, attr in names.items())
+                  for layer, forms in zip(runner.model.layers, layers) for name, attr in MATMUL_WEIGHTS.items())
     weights += weight_bytes(runner.model.lm_head, head)
     kv = batch * context * KVPool.bytes_per_slot(runner.config.num_hidden_layers, runner.model.num_kv_heads, runner.model.head_dim, kv_dtype)
     return weights + kv
@@ -313,7 +317,9 @@ def main() -> None:
     variants = [Variant(runner, spec) for spec in args.variants.split(",")]
     ours = RunnerBench(runner)
     ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)
-    bandwidth = read_bandwidth()
+    # the best read rate seen over the run (measured again before each batch size: this host's bandwidth
+    # moves from minute to minute, and a limit is an upper bound)
+    probes = [read_bandwidth()]
     g = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
 
@@ -324,14 +330,16 @@ def main() -> None:
     variants[0].install(runner)
     ours.prefill(prompts(1, 32)[0], 1)  # warm-up
     prompt = prompts(1, args.prefill_len)[0]
-    limit = matmul_limit(runner, args.prefill_len, with_lm_head=False)
+    limit = matmul_limit(runner, variants[0].packed, args.prefill_len, with_lm_head=False)
     rows.append({"phase": f"prefill {args.prefill_len} tok", "batch": 1, "variant": variants[0].name,
                  "sgl_lite": ours.prefill(prompt, args.repeats),
                  "transformers": ref.prefill(prompt, args.repeats) if ref else None,
                  "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"], "memory_limit": None})
     # mean context over a timed window: the prompt, the warm-up step, then the window
     context = args.decode_prompt_len + 1 + (args.decode_steps + 1) / 2
+    decode_rows: list[tuple[dict, Variant]] = []
     for batch in tqdm(batch_sizes, desc="bench_model"):
+        probes.append(read_bandwidth())
         ps = prompts(batch, args.decode_prompt_len)
         best = {v.name: 0.0 for v in variants}
         for _ in range(args.repeats):  # interleaved: every variant once per round
@@ -339,33 +347,41 @@ def main() -> None:
                 v.install(runner)
                 best[v.name] = max(best[v.name], ours.decode(ps, args.decode_steps, 1))
         hf = ref.decode(ps, args.decode_steps, args.repeats) if ref else None
-        limit = matmul_limit(runner, batch, with_lm_head=True)
         for v in variants:
-            rows.append({"phase": "decode", "batch": batch, "variant": v.name, "sgl_lite": best[v.name], "transformers": hf,
-                         "vs_first_variant": best[v.name] / best[variants[0].name],
-                         "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"],
-                         "memory_limit": batch * bandwidth / decode_bytes(runner, batch, context, v.kv_dtype, v.packed)})
+            limit = matmul_limit(runner, v.packed, batch, with_lm_head=True)
+            row = {"phase": "decode", "batch": batch, "variant": v.name, "sgl_lite": best[v.name], "transformers": hf,
+                   "vs_first_variant": best[v.name] / best[variants[0].name],
+                   "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"]}
+            rows.append(row)
+            decode_rows.append((row, v))
+    bandwidth = max(probes)
+    for row, v in decode_rows:  # at the run's best bandwidth
+        row["memory_limit"] = row["batch"] * bandwidth / decode_bytes(runner, row["batch"], context, v.kv_dtype, v.packed)
+        row["roofline"] = min(row["limit"], row["memory_limit"])
 
     dtype_name = str(runner.dtype).removeprefix("torch.")
     load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"\nload average {load:.1f} on {os.cpu_count()} CPUs; read bandwidth {bandwidth / 1e9:.1f} GB/s (the best of "
+          f"{len(probes)} probes over the run; the lowest {min(probes) / 1e9:.1f})")
     governor = runner.thread_governor  # torch's count now is whatever the governor chose last
     threads = f"1-{governor.max_threads} (adaptive)" if governor else str(torch.get_num_threads())
     print(f"model {model_dir.name}, dtype {dtype_name}, threads {threads}, decode prompt "
           f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
     print("| phase | batch | attention | sgl_lite | vs " + variants[0].name + " | transformers | matmul limit | memory limit "
-          "| / matmul limit | / memory limit | matmul GFLOP/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| / matmul limit | / memory limit | / roofline | matmul GFLOP/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         hf = r["transformers"]
         mem = r["memory_limit"]
         print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['sgl_lite']:.1f} | "
               f"{'-' if 'vs_first_variant' not in r else format(r['vs_first_variant'], '.2f') + 'x'} | "
               f"{'-' if hf is None else format(hf, '.1f')} | {r['limit']:.1f} | {'-' if mem is None else format(mem, '.1f')} | "
-              f"{r['sgl_lite'] / r['limit']:.0%} | {'-' if mem is None else format(r['sgl_lite'] / mem, '.0%')} | {r['matmul_gflops']:.1f} |")
+              f"{r['sgl_lite'] / r['limit']:.0%} | {'-' if mem is None else format(r['sgl_lite'] / mem, '.0%')} | "
+              f"{'-' if mem is None else format(r['sgl_lite'] / r['roofline'], '.0%')} | {r['matmul_gflops']:.1f} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
-                               "load_average": load, "read_bandwidth": bandwidth, "args": vars(args), "results": rows}, indent=2))
+                               "load_average": load, "read_bandwidth": bandwidth,
+                               "read_bandwidth_probes": probes, "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")
     try:
         import matplotlib
