@@ -25,8 +25,9 @@ from sgl_lite.http.limits import HttpLimits, RequestGuard, parse_body
 from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
 from sgl_lite.http.model_context import ModelContextCache
 from sgl_lite.http.native import flush_cache_response, generate
-from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from sgl_lite.http.openai_protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from sgl_lite.http.openai_serving import OpenAIServing
+from sgl_lite.http.tokenize import add_tokenize_routes
 from sgl_lite.http.validation import validation_error
 from sgl_lite.http.worker_api import add_worker_routes
 from sgl_lite.runtime.client import RuntimeClient
@@ -133,6 +134,17 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         _count_unless_streaming(metrics, "/generate", body.stream)
         return response
 
+    @app.post("/abort_request", dependencies=protected)
+    async def abort_request(request: Request) -> dict[str, Any]:
+        """SGLang's: abort a /generate request by the rid it was given (its caller gets an "aborted" error),
+        or every request this front is running with abort_all. Answers how many were running."""
+        body = await parse_body(request, AbortRequest)
+        running = client.in_flight()
+        rids = running if body.abort_all else [body.rid] if body.rid in running else []
+        for rid in rids:
+            await _call(lambda rid=rid: client.abort(rid))
+        return {"aborted": len(rids)}
+
     @app.get("/openapi.json", dependencies=protected, include_in_schema=False)
     async def openapi() -> dict[str, Any]:
         return app.openapi()
@@ -145,6 +157,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
         await generate(runner, body, lambda outcome: None, max_fanout=1)
 
+    add_tokenize_routes(app, contexts, limits, protected)
     add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
                       health_generate=health_generate, protected=protected, runtime_address=client.address)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sgl_lite.runtime.protocol import MAX_STOP_TOKEN_IDS
+from sgl_lite.runtime.protocol import MAX_RID_CHARS, MAX_STOP_TOKEN_IDS
 
 # The largest n (choices per prompt) one request may ask for: each choice is one runtime request.
 MAX_CHOICES = 64
@@ -277,3 +277,11 @@ class GenerateRequest(BaseModel):
         if value not in (None, 0):
             raise ValueError("this worker has one data-parallel rank (0)")
         return value
+
+
+class AbortRequest(BaseModel):
+    """SGLang's /abort_request body: one request by its rid, or all of them."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str = Field(default="", max_length=MAX_RID_CHARS)
+    abort_all: bool = False

@@ -20,7 +20,7 @@ from sgl_lite.http.generation import Delta, Generation, GenerationInput, Request
 from sgl_lite.http.limits import HttpLimits
 from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
-from sgl_lite.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from sgl_lite.http.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
 from sgl_lite.http.tools import ToolRequest, tool_request
@@ -47,6 +47,16 @@ def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(int(m.get("cached_tokens") or 0) for m in firsts)},
     }
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A request's messages as its chat template takes them; HttpError 400 naming what is wrong."""
+    try:
+        return [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
+                                 [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
+                for i, m in enumerate(messages)]
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
 
 
 def _choice_params(body: SamplingFields, num_prompts: int, max_fanout: int,
@@ -128,12 +138,7 @@ class OpenAIServing:
         tools = tool_request(body, context.tool_call_parser, not body.tools or template.renders_tools,
                              context.constrain_tool_calls)
         choice_params = _choice_params(body, 1, self._limits.max_request_fanout, tools.structural_tag() if tools else None)
-        try:
-            messages = [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
-                                         [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
-                        for i, m in enumerate(body.messages)]
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        messages = template_messages(body.messages)
         try:
             args = (messages, tools.tools if tools else None, context.token_texts.encoder())
             # the body bounds all the template renders (contents, tool calls, tools)

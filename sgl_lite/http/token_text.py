@@ -77,6 +77,31 @@ class TokenTexts:
             return piece.encode()  # an added/special token stored verbatim
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
+    @property
+    def available(self) -> bool:
+        """Whether the model's tokenizer file was read (else tokens are only named by id)."""
+        return self._tokenizer is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, its added tokens included (0 without a tokenizer file)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True) if self._tokenizer is not None else 0
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Text -> ids (the tokenizer's special tokens added when asked); needs `available`."""
+        assert self._tokenizer is not None, "no tokenizer file"
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Ids (below vocab_size) -> text, special tokens written out; needs `available`."""
+        assert self._tokenizer is not None, "no tokenizer file"
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        """The vocabulary's own string of an id (transformers' convert_ids_to_tokens), e.g. "Ġthe"."""
+        piece = self._tokenizer.id_to_token(token_id) if self._tokenizer is not None else None
+        return piece if piece is not None else f"token_id:{token_id}"
+
     def encoder(self) -> Callable[[str], list[int]] | None:
         """Text -> ids without the tokenizer's special tokens (how a rendered chat template is tokenized),
         or None without a tokenizer file."""

@@ -143,6 +143,10 @@ class RuntimeClient:
             return
         self._expect(reply, InfoReply)
 
+    def in_flight(self) -> list[str]:
+        """The rids of this client's generate requests that have no final reply yet."""
+        return self._transport.pending_generates()
+
     def flush_cache(self) -> bool:
         return bool(self._call(protocol.FlushCacheReq(self._new_rid(), api_key=self.api_key)).get("flushed"))
 

@@ -134,6 +134,10 @@ class ClientTransport:
         with self._lock:
             return rid in self._pending
 
+    def pending_generates(self) -> list[str]:
+        with self._lock:
+            return [rid for rid, (_, is_generate) in self._pending.items() if is_generate]
+
     def abandon(self, rid: str) -> None:
         """Stop waiting for `rid` (timeout, a stream closed early); a generate is aborted on the runtime."""
         with self._lock:

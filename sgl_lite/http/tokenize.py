@@ -1,0 +1,112 @@
+"""/tokenize and /detokenize, with vLLM's request and response shapes (SGLang serves the same names).
+
+A prompt, or a chat rendered by the model's template exactly as /v1/chat/completions renders it, becomes
+the ids the runtime would be sent: a chat's `count` is the usage.prompt_tokens its completion reports.
+Both run on the tokenizer file the HTTP front reads (token_text.py); a front that cannot read it (its
+runtime on another machine) answers 501. Large inputs are tokenized off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.params import Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from sgl_lite.http.chat_template import ChatTemplateError
+from sgl_lite.http.errors import HttpError, bad_request
+from sgl_lite.http.limits import HttpLimits, parse_body
+from sgl_lite.http.model_context import ModelContext, ModelContextCache
+from sgl_lite.http.openai_protocol import MAX_TOOLS, ChatMessage, Tool
+from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, template_messages
+
+# Ids one /detokenize may name: a bound on the work of one request whatever the body limit allows.
+MAX_DETOKENIZE_TOKENS = 1 << 20
+_INLINE_IDS = 4096  # more ids than this are decoded off the event loop
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (a text, tokenized with the tokenizer's special tokens by default) or `messages` (a
+    chat, rendered by the model's template, which writes its own special tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for a chat
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
+def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpLimits,
+                        protected: list[Depends]) -> None:
+    @app.post("/tokenize", dependencies=protected)
+    @app.post("/v1/tokenize", dependencies=protected, include_in_schema=False)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, TokenizeRequest)
+        context = _with_tokenizer(await contexts.get())
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt" if body.prompt is None else "messages")
+        if body.prompt is not None:
+            ids = await _off_loop_if(len(body.prompt) > RENDER_INLINE_BYTES, context.token_texts.encode, body.prompt,
+                                     True if body.add_special_tokens is None else body.add_special_tokens)
+        else:
+            ids = await _chat_ids(context, body, limits, len(await request.body()))
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": context.context_length, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = [context.token_texts.piece(i) for i in ids]
+        return answer
+
+    @app.post("/detokenize", dependencies=protected)
+    @app.post("/v1/detokenize", dependencies=protected, include_in_schema=False)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, DetokenizeRequest)
+        context = _with_tokenizer(await contexts.get())
+        vocab = context.token_texts.vocab_size
+        for i, token_id in enumerate(body.tokens):
+            if not 0 <= token_id < vocab:
+                raise bad_request(f"tokens[{i}] = {token_id} is not a token id of this model (0 to {vocab - 1})", "tokens")
+        text = await _off_loop_if(len(body.tokens) > _INLINE_IDS, context.token_texts.decode, body.tokens)
+        return {"prompt": text}
+
+
+async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLimits, body_bytes: int) -> list[int]:
+    assert body.messages is not None
+    template = context.require_chat_template()
+    if len(body.messages) > limits.max_chat_messages:
+        raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages "
+                          f"{limits.max_chat_messages}", "messages")
+    if body.tools and not template.renders_tools:
+        raise bad_request("tools: the model's chat template does not render tools", "tools")
+    messages = template_messages(body.messages)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    add_special_tokens = bool(body.add_special_tokens)
+
+    def render_and_encode() -> list[int]:
+        text = template.render(messages, tools, add_generation_prompt=body.add_generation_prompt)
+        return context.token_texts.encode(text, add_special_tokens)
+
+    try:
+        return await _off_loop_if(body_bytes > RENDER_INLINE_BYTES, render_and_encode)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+
+
+def _with_tokenizer(context: ModelContext) -> ModelContext:
+    if not context.token_texts.available:
+        raise HttpError(501, "this HTTP front cannot read the model's tokenizer.json (is the runtime on another "
+                             "machine?), so it cannot tokenize")
+    return context
+
+
+async def _off_loop_if(large: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    return await anyio.to_thread.run_sync(fn, *args) if large else fn(*args)
