@@ -34,9 +34,7 @@ code "aborted") before the socket closes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,10 +43,10 @@ import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.free_port import url_host
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
 from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, is_authorized, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
+from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs
@@ -86,8 +84,8 @@ class RuntimeServer:
         self._args = args
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
-        self._socket: zmq.Socket | None = None
-        self._socket_file: tuple[str, int] | None = None  # an ipc endpoint's file and its inode
+        self._router: RouterSocket | None = None
+        self._socket: zmq.Socket | None = None  # the router's socket, while bound
         self._inflight: dict[str, _InFlight] = {}
         self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
@@ -98,45 +96,9 @@ class RuntimeServer:
     # ------------------------------------------------------------------ lifecycle
 
     def bind(self) -> str:
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
-        # wait for it (sending raises EAGAIN, see _send), so it cannot grow the server without bound.
-        sock.setsockopt(zmq.SNDHWM, self._args.max_queued_replies_per_client)
-        # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
-        # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
-        # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
-        # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
-        sock.setsockopt(zmq.RCVHWM, 0)
-        # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
-        # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
-        # hostile peer can never make the server buffer more than that.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._args.max_message_bytes)
-        host = self._args.host
-        if host.startswith("ipc://"):
-            # Owner-only from the moment the socket file exists (the umask), and after (the chmod).
-            previous_umask = os.umask(0o177)
-            try:
-                sock.bind(host)
-            finally:
-                os.umask(previous_umask)
-            path = host[len("ipc://") :]
-            if not path.startswith("@"):  # an abstract name (Linux) has no file
-                os.chmod(path, 0o600)
-                self._socket_file = (path, os.stat(path).st_ino)
-            self.address = host
-        else:
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)  # else libzmq refuses an IPv6 address ("No such device")
-            if self._args.resolved_zmq_port() == 0:
-                port = sock.bind_to_random_port(f"tcp://{url_host(host)}")
-                self.address = f"tcp://{url_host(host)}:{port}"
-            else:
-                self.address = f"tcp://{url_host(host)}:{self._args.resolved_zmq_port()}"
-                sock.bind(self.address)
-        self._socket = sock
+        self._router = bind_router(self._context, self._args)
+        self._socket = self._router.socket
+        self.address = self._router.address
         return self.address
 
     def request_shutdown(self) -> None:
@@ -207,15 +169,9 @@ class RuntimeServer:
             # reports, leaving the scheduler idle for whoever owns the core next (tests, Engine).
             core.step()
         self._inflight.clear()
-        if self._socket is not None:
-            self._socket.close(linger=SHUTDOWN_LINGER_MS)
-            self._socket = None
-        if self._socket_file is not None:  # ZeroMQ leaves an ipc socket's file behind; remove ours, not a successor's
-            path, inode = self._socket_file
-            self._socket_file = None
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == inode:
-                    os.unlink(path)
+        if self._router is not None:
+            self._router.close(SHUTDOWN_LINGER_MS)
+            self._router = self._socket = None
 
     # ------------------------------------------------------------------ incoming
 

@@ -1,0 +1,79 @@
+"""The runtime's ZeroMQ ROUTER socket: its options and why each is set, its bind (tcp on IPv4 or IPv6, a free
+port for port 0; ipc on an owner-only socket file), and the removal of that file when it closes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import zmq
+
+from sgl_lite.runtime.free_port import url_host
+from sgl_lite.runtime.server_args import ServerArgs
+
+
+@dataclass
+class RouterSocket:
+    socket: zmq.Socket
+    address: str  # what clients connect to: tcp://host:port or ipc://path
+    socket_file: tuple[str, int] | None  # an ipc endpoint's file and its inode
+
+    def close(self, linger_ms: int) -> None:
+        self.socket.close(linger=linger_ms)
+        if self.socket_file is not None:  # ZeroMQ leaves an ipc socket's file behind; remove ours, not a successor's
+            path, inode = self.socket_file
+            self.socket_file = None
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+
+
+def bind_router(context: zmq.Context, args: ServerArgs) -> RouterSocket:
+    """A ROUTER bound on args.host (and --zmq-port for tcp); zmq.ZMQError when the address is taken."""
+    sock = context.socket(zmq.ROUTER)
+    try:
+        return _bind(sock, args)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def _bind(sock: zmq.Socket, args: ServerArgs) -> RouterSocket:
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A bounded send queue per peer: a peer that stops reading is dropped once this many replies
+    # wait for it (sending raises EAGAIN, see RuntimeServer._send), so it cannot grow the server without bound.
+    sock.setsockopt(zmq.SNDHWM, args.max_queued_replies_per_client)
+    # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
+    # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
+    # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
+    # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+    sock.setsockopt(zmq.RCVHWM, 0)
+    # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
+    # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
+    # hostile peer can never make the server buffer more than that.
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * args.max_message_bytes)
+    host = args.host
+    if host.startswith("ipc://"):
+        # Owner-only from the moment the socket file exists (the umask), and after (the chmod).
+        previous_umask = os.umask(0o177)
+        try:
+            sock.bind(host)
+        finally:
+            os.umask(previous_umask)
+        path = host[len("ipc://") :]
+        if path.startswith("@"):  # an abstract name (Linux) has no file
+            return RouterSocket(sock, host, None)
+        os.chmod(path, 0o600)
+        return RouterSocket(sock, host, (path, os.stat(path).st_ino))
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)  # else libzmq refuses an IPv6 address ("No such device")
+    port = args.resolved_zmq_port()
+    if port == 0:
+        port = sock.bind_to_random_port(f"tcp://{url_host(host)}")
+        return RouterSocket(sock, f"tcp://{url_host(host)}:{port}", None)
+    address = f"tcp://{url_host(host)}:{port}"
+    sock.bind(address)
+    return RouterSocket(sock, address, None)
