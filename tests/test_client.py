@@ -26,6 +26,7 @@ class FakeRouter:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.received: list[protocol.Request] = []
+        self.keys: list[bytes] = []  # each message's key frame
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
@@ -40,8 +41,9 @@ class FakeRouter:
                 continue
             batch = []
             while self._socket.poll(0):
-                identity, data = self._socket.recv_multipart()
+                identity, key, data = self._socket.recv_multipart()
                 msg = protocol.decode_request(data)
+                self.keys.append(key)
                 self.received.append(msg)
                 if isinstance(msg, protocol.HealthReq):
                     batch.append((identity, [protocol.InfoReply(msg.rid, {"ok": True})]))
@@ -95,7 +97,8 @@ def test_generate_and_info_calls(echo_server):
         assert client.flush_cache() is True
         assert client.health()
     sent = [m for m in echo_server.received if isinstance(m, protocol.GenerateReq)]
-    assert sent[0].api_key == "key" and sent[0].sampling_params.max_new_tokens == 4
+    assert sent[0].sampling_params.max_new_tokens == 4
+    assert set(echo_server.keys) == {b"key"}  # every message's key frame
 
 
 def test_concurrent_threads_get_their_own_answers(echo_server):

@@ -68,9 +68,10 @@ def serve(engine, tmp_path) -> Iterator:
 
 
 class Peer:
-    """A bare DEALER socket that sends raw bytes and reads replies only when asked to."""
+    """A bare DEALER socket that sends raw messages (after a key frame) and reads replies only when asked to."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -78,7 +79,7 @@ class Peer:
 
     def ask(self, payload: bytes, timeout: float = 10.0) -> tuple[protocol.Reply | None, int]:
         """The first non-keepalive reply and its size in bytes."""
-        self.socket.send(payload)
+        self.send(payload)
         deadline = time.monotonic() + timeout
         while self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             data = self.socket.recv()
@@ -86,6 +87,9 @@ class Peer:
             if not (isinstance(reply, protocol.InfoReply) and reply.rid == ""):
                 return reply, len(data)
         return None, 0
+
+    def send(self, payload: bytes) -> None:
+        self.socket.send_multipart(protocol.request_frames(payload, self.api_key))
 
     def close(self) -> None:
         self.socket.close()
@@ -103,16 +107,16 @@ def still_serving(address: str, api_key: str | None = None) -> None:
 
 
 @pytest.mark.parametrize("api_key", [None, "s3cret"])
-@pytest.mark.parametrize("field", ["type", "rid", "api_key", "json_schema", "unknown"])
+@pytest.mark.parametrize("field", ["type", "rid", "sampling_params", "json_schema", "unknown"])
 def test_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(serve, api_key, field):
     server = serve(api_key=api_key)
-    peer = Peer(server.address)
+    peer = Peer(server.address, api_key)
     try:
-        payload = nested_message(field, depth=1000, api_key=api_key)
+        payload = nested_message(field, depth=1000)
         assert len(payload) < 1200  # about 1 KB
         reply, _ = peer.ask(payload)
         assert isinstance(reply, protocol.ErrorReply), reply
-        assert reply.code in ("bad_request", "unauthorized")
+        assert reply.code == "bad_request"
         assert reply.message
         assert server.thread.is_alive()
     finally:
@@ -171,14 +175,28 @@ def test_a_rid_over_the_limit_is_refused_and_not_echoed(serve):
 
 def test_unauthenticated_replies_echo_nothing(serve):
     server = serve(api_key="s3cret")
-    peer = Peer(server.address)
+    peer = Peer(server.address, "wrong")
     try:
         huge_rid = "r" * 1_000_000
-        reply, size = peer.ask(msgspec.msgpack.encode({"type": "HealthReq", "rid": huge_rid, "api_key": "wrong"}))
+        reply, size = peer.ask(msgspec.msgpack.encode({"type": "HealthReq", "rid": huge_rid}))
         assert isinstance(reply, protocol.ErrorReply) and reply.code == "unauthorized" and reply.rid == ""
         assert size < 200
+        # The key is checked before any byte of the message is read: what would be a bad request is refused
+        # as unauthorized, and so is a key frame too long to be the key, or a message without one.
+        reply, _ = peer.ask(nested_message("rid", depth=5000))
+        assert isinstance(reply, protocol.ErrorReply) and reply.code == "unauthorized"
     finally:
         peer.close()
+    for frames, says in (([b"s3cret" * 100_000, protocol.encode(protocol.HealthReq("long-key"))], "api_key"),
+                         ([protocol.encode(protocol.HealthReq("no-key-frame"))], "key frame")):
+        peer = Peer(server.address)
+        try:
+            peer.socket.send_multipart(frames)
+            assert peer.socket.poll(10_000)
+            reply = protocol.decode_reply(peer.socket.recv())
+            assert isinstance(reply, protocol.ErrorReply) and reply.rid == "" and says in reply.message, reply
+        finally:
+            peer.close()
     # A RuntimeClient with a wrong key still learns, for each of its requests, that the key is wrong.
     with RuntimeClient(server.address, api_key="wrong", timeout=30) as bad:
         with pytest.raises(RuntimeRequestError) as info:
@@ -188,16 +206,38 @@ def test_unauthenticated_replies_echo_nothing(serve):
     still_serving(server.address, "s3cret")
 
 
+def test_an_unauthenticated_message_is_not_read(serve, monkeypatch):
+    """A peer without the key costs the server a comparison of its key frame per message, whatever the
+    message holds: not a byte of it is decoded (before, the envelope was, to find the key inside it)."""
+    from sgl_lite.runtime.server import transport
+
+    decoded: list[int] = []
+    real = transport.read_envelope
+    monkeypatch.setattr(transport, "read_envelope", lambda payload: decoded.append(len(payload)) or real(payload))
+    server = serve(api_key="s3cret")
+    big = msgspec.msgpack.encode({"type": "GenerateReq", "rid": "big", "input_ids": list(range(200_000))})
+    for key in ("wrong", None):
+        peer = Peer(server.address, key)
+        try:
+            reply, _ = peer.ask(big)
+            assert isinstance(reply, protocol.ErrorReply) and reply.code == "unauthorized"
+        finally:
+            peer.close()
+    assert decoded == []
+    still_serving(server.address, "s3cret")
+    assert decoded  # the authenticated client's messages are
+
+
 def test_a_peer_that_does_not_read_is_dropped(serve, engine):
     server = serve(max_queued_replies_per_client=64)
     peer = Peer(server.address)
     try:
         long = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
-        peer.socket.send(protocol.encode(protocol.GenerateReq("stream", text="The quick brown fox", stream=True,
+        peer.send(protocol.encode(protocol.GenerateReq("stream", text="The quick brown fox", stream=True,
                                                               sampling_params=protocol.SamplingParams(**long))))
         flood = 3000
         for i in range(flood):  # ServerInfo replies are a few KB each; the peer reads none of them
-            peer.socket.send(protocol.encode(protocol.ServerInfoReq(f"info-{i}")))
+            peer.send(protocol.encode(protocol.ServerInfoReq(f"info-{i}")))
         # The server gives up on the peer: its stream is aborted long before 400 tokens.
         with RuntimeClient(server.address, timeout=30) as other:
             deadline = time.monotonic() + 60

@@ -13,10 +13,10 @@ from sgl_lite.runtime.protocol import SamplingParams
 
 REQUESTS = [
     protocol.GenerateReq("r1", text="hi", sampling_params=SamplingParams(max_new_tokens=3, temperature=0.0, stop=["\n"]),
-                         stream=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=2, priority=5, api_key="k"),
+                         stream=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=2, priority=5),
     protocol.GenerateReq("r2", input_ids=[1, 2, 3], sampling_params=SamplingParams(json_schema={"type": "object"})),
     protocol.AbortReq("r1"),
-    protocol.FlushCacheReq("f", api_key="k"),
+    protocol.FlushCacheReq("f"),
     protocol.ServerInfoReq("s"),
     protocol.HealthReq("h"),
 ]

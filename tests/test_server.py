@@ -77,15 +77,19 @@ def wait_until_running(client: RuntimeClient, wait_s: float = 30.0) -> None:
 
 
 class RawPeer:
-    """A bare DEALER socket, to send bytes no well-behaved client would."""
+    """A bare DEALER socket, to send bytes no well-behaved client would (after a key frame)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.connect(address)
 
+    def send(self, payload: bytes) -> None:
+        self.socket.send_multipart(protocol.request_frames(payload, self.api_key))
+
     def ask(self, payload: bytes, timeout: float = 10.0) -> protocol.Reply | None:
-        self.socket.send(payload)
+        self.send(payload)
         deadline = time.monotonic() + timeout
         while self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = protocol.decode_reply(self.socket.recv())
@@ -292,7 +296,7 @@ def test_abort_of_an_unknown_request_id_names_it(client):
 
 def test_duplicate_in_flight_rid_is_refused(raw, client):
     request = protocol.GenerateReq("dup", text="The quick brown fox", sampling_params=protocol.SamplingParams(**LONG))
-    raw.socket.send(protocol.encode(request))
+    raw.send(protocol.encode(request))
     wait_until_running(client)
     reply = raw.ask(protocol.encode(request))
     assert isinstance(reply, protocol.ErrorReply) and "already in flight" in reply.message
@@ -346,17 +350,17 @@ def test_wrong_api_key_is_unauthorized(secure_server, key):
 
 
 def test_messages_over_the_size_limit(secure_server):
-    peer = RawPeer(secure_server.address)
+    peer = RawPeer(secure_server.address, "s3cret")
     try:
-        over = protocol.GenerateReq("big", text="x" * 6000, api_key="s3cret")
+        over = protocol.GenerateReq("big", text="x" * 6000)
         reply = peer.ask(protocol.encode(over))
         assert isinstance(reply, protocol.ErrorReply) and reply.rid == "big"
         assert "--max-message-bytes 4096" in reply.message
         # Far over the limit: ZeroMQ drops it (and the connection) before anyone can read a rid.
-        huge = protocol.GenerateReq("huge", text="x" * 100_000, api_key="s3cret")
+        huge = protocol.GenerateReq("huge", text="x" * 100_000)
         assert peer.ask(protocol.encode(huge), timeout=2) is None
         # The same peer reconnects and is served again.
-        reply = peer.ask(protocol.encode(protocol.HealthReq("after", api_key="s3cret")))
+        reply = peer.ask(protocol.encode(protocol.HealthReq("after")))
         assert isinstance(reply, protocol.InfoReply) and reply.rid == "after"
     finally:
         peer.close()

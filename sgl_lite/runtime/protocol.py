@@ -9,10 +9,13 @@ naming the field at fault for anything else. No pickle anywhere.
 Request ids are chosen by the client, at most MAX_RID_CHARS long, and must be non-empty: the empty
 rid is reserved for the server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent
 about once a second to every client that has requests in flight (so that a vanished client is
-noticed, server/transport.py). Clients ignore it; it is never an answer to a request. An
-`ErrorReply` with rid "" and code "unauthorized" answers a message without the right api_key: the
-server never echoes anything of an unauthenticated message, so the client fails every request it
-has pending (they all carry the same key).
+noticed, server/transport.py). Clients ignore it; it is never an answer to a request.
+
+A request travels as two ZeroMQ frames: the api_key (empty without one), then the message. The server
+compares the key frame before it reads anything of the message, so a peer without the key costs it a
+comparison per message, whatever it sends. An `ErrorReply` with rid "" and code "unauthorized" answers a
+message without the right key: the server never echoes anything of an unauthenticated message, so the
+client fails every request it has pending (they all carry the same key).
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
 sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
@@ -160,30 +163,30 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: Union[int, None] = None
-    api_key: Union[str, None] = None
 
 
 class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     rid: RequestId
-    api_key: Union[str, None] = None
 
 
 class FlushCacheReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     rid: RequestId
-    api_key: Union[str, None] = None
 
 
 class ServerInfoReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     rid: RequestId
-    api_key: Union[str, None] = None
 
 
 class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     rid: RequestId
-    api_key: Union[str, None] = None
 
 
 Request = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+
+
+def request_frames(payload: bytes, api_key: str | None) -> list[bytes]:
+    """The ZeroMQ frames of one encoded request: the key frame (empty without a key), then the message."""
+    return [(api_key or "").encode(), payload]
 
 
 # ---------------------------------------------------------------- server -> client

@@ -80,11 +80,9 @@ def sampling_params(wild: bool) -> st.SearchStrategy:
 
 def _request(tag: str, fields: dict[str, st.SearchStrategy], wild_fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
     """Well-typed requests (most of them), and wild ones: wrong types, a lost rid, an unknown field."""
-    typed = st.fixed_dictionaries({"type": st.just(tag), "rid": st.text(min_size=1, max_size=12)},
-                                  optional={**fields, "api_key": st.none() | st.text(max_size=8)})
+    typed = st.fixed_dictionaries({"type": st.just(tag), "rid": st.text(min_size=1, max_size=12)}, optional=fields)
     wild = st.fixed_dictionaries({"type": st.just(tag), "rid": _maybe_wrong(st.text(max_size=12))},
-                                 optional={**{k: _maybe_wrong(v) for k, v in wild_fields.items()},
-                                           "api_key": st.none() | st.text(max_size=8)})
+                                 optional={k: _maybe_wrong(v) for k, v in wild_fields.items()})
     return _weighted((6, typed), (2, wild), (1, wild.map(lambda d: {k: v for k, v in d.items() if k != "rid"})),
                      (1, st.builds(lambda d, k, v: {**d, k: v}, wild, st.text(max_size=8), msgpack_values)))
 
@@ -128,7 +126,7 @@ def request_dicts() -> st.SearchStrategy:
     return _weighted((4, generate), (3, plausible_generate()), (2, others), (1, unknown))
 
 
-NESTED_FIELDS = ("type", "rid", "api_key", "sampling_params", "json_schema", "input_ids", "unknown")
+NESTED_FIELDS = ("type", "rid", "sampling_params", "json_schema", "input_ids", "unknown")
 
 
 def nested_value(depth: int, kind: str = "array") -> bytes:
@@ -138,13 +136,11 @@ def nested_value(depth: int, kind: str = "array") -> bytes:
     return opener * depth + (b"\x90" if kind == "array" else b"\x80")
 
 
-def nested_message(field: str, depth: int, api_key: str | None = None, kind: str = "array") -> bytes:
+def nested_message(field: str, depth: int, kind: str = "array") -> bytes:
     """A small request whose `field` holds a value nested `depth` deep (issue 16: ~1 KB at 1000 deep
     once made msgspec raise RecursionError, which ended the server loop)."""
     encode = msgspec.msgpack.encode
     fields: dict[str, bytes] = {"type": encode("GenerateReq"), "rid": encode("nested"), "text": encode("hi")}
-    if api_key is not None:
-        fields["api_key"] = encode(api_key)
     if field == "json_schema":  # a field of any type: decoded in full, however deep
         fields["sampling_params"] = b"\x81" + encode("json_schema") + nested_value(depth, kind)
     else:
@@ -155,7 +151,7 @@ def nested_message(field: str, depth: int, api_key: str | None = None, kind: str
 
 def nested_payloads() -> st.SearchStrategy[bytes]:
     return st.builds(nested_message, st.sampled_from(NESTED_FIELDS), st.integers(100, 5000),
-                     st.just(None), st.sampled_from(["array", "map"]))
+                     st.sampled_from(["array", "map"]))
 
 
 def payloads() -> st.SearchStrategy[bytes]:
@@ -166,7 +162,7 @@ def payloads() -> st.SearchStrategy[bytes]:
 
 
 def frame_lists() -> st.SearchStrategy[list[bytes]]:
-    """What one DEALER send can carry: mostly one frame, sometimes several."""
+    """The message frames of one DEALER send, after its key frame: mostly one, sometimes several."""
     return _weighted((9, payloads().map(lambda p: [p])), (1, st.lists(payloads(), min_size=2, max_size=3)))
 
 
@@ -245,8 +241,9 @@ class FuzzSession:
         self.context.term()
 
     def send(self, frames: list[bytes]) -> None:
-        """Send one fuzz message, wait until the server has handled it, check every reply so far."""
-        self.fuzz.send_multipart(frames)
+        """Send one fuzz message (after the key frame), wait until the server has handled it, check every
+        reply so far."""
+        self.fuzz.send_multipart(protocol.request_frames(frames[0], self.api_key) + frames[1:])
         self.stats.messages += 1
         self._sync()
         if self.stats.messages % self.valid_every == 0:
@@ -256,7 +253,7 @@ class FuzzSession:
         # The server handles one peer's messages in order: once the probe is answered, so is the fuzz.
         for _ in range(3):
             probe = f"probe-{uuid.uuid4().hex}"
-            self.fuzz.send(protocol.encode(protocol.HealthReq(probe, api_key=self.api_key)))
+            self.fuzz.send_multipart(protocol.request_frames(protocol.encode(protocol.HealthReq(probe)), self.api_key))
             if self._drain_until(self.fuzz, probe, 10.0) is not None:
                 return
             self.stats.lost_probes += 1  # a message over twice the size limit drops the connection
@@ -289,9 +286,8 @@ class FuzzSession:
 
     def check_valid(self) -> None:
         rid = f"valid-{uuid.uuid4().hex}"
-        msg = protocol.GenerateReq(rid, text=self.valid_prompt, sampling_params=protocol.SamplingParams(**self.valid_params),
-                                   api_key=self.api_key)
-        self.valid.send(protocol.encode(msg))
+        msg = protocol.GenerateReq(rid, text=self.valid_prompt, sampling_params=protocol.SamplingParams(**self.valid_params))
+        self.valid.send_multipart(protocol.request_frames(protocol.encode(msg), self.api_key))
         reply = self._drain_until(self.valid, rid, self.timeout)
         self.stats.valid_checks += 1
         if not isinstance(reply, protocol.Finished):

@@ -70,7 +70,7 @@ def _ask(target: HostileTarget, payload: bytes, *, read: bool = True) -> protoco
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(target.address)
     try:
-        sock.send(payload)
+        sock.send_multipart(protocol.request_frames(payload, target.api_key))
         if read and sock.poll(int(_REPLY_WAIT_S * 1000)):
             return protocol.decode_reply(sock.recv())
         return None
@@ -86,20 +86,19 @@ def _expect_error(reply: protocol.Reply | None, *needles: str) -> str | None:
 
 
 def _generate(target: HostileTarget, rid: str = "", **params: object) -> bytes:
-    return protocol.encode(protocol.GenerateReq(rid or uuid.uuid4().hex, text="The quick brown fox", api_key=target.api_key,
+    return protocol.encode(protocol.GenerateReq(rid or uuid.uuid4().hex, text="The quick brown fox",
                                                 sampling_params=protocol.SamplingParams(max_new_tokens=4, **params)))
 
 
 def nested(target: HostileTarget, rng: random.Random) -> str | None:
-    payload = nested_message(rng.choice(NESTED_FIELDS), rng.randint(1000, 5000), target.api_key,
-                             rng.choice(["array", "map"]))
+    payload = nested_message(rng.choice(NESTED_FIELDS), rng.randint(1000, 5000), rng.choice(["array", "map"]))
     reply = _ask(target, payload)
     return None if isinstance(reply, protocol.ErrorReply) and reply.code == "bad_request" else f"got {reply!r}"[:300]
 
 
 def long_rid(target: HostileTarget, rng: random.Random) -> str | None:
     rid = "r" * rng.randint(protocol.MAX_RID_CHARS + 1, 1_000_000)
-    payload = msgspec.msgpack.encode({"type": "HealthReq", "rid": rid, "api_key": target.api_key})
+    payload = msgspec.msgpack.encode({"type": "HealthReq", "rid": rid})
     reply = _ask(target, payload)
     if isinstance(reply, protocol.ErrorReply) and reply.rid != "":
         return f"an over-long rid was echoed ({len(reply.rid)} characters)"
@@ -110,14 +109,14 @@ def non_reader(target: HostileTarget, rng: random.Random) -> str | None:
     """A long stream and a flood of info requests (a few KB of reply each), none of it read, then gone."""
     long = protocol.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     frames = [protocol.encode(protocol.GenerateReq(uuid.uuid4().hex, text="The quick brown fox", stream=True,
-                                                   sampling_params=long, api_key=target.api_key))]
-    frames += [protocol.encode(protocol.ServerInfoReq(uuid.uuid4().hex, api_key=target.api_key)) for _ in range(400)]
+                                                   sampling_params=long))]
+    frames += [protocol.encode(protocol.ServerInfoReq(uuid.uuid4().hex)) for _ in range(400)]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(target.address)
     try:
         for frame in frames:
-            sock.send(frame)
+            sock.send_multipart(protocol.request_frames(frame, target.api_key))
         time.sleep(rng.uniform(0.5, 2.0))
     finally:
         sock.close()

@@ -226,8 +226,8 @@ class _RawWorker:
                 return
             rec.sent_at = time.monotonic()
             msg = protocol.GenerateReq(rec.rid, text=rec.prompt, sampling_params=protocol.SamplingParams(**rec.params),
-                                       stream=rec.stream, priority=rec.priority, api_key=self.api_key)
-            self.socket.send(protocol.encode(msg))
+                                       stream=rec.stream, priority=rec.priority)
+            self.socket.send_multipart(protocol.request_frames(protocol.encode(msg), self.api_key))
             self.in_flight[rec.rid] = rec
             if rec.action:
                 self.abort_at[rec.rid] = rec.sent_at + self.rng.uniform(0.0, 0.3)
@@ -242,7 +242,7 @@ class _RawWorker:
             if rec is None:
                 continue
             if rec.action == "abort":
-                self.socket.send(protocol.encode(protocol.AbortReq(rid, api_key=self.api_key)))
+                self.socket.send_multipart(protocol.request_frames(protocol.encode(protocol.AbortReq(rid)), self.api_key))
             else:  # disconnect: every request of this socket is left behind without a final
                 for left in self.in_flight.values():
                     left.disconnected = True

@@ -131,11 +131,11 @@ class RuntimeClient:
         """Abort one of this client's requests; RuntimeRequestError when the runtime does not know it."""
         if self._transport.is_pending(rid):
             # Its waiter receives the ErrorReply (code "aborted"); the runtime sends nothing else.
-            self._transport.send(protocol.AbortReq(rid, api_key=self.api_key))
+            self._transport.send(protocol.AbortReq(rid))
             return
         replies: queue.Queue[Item] = queue.Queue()
         # Only an unknown rid gets an answer (an ErrorReply naming it); silence means it was aborted.
-        self._submit(rid, protocol.AbortReq(rid, api_key=self.api_key), replies.put, is_generate=False)
+        self._submit(rid, protocol.AbortReq(rid), replies.put, is_generate=False)
         try:
             reply = replies.get(timeout=min(self.timeout, _ABORT_ANSWER_WAIT_S))
         except queue.Empty:
@@ -148,10 +148,10 @@ class RuntimeClient:
         return self._transport.pending_generates()
 
     def flush_cache(self) -> bool:
-        return bool(self._call(protocol.FlushCacheReq(self._new_rid(), api_key=self.api_key)).get("flushed"))
+        return bool(self._call(protocol.FlushCacheReq(self._new_rid())).get("flushed"))
 
     def server_info(self) -> dict[str, Any]:
-        return self._call(protocol.ServerInfoReq(self._new_rid(), api_key=self.api_key))
+        return self._call(protocol.ServerInfoReq(self._new_rid()))
 
     def is_connected(self) -> bool:
         """True while the connection to the runtime is established and answering ZMTP heartbeats:
@@ -163,7 +163,7 @@ class RuntimeClient:
         scheduler steps, so this tells "ready to serve soon"; a False during one long step does not mean
         dead (waiting requests use the heartbeat-based liveness instead)."""
         try:
-            self._call(protocol.HealthReq(self._new_rid(), api_key=self.api_key), timeout=timeout)
+            self._call(protocol.HealthReq(self._new_rid()), timeout=timeout)
             return True
         except (RuntimeUnavailableError, RuntimeRequestError):
             return False
@@ -192,7 +192,7 @@ class RuntimeClient:
                 raise RuntimeRequestError(f"invalid sampling_params: {e}") from None
         rid = rid or self._new_rid()
         return rid, protocol.GenerateReq(rid, text=text, input_ids=input_ids, sampling_params=params,
-                                         stream=stream, api_key=self.api_key, **options)
+                                         stream=stream, **options)
 
     @staticmethod
     def _new_rid() -> str:

@@ -77,7 +77,7 @@ class ClientTransport:
 
         check_zmq_address(address)
         self.address = address
-        self._api_key = api_key
+        self._api_key = api_key  # sent in a frame before every message (protocol.request_frames)
         self._health_interval = health_interval
         self._health_timeout = health_timeout
         self._context = zmq.Context()
@@ -143,7 +143,7 @@ class ClientTransport:
         with self._lock:
             entry = self._pending.pop(rid, None)
         if entry is not None and entry[1]:
-            self.send(protocol.AbortReq(rid, api_key=self._api_key))
+            self.send(protocol.AbortReq(rid))
 
     def close(self) -> None:
         """Abort the in-flight generate requests, fail every waiter, stop the I/O thread (which closes
@@ -155,7 +155,7 @@ class ClientTransport:
             pending, self._pending = self._pending, {}
         for rid, (sink, is_generate) in pending.items():
             if is_generate:
-                self._outbox.put(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
+                self._outbox.put(protocol.encode(protocol.AbortReq(rid)))
             sink(RuntimeRequestError("client closed", "closed"))
         self._outbox.put(None)
         self._wake()
@@ -249,7 +249,7 @@ class ClientTransport:
         self._close_link(linger_ms=0)
         self._dealer, self._monitor = self._connect()
         for rid in self._owed_aborts:
-            self._dealer.send(protocol.encode(protocol.AbortReq(rid, api_key=self._api_key)))
+            self._send_frames(self._dealer, protocol.encode(protocol.AbortReq(rid)))
         return self._poller()
 
     def _release(self, ended_by: str) -> None:
@@ -302,7 +302,10 @@ class ClientTransport:
                 return True
             if data is None:
                 return False
-            dealer.send(data)
+            self._send_frames(dealer, data)
+
+    def _send_frames(self, dealer: zmq.Socket, payload: bytes) -> None:
+        dealer.send_multipart(protocol.request_frames(payload, self._api_key))
 
     def _route(self, data: bytes) -> None:
         try:

@@ -1,9 +1,10 @@
-"""What the server may read of ANY incoming message before trusting it: the api_key and a rid to answer.
+"""What the server may read of ANY incoming message before trusting it: its key frame, then a rid to answer.
 
-A malformed, unauthenticated or hostile message still gets one answer. The envelope is a lenient view
-of the msgpack map (unknown fields ignored, any type accepted, nesting too deep = no envelope), read
-before the full decode: the key check comes first, and only a rid that obeys the wire's own rule
-(non-empty, at most MAX_RID_CHARS) is ever echoed back.
+A malformed, unauthenticated or hostile message still gets one answer. The key frame (protocol.py) is
+compared first, before any byte of the message is read. The envelope is a lenient view of the msgpack
+map (unknown fields ignored, any type accepted, nesting too deep = no envelope), read before the full
+decode, and only a rid that obeys the wire's own rule (non-empty, at most MAX_RID_CHARS) is ever echoed
+back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ REQUEST_TYPES = tuple(t.__name__ for t in typing.get_args(protocol.Request))  # 
 class Envelope(msgspec.Struct):
     type: Any = None
     rid: Any = None
-    api_key: Any = None
 
 
 def read_envelope(payload: bytes) -> Envelope | None:
@@ -32,11 +32,9 @@ def read_envelope(payload: bytes) -> Envelope | None:
         return None
 
 
-def is_authorized(envelope: Envelope | None, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    given = envelope.api_key if envelope is not None else None
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), api_key.encode())
+def key_matches(key_frame: bytes, api_key: str) -> bool:
+    """Whether a message's key frame carries the server's api_key (in constant time)."""
+    return hmac.compare_digest(key_frame, api_key.encode())
 
 
 def echoable_rid(envelope: Envelope | None) -> str:

@@ -44,7 +44,7 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
-from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, is_authorized, read_envelope
+from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, key_matches, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
 from sgl_lite.runtime.managers.request import FinishKind, Req
@@ -62,6 +62,7 @@ GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
+MAX_KEY_FRAME_BYTES = 4096  # a longer key frame is a wrong key, refused without copying it
 
 
 @dataclass
@@ -179,33 +180,37 @@ class RuntimeServer:
         assert self._socket is not None
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                # not copied out of ZeroMQ's buffers: an unauthenticated message is never read (_handle)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._handle_guarded(frames)
 
-    def _handle_guarded(self, frames: list[bytes]) -> None:
+    def _handle_guarded(self, frames: list[zmq.Frame]) -> None:
         """No single message may end the loop: whatever handling it raises is logged and answered."""
         try:
             self._handle(frames)
         except Exception as e:
             logger.exception("internal error handling a message of %d bytes", sum(map(len, frames[1:])))
             try:
-                self._send(frames[0], protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
+                self._send(frames[0].bytes, protocol.ErrorReply("", f"internal error: {type(e).__name__}", "internal"))
             except Exception:
                 logger.exception("could not answer that message either")
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity, payload = frames[0], frames[-1]
-        if len(frames) != 2:
-            self._send(identity, protocol.ErrorReply("", f"expected one message frame, got {len(frames) - 1}"))
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) != 3:
+            self._send(identity, protocol.ErrorReply("", f"expected a key frame and a message frame, got {len(frames) - 1} "
+                                                         "frames"))
             return
-        envelope = read_envelope(payload)
-        if not is_authorized(envelope, self._args.api_key):
-            # Nothing of an unauthenticated message is echoed (its rid could be huge): rid "" tells
+        key, api_key = frames[1], self._args.api_key
+        if api_key is not None and (len(key) > MAX_KEY_FRAME_BYTES or not key_matches(key.bytes, api_key)):
+            # Nothing of an unauthenticated message is read or echoed (its rid could be huge): rid "" tells
             # the client that every request it sent with this key is refused.
             self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
             return
+        payload = frames[2].bytes
+        envelope = read_envelope(payload)
         rid = echoable_rid(envelope)
         if len(payload) > self._args.max_message_bytes:
             limit = self._args.max_message_bytes
