@@ -157,14 +157,13 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
 
     def after_bind(request_shutdown: Callable[[], None]) -> list[str]:
-        claimed.release_zmq()
         try:
             return [front.wait_ready(on_exit=request_shutdown)]
         except RuntimeError as e:
             raise SetupError(str(e)) from None
 
     try:
-        run_server(args, after_bind)
+        run_server(args, after_bind, zmq_fd=claimed.take_zmq_fd())
     except (SetupError, LoaderError) as e:
         raise click.ClickException(str(e)) from None
     finally:

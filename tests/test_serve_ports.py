@@ -27,6 +27,8 @@ from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.client.discovery import reachable_address
 from sgl_lite.runtime.free_port import free_port
 from sgl_lite.runtime.protocol import READY_PREFIX
+from sgl_lite.runtime.server.ports import claim_ports
+from sgl_lite.runtime.server_args import ServerArgs
 
 SERVER_ARGS = dict(dtype="float32", max_total_tokens=2048, log_level="warning")
 
@@ -176,6 +178,24 @@ def test_http_port_taken_fails_the_whole_start_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_no_listener_can_take_the_claimed_ports_while_the_model_loads():
+    """serve claims both ports before the load and hands them over listening. A ZeroMQ port merely bound
+    (not listening) let another SO_REUSEADDR listener (ZeroMQ binds so) take it during the load."""
+    claimed = claim_ports(ServerArgs(model_path="unused", port=0))
+    try:
+        for port in (claimed.args.port, claimed.args.zmq_port):
+            thief = socket.socket()
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                with pytest.raises(OSError):
+                    thief.bind(("127.0.0.1", port))
+                    thief.listen()
+            finally:
+                thief.close()
+    finally:
+        claimed.close()
+
+
 def test_zmq_port_clash_is_found_before_the_model_loads(tmp_path):
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)

@@ -1,10 +1,12 @@
 """The ports of `sgl-lite serve`, claimed before the model loads, so that a clash costs one line at once
 instead of a traceback after a long load.
 
-The HTTP port is bound and listening here; its file descriptor is handed to the HTTP front, so nobody
-can take it in between. The ZeroMQ port is reserved: a socket bound with SO_REUSEADDR but not listening,
-which keeps other programs (and the kernel's choice of ports for outgoing connections) off it, while
-ZeroMQ's own listener, also SO_REUSEADDR, may bind beside it; the reservation is released once it has.
+Both ports are bound and listening here, and their file descriptors handed over, so nobody can take
+either in between: the HTTP one to the HTTP front, the ZeroMQ one to the runtime's ROUTER (libzmq's
+ZMQ_USE_FD; it owns and closes the fd from then on). A socket merely bound (not listening) kept only
+some programs off: another SO_REUSEADDR listener could still take the port during the model's load,
+and the runtime's bind failed after it. Connections that arrive before the hand-over wait in the
+listen backlog.
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ class PortUnavailableError(RuntimeError):
 @dataclass
 class ClaimedPorts:
     http_socket: socket.socket  # listening; its fd goes to the HTTP front
-    zmq_reservation: socket.socket | None  # None for an ipc:// endpoint
+    zmq_socket: socket.socket | None  # listening; its fd goes to the ROUTER. None for an ipc:// endpoint
     args: ServerArgs  # with the concrete --port and --zmq-port
 
-    def release_zmq(self) -> None:
-        if self.zmq_reservation is not None:
-            self.zmq_reservation.close()
-            self.zmq_reservation = None
+    def take_zmq_fd(self) -> int | None:
+        """The ZeroMQ listener's fd, for RuntimeServer.bind, which owns it from then on (None for ipc)."""
+        if self.zmq_socket is None:
+            return None
+        fd = self.zmq_socket.detach()
+        self.zmq_socket = None
+        return fd
 
     def close(self) -> None:
-        self.release_zmq()
+        if self.zmq_socket is not None:
+            self.zmq_socket.close()
+            self.zmq_socket = None
         self.http_socket.close()
 
 
@@ -44,7 +51,7 @@ def http_bind_host(args: ServerArgs) -> str:
 
 
 def claim_ports(args: ServerArgs) -> ClaimedPorts:
-    """Bind the HTTP port and reserve the ZeroMQ port; PortUnavailableError names the one taken."""
+    """Bind and listen on the HTTP and ZeroMQ ports; PortUnavailableError names the one taken."""
     host = http_bind_host(args)
     http_socket = _bind(host, args.port, "HTTP", "--port")
     http_socket.listen(LISTEN_BACKLOG)
@@ -58,12 +65,13 @@ def claim_ports(args: ServerArgs) -> ClaimedPorts:
         return ClaimedPorts(http_socket, None, args.replace(port=http_port))
     zmq_port = args.zmq_port if args.zmq_port is not None else (http_port + 1 if args.port else 0)
     try:
-        reservation = _bind(host, zmq_port, "the ZeroMQ endpoint",
-                            "--zmq-port" if args.zmq_port is not None else "--port + 1; choose another with --zmq-port")
+        zmq_socket = _bind(host, zmq_port, "the ZeroMQ endpoint",
+                           "--zmq-port" if args.zmq_port is not None else "--port + 1; choose another with --zmq-port")
     except PortUnavailableError:
         http_socket.close()
         raise
-    return ClaimedPorts(http_socket, reservation, args.replace(port=http_port, zmq_port=reservation.getsockname()[1]))
+    zmq_socket.listen(LISTEN_BACKLOG)
+    return ClaimedPorts(http_socket, zmq_socket, args.replace(port=http_port, zmq_port=zmq_socket.getsockname()[1]))
 
 
 def check_ipc_path_free(path: str) -> None:

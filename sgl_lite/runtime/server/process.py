@@ -29,20 +29,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sgl_lite.runtime.server.transport")
 
 
-def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None) -> None:
+def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None,
+               zmq_fd: int | None = None) -> None:
     """The `sgl-lite serve` process: load the model, bind, announce readiness, serve until a signal.
 
     `after_bind(request_shutdown)` runs once the ZeroMQ socket is bound, before the ready line: `serve`
     waits there for its HTTP front, and returns the addresses to announce after ours (the HTTP URL).
     The ready line `SGL_LITE_READY <zmq address> [<http url>]` on stdout is what the launcher waits
-    for; everything else goes to the log (stderr).
+    for; everything else goes to the log (stderr). `zmq_fd`: a socket already listening on the ZeroMQ
+    port (ports.claim_ports), which the ROUTER takes over.
     """
     from sgl_lite.runtime.server.core import RuntimeCore
 
     core = RuntimeCore.from_args(args)
     server = RuntimeServer(core, args)
     try:
-        address = server.bind()
+        address = server.bind(zmq_fd)
     except zmq.ZMQError as e:
         core.close()
         raise PortUnavailableError(f"cannot bind the ZeroMQ endpoint (--host/--zmq-port): {e}") from None

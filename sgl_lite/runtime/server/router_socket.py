@@ -29,17 +29,19 @@ class RouterSocket:
                     os.unlink(path)
 
 
-def bind_router(context: zmq.Context, args: ServerArgs) -> RouterSocket:
-    """A ROUTER bound on args.host (and --zmq-port for tcp); zmq.ZMQError when the address is taken."""
+def bind_router(context: zmq.Context, args: ServerArgs, listening_fd: int | None = None) -> RouterSocket:
+    """A ROUTER bound on args.host (and --zmq-port for tcp); zmq.ZMQError when the address is taken.
+    `listening_fd`: a tcp socket already listening on that address (ports.claim_ports), which libzmq takes
+    over (ZMQ_USE_FD) and closes with the ROUTER."""
     sock = context.socket(zmq.ROUTER)
     try:
-        return _bind(sock, args)
+        return _bind(sock, args, listening_fd)
     except BaseException:
         sock.close(linger=0)
         raise
 
 
-def _bind(sock: zmq.Socket, args: ServerArgs) -> RouterSocket:
+def _bind(sock: zmq.Socket, args: ServerArgs, listening_fd: int | None) -> RouterSocket:
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     # Clients use a fixed routing id; a reconnect (after a dropped connection) takes it over.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -75,5 +77,7 @@ def _bind(sock: zmq.Socket, args: ServerArgs) -> RouterSocket:
         port = sock.bind_to_random_port(f"tcp://{url_host(host)}")
         return RouterSocket(sock, f"tcp://{url_host(host)}:{port}", None)
     address = f"tcp://{url_host(host)}:{port}"
+    if listening_fd is not None:
+        sock.setsockopt(zmq.USE_FD, listening_fd)
     sock.bind(address)
     return RouterSocket(sock, address, None)

@@ -96,8 +96,9 @@ class RuntimeServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def bind(self) -> str:
-        self._router = bind_router(self._context, self._args)
+    def bind(self, listening_fd: int | None = None) -> str:
+        """Bind the ROUTER (on `listening_fd`, a tcp socket already listening on the address, when given)."""
+        self._router = bind_router(self._context, self._args, listening_fd)
         self._socket = self._router.socket
         self.address = self._router.address
         return self.address
