@@ -44,6 +44,22 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def cluster_processes(cluster: subprocess.Popen) -> set[int]:
+    """The router, the replicas and each replica's HTTP front of a running 2-replica cluster."""
+    started = children_of(cluster.pid)
+    assert len(started) == 3  # 2 replicas, 1 router
+    started |= {front for pid in started for front in children_of(pid)}
+    assert len(started) == 5
+    return started
+
+
+def wait_all_gone(pids: set[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
+        time.sleep(0.1)
+
+
 def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:
     assert cpu_sets(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
     assert cpu_sets(3, [0, 1]) == [[0], [1], [0]]  # more replicas than CPUs: shared, one each
@@ -73,16 +89,10 @@ def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
         reply = requests.post(url + "/generate", timeout=30,
                               json={"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
         assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] >= 1
-        started = children_of(cluster.pid)
-        assert len(started) == 3  # 2 replicas, 1 router
-        started |= {front for pid in started for front in children_of(pid)}  # each replica's HTTP front
-        assert len(started) == 5
+        started = cluster_processes(cluster)
         cluster.send_signal(signal.SIGTERM)
         assert cluster.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in started):
-            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
-            time.sleep(0.1)
+        wait_all_gone(started, 10)
         with pytest.raises(requests.ConnectionError):
             requests.get(url + "/health", timeout=5)
     finally:
@@ -101,15 +111,10 @@ def test_a_killed_cluster_leaves_nothing_running_and_port_0_picks_one(tiny_llama
         assert line.startswith(READY_PREFIX), f"cluster did not start (exit code {cluster.poll()})"
         url = line.split()[1]
         assert not url.endswith(":0") and requests.get(url + "/health", timeout=10).status_code == 200
-        started = children_of(cluster.pid)
-        started |= {front for pid in started for front in children_of(pid)}
-        assert len(started) == 5
+        started = cluster_processes(cluster)
         cluster.kill()
         cluster.wait()
-        deadline = time.monotonic() + 20
-        while any(alive(pid) for pid in started):
-            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
-            time.sleep(0.1)
+        wait_all_gone(started, 20)
     finally:
         if cluster.poll() is None:
             cluster.kill()
@@ -124,17 +129,12 @@ def test_a_terminal_ctrl_c_stops_the_cluster_quietly(tiny_llama_dir: Path) -> No
         assert cluster.stdout is not None and cluster.stderr is not None
         line = cluster.stdout.readline()
         assert line.startswith(READY_PREFIX), f"cluster did not start (exit code {cluster.poll()})"
-        started = children_of(cluster.pid)
-        started |= {front for pid in started for front in children_of(pid)}
-        assert len(started) == 5
+        started = cluster_processes(cluster)
         os.killpg(cluster.pid, signal.SIGINT)
         assert cluster.wait(30) == 0
         stderr = cluster.stderr.read()
         assert "exited" not in stderr and "Traceback" not in stderr, stderr
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in started):
-            assert time.monotonic() < deadline, [pid for pid in started if alive(pid)]
-            time.sleep(0.1)
+        wait_all_gone(started, 10)
     finally:
         if cluster.poll() is None:
             os.killpg(cluster.pid, signal.SIGKILL)
