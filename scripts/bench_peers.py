@@ -122,16 +122,22 @@ class _Detached:
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds so far of the live processes in process group `pgid` (a server started in
-    its own session: its front, workers and engine processes all count)."""
-    total = 0
+    its own session: its engine and worker processes) and of every process descended from them, whatever
+    its group (sgl_lite's HTTP front and tensor-parallel ranks run in sessions of their own)."""
+    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, utime + stime in ticks)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited meanwhile
-        if int(fields[2]) == pgid:  # fields[0] is the state (stat field 3); pgrp is field 5, utime/stime 14/15
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        # fields[0] is the state (stat field 3): ppid and pgrp are fields 4 and 5, utime/stime 14/15
+        procs[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+    counted = {pid for pid, (_, pgrp, _) in procs.items() if pgrp == pgid}
+    frontier = set(counted)
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in procs.items() if ppid in frontier and pid not in counted}
+        counted |= frontier
+    return sum(procs[pid][2] for pid in counted) / os.sysconf("SC_CLK_TCK")
 
 
 def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message") -> dict:

@@ -249,3 +249,20 @@ def test_generate_all_raises_the_first_failure_at_once_and_aborts_the_rest():
         assert sorted(m.rid for m in server.received if isinstance(m, protocol.AbortReq)) == ["h1", "h2"]
     finally:
         server.close()
+
+
+def test_a_server_that_cannot_read_our_framing_fails_every_request_at_once():
+    """A server of another wire version answers each message with rid "" (it cannot tell the request): the
+    client fails what it has pending instead of waiting out its timeout."""
+    def old_server(msg: protocol.Request) -> list[protocol.Reply]:
+        return [protocol.ErrorReply("", "expected one message frame, got 2", "bad_request")]
+
+    server = FakeRouter(old_server)
+    try:
+        with RuntimeClient(server.address, timeout=60) as client:
+            start = time.monotonic()
+            with pytest.raises(RuntimeRequestError, match="frame"):
+                client.generate("hello")
+            assert time.monotonic() - start < 10
+    finally:
+        server.close()

@@ -188,7 +188,8 @@ def test_unauthenticated_replies_echo_nothing(serve):
     finally:
         peer.close()
     for frames, says in (([b"s3cret" * 100_000, protocol.encode(protocol.HealthReq("long-key"))], "api_key"),
-                         ([protocol.encode(protocol.HealthReq("no-key-frame"))], "key frame")):
+                         ([protocol.encode(protocol.HealthReq("no-key-frame"))], "got one frame"),
+                         ([b"s3cret", protocol.encode(protocol.HealthReq("many"))] + [b"x"] * 1000, "more than two")):
         peer = Peer(server.address)
         try:
             peer.socket.send_multipart(frames)

@@ -79,6 +79,11 @@ def test_detokenize_inverts_tokenize(live):
     reply = live.post("/detokenize", {"tokens": ids})
     assert reply.status_code == 200, reply.text
     assert reply.json() == {"prompt": live.tokenizer.decode(ids)}
+    chat = live.tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    for skip in (False, True):
+        reply = live.post("/detokenize", {"tokens": chat, "skip_special_tokens": skip})
+        assert reply.json() == {"prompt": live.tokenizer.decode(chat, skip_special_tokens=skip)}
+    assert live.tokenizer.decode(chat, skip_special_tokens=True) != live.tokenizer.decode(chat)  # the case is live
 
 
 @pytest.mark.parametrize(("path", "body", "says"), [
@@ -89,6 +94,8 @@ def test_detokenize_inverts_tokenize(live):
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1] = 1000000000"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0] = -1"),
     ("/abort_request", {"rid": "x" * 10_000}, "rid"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "description": "d" * 70_000}}}}}]}, "tools[0]"),
 ])
 def test_bad_input_gets_a_400_naming_it(live, path, body, says):
     reply = live.post(path, body)

@@ -139,11 +139,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         """SGLang's: abort a /generate request by the rid it was given (its caller gets an "aborted" error),
         or every request this front is running with abort_all. Answers how many were running."""
         body = await parse_body(request, AbortRequest)
-        running = client.in_flight()
-        rids = running if body.abort_all else [body.rid] if body.rid in running else []
-        for rid in rids:
-            await _call(lambda rid=rid: client.abort(rid))
-        return {"aborted": len(rids)}
+        rids = client.in_flight() if body.abort_all else [body.rid]
+        return {"aborted": sum(client.abort_in_flight(rid) for rid in rids)}
 
     @app.get("/openapi.json", dependencies=protected, include_in_schema=False)
     async def openapi() -> dict[str, Any]:

@@ -92,10 +92,10 @@ class TokenTexts:
         assert self._tokenizer is not None, "no tokenizer file"
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Ids (below vocab_size) -> text, special tokens written out; needs `available`."""
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Ids (below vocab_size) -> text, special tokens written out unless skipped; needs `available`."""
         assert self._tokenizer is not None, "no tokenizer file"
-        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def piece(self, token_id: int) -> str:
         """The vocabulary's own string of an id (transformers' convert_ids_to_tokens), e.g. "Ġthe"."""

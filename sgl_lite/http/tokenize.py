@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize, with vLLM's request and response shapes (SGLang serves the same names).
+"""/tokenize and /detokenize, with vLLM's request and response shapes (and `skip_special_tokens`, SGLang's).
 
 A prompt, or a chat rendered by the model's template exactly as /v1/chat/completions renders it, becomes
 the ids the runtime would be sent: a chat's `count` is the usage.prompt_tokens its completion reports.
@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from fastapi.params import Depends
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +22,7 @@ from sgl_lite.http.limits import HttpLimits, parse_body
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import MAX_TOOLS, ChatMessage, Tool
 from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, template_messages
+from sgl_lite.http.tools import check_tools
 
 # Ids one /detokenize may name: a bound on the work of one request whatever the body limit allows.
 MAX_DETOKENIZE_TOKENS = 1 << 20
@@ -45,13 +47,14 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    skip_special_tokens: bool = False  # vLLM writes them out; SGLang's clients send true to leave them out
 
 
 def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpLimits,
                         protected: list[Depends]) -> None:
     @app.post("/tokenize", dependencies=protected)
     @app.post("/v1/tokenize", dependencies=protected, include_in_schema=False)
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest)
         context = _with_tokenizer(await contexts.get())
         if (body.prompt is None) == (body.messages is None):
@@ -61,10 +64,13 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
                                      True if body.add_special_tokens is None else body.add_special_tokens)
         else:
             ids = await _chat_ids(context, body, limits, len(await request.body()))
-        answer: dict[str, Any] = {"count": len(ids), "max_model_len": context.context_length, "tokens": ids}
-        if body.return_token_strs:
-            answer["token_strs"] = [context.token_texts.piece(i) for i in ids]
-        return answer
+        def answer() -> Response:  # rendered here: a long answer's JSON is built off the event loop too
+            content: dict[str, Any] = {"count": len(ids), "max_model_len": context.context_length, "tokens": ids}
+            if body.return_token_strs:
+                content["token_strs"] = [context.token_texts.piece(i) for i in ids]
+            return JSONResponse(content)
+
+        return await _off_loop_if(len(ids) > _INLINE_IDS, answer)
 
     @app.post("/detokenize", dependencies=protected)
     @app.post("/v1/detokenize", dependencies=protected, include_in_schema=False)
@@ -75,7 +81,8 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         for i, token_id in enumerate(body.tokens):
             if not 0 <= token_id < vocab:
                 raise bad_request(f"tokens[{i}] = {token_id} is not a token id of this model (0 to {vocab - 1})", "tokens")
-        text = await _off_loop_if(len(body.tokens) > _INLINE_IDS, context.token_texts.decode, body.tokens)
+        text = await _off_loop_if(len(body.tokens) > _INLINE_IDS, context.token_texts.decode, body.tokens,
+                                  body.skip_special_tokens)
         return {"prompt": text}
 
 
@@ -85,10 +92,12 @@ async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLi
     if len(body.messages) > limits.max_chat_messages:
         raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages "
                           f"{limits.max_chat_messages}", "messages")
-    if body.tools and not template.renders_tools:
-        raise bad_request("tools: the model's chat template does not render tools", "tools")
-    messages = template_messages(body.messages)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    if tools:
+        check_tools(tools)  # the limits a chat completion's tools get
+        if not template.renders_tools:
+            raise bad_request("tools: the model's chat template does not render tools", "tools")
+    messages = template_messages(body.messages)
     add_special_tokens = bool(body.add_special_tokens)
 
     def render_and_encode() -> list[int]:

@@ -84,7 +84,7 @@ def tool_request(body: ChatCompletionRequest, parser_name: str | None, renders_t
         raise bad_request("tools: the model's chat template does not render tools or tool calls; start the server "
                           "with --chat-template naming a tool-capable template (smollm2-tools for SmolLM2)", "tools")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    _check_tools(tools)
+    check_tools(tools)
     named = None
     if isinstance(choice, NamedToolChoice):
         named = choice.function.name
@@ -98,7 +98,7 @@ def tool_request(body: ChatCompletionRequest, parser_name: str | None, renders_t
     return ToolRequest(tools, mode, named, body.parallel_tool_calls, PARSERS[parser_name], constrain)
 
 
-def _check_tools(tools: list[dict[str, Any]]) -> None:
+def check_tools(tools: list[dict[str, Any]]) -> None:
     seen: set[str] = set()
     total = 0
     for i, tool in enumerate(tools):

@@ -99,17 +99,17 @@ class StreamExecutor:
         self._queue.join()
 
     def end(self) -> None:
-        """No more expressions will come; the worker exits after the queued ones."""
-        for child in self.children:
-            child.end()
+        """No more expressions will come; the worker exits after the queued ones. Its branches end too: the
+        flag and the list are taken under the lock branch() holds, so no branch is added after them."""
         with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-            if self.use_thread:
+            already, self._ended = self._ended, True
+            children = list(self.children)
+            if not already and self.use_thread:
                 self._queue.put(None)
-                return
-        self._finish()
+        for child in children:
+            child.end()
+        if not already and not self.use_thread:
+            self._finish()
 
     def branch(self) -> StreamExecutor:
         """A fork branch continuing from this executor's text, variables and role (call once its queue has

@@ -315,7 +315,7 @@ class ClientTransport:
             return
         if isinstance(reply, protocol.InfoReply) and reply.rid == "":
             return  # the server's keepalive (it finds vanished clients by sending to them)
-        if isinstance(reply, protocol.ErrorReply) and reply.rid == "" and reply.code == "unauthorized":
+        if isinstance(reply, protocol.ErrorReply) and reply.rid == "" and reply.code in ("unauthorized", "bad_request"):
             self._refuse_all(reply)
             return
         with self._lock:
@@ -328,8 +328,9 @@ class ClientTransport:
         entry[0](reply)
 
     def _refuse_all(self, reply: protocol.ErrorReply) -> None:
-        """The server refused our api_key (it echoes no rid then): every pending request carries the
-        same key, so every one of them is refused."""
+        """The server refused a message it could not tell the request of (rid ""): our api_key, or our framing
+        (a client and a server of different wire versions). Every pending request carries the same key and
+        framing, so every one of them is refused, rather than left to wait out the timeout."""
         with self._lock:
             pending, self._pending = self._pending, {}
         for sink, _ in pending.values():

@@ -41,7 +41,12 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
     """
     from sgl_lite.runtime.server.core import RuntimeCore
 
-    core = RuntimeCore.from_args(args)
+    try:
+        core = RuntimeCore.from_args(args)
+    except BaseException:
+        if zmq_fd is not None:  # not handed to a ROUTER yet: ours to close
+            os.close(zmq_fd)
+        raise
     server = RuntimeServer(core, args)
     try:
         address = server.bind(zmq_fd)

@@ -53,9 +53,9 @@ def _bind(sock: zmq.Socket, args: ServerArgs, listening_fd: int | None) -> Route
     # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
     # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
     sock.setsockopt(zmq.RCVHWM, 0)
-    # Messages up to twice the limit are read and refused with an ErrorReply naming the limit;
-    # larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible), so a
-    # hostile peer can never make the server buffer more than that.
+    # Frames up to twice the limit are read (a message over the limit is refused with an ErrorReply naming
+    # it); larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible). The limit is
+    # per frame: the loop drops a message's frames past the fourth as it reads them (RuntimeServer._receive).
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * args.max_message_bytes)
     host = args.host
     if host.startswith("ipc://"):

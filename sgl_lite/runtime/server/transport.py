@@ -181,11 +181,24 @@ class RuntimeServer:
         assert self._socket is not None
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
-                # not copied out of ZeroMQ's buffers: an unauthenticated message is never read (_handle)
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._receive()
             except zmq.Again:
                 return
             self._handle_guarded(frames)
+
+    def _receive(self) -> list[zmq.Frame]:
+        """One message's frames (identity, key, message), not copied out of ZeroMQ's buffers (an
+        unauthenticated message is never read, _handle). ZeroMQ's size limit is per frame and a message may
+        hold any number of them: past the fourth they are dropped as they are read (the message is refused
+        for its frame count), so no message makes this loop keep more than four."""
+        assert self._socket is not None
+        frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self._socket.recv(copy=False)
+            if len(frames) < 4:
+                frames.append(frame)
+        return frames
 
     def _handle_guarded(self, frames: list[zmq.Frame]) -> None:
         """No single message may end the loop: whatever handling it raises is logged and answered."""
@@ -201,8 +214,8 @@ class RuntimeServer:
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         if len(frames) != 3:
-            self._send(identity, protocol.ErrorReply("", f"expected a key frame and a message frame, got {len(frames) - 1} "
-                                                         "frames"))
+            got = "one frame" if len(frames) == 2 else "more than two frames"
+            self._send(identity, protocol.ErrorReply("", f"expected a key frame and a message frame, got {got}"))
             return
         key, api_key = frames[1], self._args.api_key
         if api_key is not None and (len(key) > MAX_KEY_FRAME_BYTES or not key_matches(key.bytes, api_key)):
