@@ -77,3 +77,11 @@ def test_missing_model(tmp_path):
     line = _serve_error(tmp_path / "no-such-model")
     assert "no-such-model" in line
 
+
+
+def test_an_empty_api_key_is_refused(tiny_llama_dir):
+    """A client without a key sends an empty key frame, so an empty --api-key would let everyone in."""
+    line = _serve_error(tiny_llama_dir, "--api-key", "")
+    assert "--api-key must not be empty" in line
+    with pytest.raises(ValueError, match="--api-key"):
+        ServerArgs(api_key="")

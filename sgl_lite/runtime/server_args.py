@@ -123,6 +123,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
+        if self.api_key == "":  # a client without a key sends an empty key frame: "" would let everyone in
+            raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
         for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
