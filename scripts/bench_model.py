@@ -72,8 +72,7 @@ def matmul_limit(runner: ModelRunner, forms: tuple[list[dict], object], rows: in
     """Time a variant's own matmul kernels (`forms`: its packed forms per layer and the LM head's, as the
     model calls them, quantized ones included) at the model's first layer's weights for `rows` tokens, at
     1 thread and at all (the better of the two, as the thread governor picks), each the best of `repeats`
-    runs; return GFLOP/s and the
-    implied tokens/s."""
+    runs; return GFLOP/s and the implied tokens/s."""
     layer = runner.model.layers[0]
     layer_forms, head_form = forms[0][0], forms[1]
     weights = [(getattr(layer, attr), layer_forms.get(name)) for name, attr in MATMUL_WEIGHTS.items()]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import anyio
 from fastapi import Request
@@ -38,6 +38,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONG_DIGITS = re.compile(rb"\d{19,}")
 
 Model = TypeVar("Model", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,12 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
     """The body as `model`; 400 (through the validation handler) for bad JSON, lone surrogates,
     wrong fields, or an integer outside the signed 64-bit range."""
     raw = await request.body()
-    if len(raw) > OFFLOAD_PARSE_BYTES:
-        return await anyio.to_thread.run_sync(_parse, raw, model)
-    return _parse(raw, model)
+    return await off_loop_if(len(raw) > OFFLOAD_PARSE_BYTES, _parse, raw, model)
+
+
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), on a worker thread when `large` (the event loop serves everyone else meanwhile)."""
+    return await anyio.to_thread.run_sync(fn, *args) if large else fn(*args)
 
 
 def _parse(raw: bytes, model: type[Model]) -> Model:

@@ -11,13 +11,12 @@ import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
-import anyio
 from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.chat_template import ChatTemplateError, message_text, template_message
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
-from sgl_lite.http.limits import HttpLimits
+from sgl_lite.http.limits import HttpLimits, off_loop_if
 from sgl_lite.http.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -47,6 +46,12 @@ def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(int(m.get("cached_tokens") or 0) for m in firsts)},
     }
+
+
+def check_message_count(messages: list[ChatMessage], limits: HttpLimits) -> None:
+    if len(messages) > limits.max_chat_messages:
+        raise bad_request(f"messages has {len(messages)} entries; at most --max-chat-messages {limits.max_chat_messages}",
+                          "messages")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -132,9 +137,7 @@ class OpenAIServing:
     async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
         context = await self._contexts.get()
         template = context.require_chat_template()
-        limit = self._limits.max_chat_messages
-        if len(body.messages) > limit:
-            raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages {limit}", "messages")
+        check_message_count(body.messages, self._limits)
         tools = tool_request(body, context.tool_call_parser, not body.tools or template.renders_tools,
                              context.constrain_tool_calls)
         choice_params = _choice_params(body, 1, self._limits.max_request_fanout, tools.structural_tag() if tools else None)
@@ -142,10 +145,7 @@ class OpenAIServing:
         try:
             args = (messages, tools.tools if tools else None, context.token_texts.encoder())
             # the body bounds all the template renders (contents, tool calls, tools)
-            if body_bytes > RENDER_INLINE_BYTES:
-                prompt = await anyio.to_thread.run_sync(template.prompt, *args)  # not on the event loop
-            else:
-                prompt = template.prompt(*args)
+            prompt = await off_loop_if(body_bytes > RENDER_INLINE_BYTES, template.prompt, *args)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         inputs = _runtime_inputs([(prompt.text, prompt.input_ids)], choice_params, body.logprobs, body.top_logprobs_num(),

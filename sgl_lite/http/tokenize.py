@@ -8,9 +8,8 @@ runtime on another machine) answers 501. Large inputs are tokenized off the even
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.params import Depends
@@ -18,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sgl_lite.http.chat_template import ChatTemplateError
 from sgl_lite.http.errors import HttpError, bad_request
-from sgl_lite.http.limits import HttpLimits, parse_body
+from sgl_lite.http.limits import HttpLimits, off_loop_if, parse_body
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_protocol import MAX_TOOLS, ChatMessage, Tool
-from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, template_messages
+from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, check_message_count, template_messages
 from sgl_lite.http.tools import check_tools
 
 # Ids one /detokenize may name: a bound on the work of one request whatever the body limit allows.
@@ -60,17 +59,18 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt" if body.prompt is None else "messages")
         if body.prompt is not None:
-            ids = await _off_loop_if(len(body.prompt) > RENDER_INLINE_BYTES, context.token_texts.encode, body.prompt,
+            ids = await off_loop_if(len(body.prompt) > RENDER_INLINE_BYTES, context.token_texts.encode, body.prompt,
                                      True if body.add_special_tokens is None else body.add_special_tokens)
         else:
             ids = await _chat_ids(context, body, limits, len(await request.body()))
+
         def answer() -> Response:  # rendered here: a long answer's JSON is built off the event loop too
             content: dict[str, Any] = {"count": len(ids), "max_model_len": context.context_length, "tokens": ids}
             if body.return_token_strs:
                 content["token_strs"] = [context.token_texts.piece(i) for i in ids]
             return JSONResponse(content)
 
-        return await _off_loop_if(len(ids) > _INLINE_IDS, answer)
+        return await off_loop_if(len(ids) > _INLINE_IDS, answer)
 
     @app.post("/detokenize", dependencies=protected)
     @app.post("/v1/detokenize", dependencies=protected, include_in_schema=False)
@@ -81,7 +81,7 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         for i, token_id in enumerate(body.tokens):
             if not 0 <= token_id < vocab:
                 raise bad_request(f"tokens[{i}] = {token_id} is not a token id of this model (0 to {vocab - 1})", "tokens")
-        text = await _off_loop_if(len(body.tokens) > _INLINE_IDS, context.token_texts.decode, body.tokens,
+        text = await off_loop_if(len(body.tokens) > _INLINE_IDS, context.token_texts.decode, body.tokens,
                                   body.skip_special_tokens)
         return {"prompt": text}
 
@@ -89,9 +89,7 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
 async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLimits, body_bytes: int) -> list[int]:
     assert body.messages is not None
     template = context.require_chat_template()
-    if len(body.messages) > limits.max_chat_messages:
-        raise bad_request(f"messages has {len(body.messages)} entries; at most --max-chat-messages "
-                          f"{limits.max_chat_messages}", "messages")
+    check_message_count(body.messages, limits)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     if tools:
         check_tools(tools)  # the limits a chat completion's tools get
@@ -105,7 +103,7 @@ async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLi
         return context.token_texts.encode(text, add_special_tokens)
 
     try:
-        return await _off_loop_if(body_bytes > RENDER_INLINE_BYTES, render_and_encode)
+        return await off_loop_if(body_bytes > RENDER_INLINE_BYTES, render_and_encode)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
 
@@ -116,6 +114,3 @@ def _with_tokenizer(context: ModelContext) -> ModelContext:
                              "machine?), so it cannot tokenize")
     return context
 
-
-async def _off_loop_if(large: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    return await anyio.to_thread.run_sync(fn, *args) if large else fn(*args)

@@ -50,8 +50,8 @@ def _bind(sock: zmq.Socket, args: ServerArgs, listening_fd: int | None) -> Route
     sock.setsockopt(zmq.SNDHWM, args.max_queued_replies_per_client)
     # An unbounded receive queue: with a high-water mark, a burst of requests on one connection
     # stalls libzmq's reading of that connection, and the client's ZMTP heartbeats queue behind
-    # the data until it declares a live runtime dead. Memory stays bounded by what the peer sends
-    # (each message is capped below); the loop reads at most MAX_MESSAGES_PER_STEP per step.
+    # the data until it declares a live runtime dead. Memory is then what the peers send (each frame is
+    # capped below, their number is not); the loop reads at most MAX_MESSAGES_PER_STEP per step.
     sock.setsockopt(zmq.RCVHWM, 0)
     # Frames up to twice the limit are read (a message over the limit is refused with an ErrorReply naming
     # it); larger ones are cut off by ZeroMQ itself (connection dropped, no reply possible). The limit is

@@ -85,8 +85,7 @@ class RuntimeServer:
         self._args = args
         self._context = context or zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
-        self._router: RouterSocket | None = None
-        self._socket: zmq.Socket | None = None  # the router's socket, while bound
+        self._router: RouterSocket | None = None  # while bound
         self._inflight: dict[str, _InFlight] = {}
         self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
@@ -99,9 +98,12 @@ class RuntimeServer:
     def bind(self, listening_fd: int | None = None) -> str:
         """Bind the ROUTER (on `listening_fd`, a tcp socket already listening on the address, when given)."""
         self._router = bind_router(self._context, self._args, listening_fd)
-        self._socket = self._router.socket
         self.address = self._router.address
         return self.address
+
+    @property
+    def _socket(self) -> zmq.Socket | None:
+        return self._router.socket if self._router is not None else None
 
     def request_shutdown(self) -> None:
         """Ask the loop to stop after the current step (safe to call from a signal handler)."""
@@ -173,12 +175,11 @@ class RuntimeServer:
         self._inflight.clear()
         if self._router is not None:
             self._router.close(SHUTDOWN_LINGER_MS)
-            self._router = self._socket = None
+            self._router = None
 
     # ------------------------------------------------------------------ incoming
 
     def _read_messages(self) -> None:
-        assert self._socket is not None
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
                 frames = self._receive()
