@@ -266,3 +266,23 @@ def test_a_server_that_cannot_read_our_framing_fails_every_request_at_once():
             assert time.monotonic() - start < 10
     finally:
         server.close()
+
+
+def test_a_request_is_aborted_once_however_often_it_is_asked():
+    """/abort_request with abort_all, posted again while an abort is on its way, must neither send a second
+    abort nor count the request again: it stays pending until the runtime's answer."""
+    server = FakeRouter(silent_handler)
+    try:
+        with RuntimeClient(server.address, timeout=30) as client:
+            client._submit("r1", protocol.GenerateReq("r1", text="x"), lambda item: None, is_generate=True)
+            assert client.in_flight() == ["r1"]
+            assert client.abort_in_flight("r1") is True
+            assert client.abort_in_flight("r1") is False
+            assert client.abort_in_flight("never-sent") is False
+            deadline = time.monotonic() + 5
+            while not any(isinstance(m, protocol.AbortReq) for m in server.received) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert [m.rid for m in server.received if isinstance(m, protocol.AbortReq)] == ["r1"]
+    finally:
+        server.close()

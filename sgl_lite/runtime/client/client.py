@@ -129,7 +129,8 @@ class RuntimeClient:
 
     def abort(self, rid: str) -> None:
         """Abort one of this client's requests; RuntimeRequestError when the runtime does not know it."""
-        if self.abort_in_flight(rid):
+        if self._transport.is_pending(rid):
+            self.abort_in_flight(rid)
             return
         replies: queue.Queue[Item] = queue.Queue()
         # Only an unknown rid gets an answer (an ErrorReply naming it); silence means it was aborted.
@@ -142,10 +143,11 @@ class RuntimeClient:
         self._expect(reply, InfoReply)
 
     def abort_in_flight(self, rid: str) -> bool:
-        """Abort `rid` if it is one of this client's requests still waiting for its final reply; False (and
-        nothing sent) otherwise. Never waits: its waiter receives the ErrorReply (code "aborted"); a request
-        that finished meanwhile is unknown to the runtime, whose answer nobody waits for."""
-        if not self._transport.is_pending(rid):
+        """Abort `rid` if it is one of this client's requests still waiting for its final reply and not
+        already being aborted; False (and nothing sent) otherwise. Never waits: its waiter receives the
+        ErrorReply (code "aborted"); a request that finished meanwhile is unknown to the runtime, whose answer
+        nobody waits for."""
+        if not self._transport.claim_abort(rid):
             return False
         self._transport.send(protocol.AbortReq(rid))
         return True

@@ -92,6 +92,7 @@ class ClientTransport:
             self._context.term()
             raise ValueError(f"cannot connect to runtime address {address!r}: {e.strerror}") from None
         self._pending: dict[str, tuple[Sink, bool]] = {}  # rid -> (sink, is a generate request)
+        self._aborts_claimed: set[str] = set()  # pending rids whose abort was sent (claim_abort)
         self._owed_aborts: dict[str, None] = {}  # rids to abort once a connection takes them (I/O thread only)
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None = stop
@@ -133,6 +134,16 @@ class ClientTransport:
     def is_pending(self, rid: str) -> bool:
         with self._lock:
             return rid in self._pending
+
+    def claim_abort(self, rid: str) -> bool:
+        """True once per pending request, for the caller that is to send its abort: a request whose abort
+        is on its way stays pending until the runtime's answer, and must not be aborted (or counted) twice."""
+        with self._lock:
+            self._aborts_claimed.intersection_update(self._pending)  # forget requests that ended
+            if rid not in self._pending or rid in self._aborts_claimed:
+                return False
+            self._aborts_claimed.add(rid)
+            return True
 
     def pending_generates(self) -> list[str]:
         with self._lock:
