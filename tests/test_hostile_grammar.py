@@ -186,8 +186,8 @@ def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_
             assert len(plain.output_ids) == 4 and regex.text in ("yes", "no")
             threads_before = compile_threads()
             client.abort("slow")  # nobody waits for its compile any more
-            with pytest.raises(RuntimeRequestError, match="aborted"):
-                list(slow)
+            ended = list(slow)  # with no output: it never ran
+            assert [c.output_ids for c in ended] == [[]] and ended[0].meta_info["finish_reason"]["type"] == "abort"
             deadline = time.monotonic() + 10
             while engine.core.scheduler.stats()["num_grammar_pending"]:
                 assert time.monotonic() < deadline

@@ -4,6 +4,7 @@ usage the chat completion itself reports."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -108,12 +109,27 @@ def test_the_routes_need_the_key(live, path):
     assert live.post(path, {"prompt": "x", "tokens": [1]}, key=None).status_code == 401
 
 
-def _generate_in_background(live: Live, rid: str, results: dict[str, httpx2.Response]) -> threading.Thread:
-    body = {"text": "Count forever:", "rid": rid,
-            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
-    thread = threading.Thread(target=lambda: results.__setitem__(rid, live.post("/generate", body)))
+LONG_RUN = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+def _in_background(live: Live, path: str, body: dict[str, Any], results: dict[str, Any], name: str) -> threading.Thread:
+    """POST in a thread; results[name] is the response, or for a stream its `data:` events."""
+    def run() -> None:
+        if not body.get("stream"):
+            results[name] = live.post(path, body)
+            return
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx2.stream("POST", live.http.url + path, json=body, headers=headers, timeout=60) as response:
+            results[name] = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+    thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def _generate_in_background(live: Live, rid: str, results: dict[str, Any], stream: bool = False) -> threading.Thread:
+    body = {"text": "Count forever:", "rid": rid, "sampling_params": LONG_RUN, "stream": stream}
+    return _in_background(live, "/generate", body, results, rid)
 
 
 def _abort_until(live: Live, body: dict[str, Any], expect: int) -> None:
@@ -127,23 +143,97 @@ def _abort_until(live: Live, body: dict[str, Any], expect: int) -> None:
     assert total == expect
 
 
-def test_abort_request_ends_a_generate_by_its_rid_and_frees_its_slots(live):
+def _assert_greedy_prefix(live: Live, result: dict[str, Any]) -> None:
+    """An aborted /generate answer: the output so far, which a greedy run of that length reproduces."""
+    meta = result["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "aborted by the client"}
+    ids = result["output_ids"]
+    assert 0 < len(ids) < LONG_RUN["max_new_tokens"] and meta["completion_tokens"] == len(ids)
+    again = live.post("/generate", {"text": "Count forever:", "sampling_params": {**LONG_RUN, "max_new_tokens": len(ids)}})
+    assert again.json()["output_ids"] == ids and again.json()["text"] == result["text"]
+
+
+def _wait_for_output(live: Live, requests: int = 1) -> None:
+    """Until `requests` requests are running and have each produced a few tokens (so that an abort has
+    output to answer with)."""
+    deadline = time.monotonic() + 30
+    while True:
+        info = live.runtime.client.server_info()
+        if info["num_running"] >= requests:
+            break
+        assert time.monotonic() < deadline, "nothing started running"
+        time.sleep(0.02)
+    generated = info["generated_tokens_total"]
+    while live.runtime.client.server_info()["generated_tokens_total"] < generated + 2 * requests:
+        assert time.monotonic() < deadline, "no tokens came out"
+        time.sleep(0.02)
+
+
+def test_abort_request_answers_a_generate_with_its_output_so_far(live):
     assert live.post("/abort_request", {"rid": "nobody-runs-this"}).json() == {"aborted": 0}
-    results: dict[str, httpx2.Response] = {}
+    results: dict[str, Any] = {}
     thread = _generate_in_background(live, "long-1", results)
+    _wait_for_output(live)
     _abort_until(live, {"rid": "long-1"}, 1)
     thread.join(30)
     reply = results["long-1"]
-    assert reply.status_code == 500 and "aborted" in reply.json()["error"]["message"]
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta_info"]["id"] == "long-1"
+    _assert_greedy_prefix(live, reply.json())
     assert_idle_without_leaks(live.runtime.client)
 
 
+def test_an_aborted_stream_ends_with_finish_reason_abort(live):
+    results: dict[str, Any] = {}
+    thread = _generate_in_background(live, "long-stream", results, stream=True)
+    _wait_for_output(live)
+    _abort_until(live, {"rid": "long-stream"}, 1)
+    thread.join(30)
+    events = results["long-stream"]
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    last = json.loads(events[-2])
+    assert all(json.loads(e)["meta_info"].get("finish_reason") is None for e in events[:-2])
+    _assert_greedy_prefix(live, last)
+
+
 def test_abort_all_ends_every_running_generate(live):
-    results: dict[str, httpx2.Response] = {}
+    results: dict[str, Any] = {}
     threads = [_generate_in_background(live, f"many-{i}", results) for i in range(3)]
+    _wait_for_output(live, 3)
     _abort_until(live, {"abort_all": True}, 3)
     for thread in threads:
         thread.join(30)
     assert sorted(results) == ["many-0", "many-1", "many-2"]
-    assert all(r.status_code == 500 and "aborted" in r.json()["error"]["message"] for r in results.values())
+    for reply in results.values():
+        assert reply.status_code == 200 and reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_idle_without_leaks(live.runtime.client)
+
+
+def test_an_aborted_batch_entry_leaves_the_others_running(live):
+    results: dict[str, Any] = {}
+    short = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    body = {"text": ["Count forever:", "Count to three:"], "rid": ["batch-long", "batch-short"],
+            "sampling_params": [LONG_RUN, short]}
+    thread = _in_background(live, "/generate", body, results, "batch")
+    _wait_for_output(live)
+    _abort_until(live, {"rid": "batch-long"}, 1)
+    thread.join(30)
+    long_one, short_one = results["batch"].json()
+    _assert_greedy_prefix(live, long_one)
+    assert short_one["meta_info"]["finish_reason"]["type"] == "length" and len(short_one["output_ids"]) == 6
+    assert_idle_without_leaks(live.runtime.client)
+
+
+def test_an_aborted_chat_completion_says_abort(live):
+    results: dict[str, Any] = {}
+    body = {"model": "m", "messages": CHAT[:1] + [{"role": "user", "content": "Count forever."}],
+            "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    thread = _in_background(live, "/v1/chat/completions", body, results, "chat")
+    _wait_for_output(live)
+    _abort_until(live, {"abort_all": True}, 1)
+    thread.join(30)
+    reply = results["chat"]
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < reply.json()["usage"]["completion_tokens"] < 1500
     assert_idle_without_leaks(live.runtime.client)

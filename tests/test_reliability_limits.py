@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -93,13 +94,14 @@ class _GatedTokenizer:
 
 
 def _send_while_tokenizing(client, gated: _GatedTokenizer, text: str, params: dict,
-                           **kwargs) -> tuple[threading.Thread, list[BaseException]]:
-    """Send `text` from a thread; return once the runtime is tokenizing it (the sender and its error list)."""
-    outcome: list[BaseException] = []
+                           **kwargs) -> tuple[threading.Thread, list[Any]]:
+    """Send `text` from a thread; return once the runtime is tokenizing it (the sender, and a list that
+    gets its answer or its error)."""
+    outcome: list[Any] = []
 
     def send() -> None:
         try:
-            client.generate(text, sampling_params=params, **kwargs)
+            outcome.append(client.generate(text, sampling_params=params, **kwargs))
         except BaseException as e:  # noqa: BLE001 - kept for the caller's assertions
             outcome.append(e)
 
@@ -143,7 +145,8 @@ def test_a_prompt_aborted_while_it_is_tokenized_never_runs(tokenizer, serve, tmp
         sender, outcome = _send_while_tokenizing(client, gated, "word " * 1000, {"max_new_tokens": 4}, rid="long")
         client.abort("long")
         sender.join(30)
-        assert len(outcome) == 1 and "aborted by the client" in str(outcome[0])
+        assert len(outcome) == 1 and outcome[0].output_ids == [] and outcome[0].text == ""
+        assert outcome[0].meta_info["finish_reason"] == {"type": "abort", "message": "aborted by the client"}
         gate.set()  # its tokenizing ends now, for nobody
         assert client.generate("hi", sampling_params={"max_new_tokens": 2}).output_ids
     assert core.scheduler.prompt_tokens_total == len(tokenizer("hi")["input_ids"])  # only "hi" ever ran

@@ -136,8 +136,9 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
 
     @app.post("/abort_request", dependencies=protected)
     async def abort_request(request: Request) -> dict[str, Any]:
-        """SGLang's: abort a /generate request by the rid it was given (its caller gets an "aborted" error),
-        or every request this front is running with abort_all. Answers how many were running."""
+        """SGLang's: abort a /generate request by the rid it was given, or every request this front is
+        running with abort_all; each caller gets its output so far with finish_reason {"type": "abort"}
+        ("abort" on the OpenAI routes). Answers how many were running."""
         body = await parse_body(request, AbortRequest)
         rids = client.in_flight() if body.abort_all else [body.rid]
         return {"aborted": sum(client.abort_in_flight(rid) for rid in rids)}

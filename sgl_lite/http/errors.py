@@ -84,11 +84,6 @@ def from_runtime_error(exc: Exception) -> HttpError:
     return HttpError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal")
 
 
-def from_abort(finish_reason: dict[str, Any]) -> HttpError:
-    message = finish_reason.get("message") or "the request was aborted by the runtime"
-    return HttpError(500, message, code="aborted")
-
-
 # Request fields a runtime message may name, the ones a caller most likely has to change first.
 _RUNTIME_FIELDS = ("max_new_tokens", "min_new_tokens", "json_schema", "structural_tag", "regex", "ebnf", "stop_token_ids",
                    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 
-from sgl_lite.http.errors import HttpError, from_abort, from_runtime_error
+from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.metrics import HttpMetrics
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.protocol import SamplingParams
@@ -62,7 +62,8 @@ class RequestRunner:
         self._metrics = metrics
 
     async def stream(self, request: GenerationInput) -> AsyncIterator[Delta]:
-        """Deltas of one request; the last has finish_reason. Raises HttpError (an abort too).
+        """Deltas of one request; the last has finish_reason. Raises HttpError (an abort other than by
+        /abort_request too).
 
         Closing this generator early closes the client's stream, which aborts the runtime request.
         """
@@ -92,11 +93,10 @@ class RequestRunner:
                         self._metrics.observe_inter_token(label, (now - last_token_time) / num_new, num_new)
                     if num_new:
                         last_token_time = now
+                    # {"type": "abort"} too, when /abort_request ended it: the output so far is its answer
                     finish_reason = chunk.meta_info.get("finish_reason")
                     if finish_reason:
                         self._metrics.observe_finished(chunk.meta_info, label, now - start)
-                        if finish_reason.get("type") == "abort":
-                            raise from_abort(finish_reason)
                     # After the final chunk the client's stream ends by itself (on the Finished reply).
                     yield Delta(chunk.text, list(chunk.output_ids), chunk.meta_info, finish_reason or None)
         except HttpError:

@@ -25,7 +25,8 @@ from sgl_lite.http.tool_output import StreamedChoice, assistant_message, finish_
 from sgl_lite.http.tools import ToolRequest, tool_request
 from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
+# "abort": ended by /abort_request, with the text so far (SGLang's and vLLM's name for it)
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 # Chats with more text than this are rendered on a worker thread (a big one takes seconds in Jinja).
 RENDER_INLINE_BYTES = 64 * 1024
 

@@ -29,8 +29,10 @@ def check_records(records: list[RequestRecord], config: SoakConfig) -> list[str]
             expected = any(reason in final.message for reason in config.expected_abort_reasons)
             if final.code == "aborted" and rec.action != "abort" and not expected:
                 problems.append(f"{rec.rid}: aborted without being asked to: {final.message}")
-        elif isinstance(final, protocol.Finished) and rec.stream:
-            if "".join(rec.chunks) != final.text or rec.chunk_ids != final.output_ids:
+        elif isinstance(final, protocol.Finished):
+            if _aborted(final) and rec.action != "abort":
+                problems.append(f"{rec.rid}: ended as aborted by its client without asking: {final.meta_info}")
+            if rec.stream and ("".join(rec.chunks) != final.text or rec.chunk_ids != final.output_ids):
                 problems.append(f"{rec.rid}: stream chunks {''.join(rec.chunks)!r} != final text {final.text!r}")
     return problems
 
@@ -56,7 +58,13 @@ def greedy_mismatches(records: list[RequestRecord], refs: dict[tuple[str, bool],
         if not (rec.greedy and isinstance(rec.final, protocol.Finished)):
             continue
         ref = refs[(rec.prompt, bool(rec.params.get("ignore_eos", False)))]
-        expected = ref[: rec.params["max_new_tokens"]]
+        # an aborted one answers with what it had generated: a prefix of the whole
+        expected = ref[: len(rec.final.output_ids) if _aborted(rec.final) else rec.params["max_new_tokens"]]
         if rec.final.output_ids != expected:
             problems.append(f"{rec.rid}: greedy output {rec.final.output_ids} != unloaded {expected}")
     return problems
+
+
+def _aborted(final: protocol.Finished) -> bool:
+    """Ended by its client's abort (the output so far), not finished."""
+    return (final.meta_info.get("finish_reason") or {}).get("type") == "abort"

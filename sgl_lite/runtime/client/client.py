@@ -144,9 +144,10 @@ class RuntimeClient:
 
     def abort_in_flight(self, rid: str) -> bool:
         """Abort `rid` if it is one of this client's requests still waiting for its final reply and not
-        already being aborted; False (and nothing sent) otherwise. Never waits: its waiter receives the
-        ErrorReply (code "aborted"); a request that finished meanwhile is unknown to the runtime, whose answer
-        nobody waits for."""
+        already being aborted; False (and nothing sent) otherwise. Never waits: its waiter receives its
+        output so far, ending as a finished one does, with finish_reason {"type": "abort"} (SGLang's
+        answer to /abort_request); a request that finished meanwhile is unknown to the runtime, whose
+        answer nobody waits for."""
         if not self._transport.claim_abort(rid):
             return False
         self._transport.send(protocol.AbortReq(rid))

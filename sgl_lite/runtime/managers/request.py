@@ -24,6 +24,9 @@ class FinishKind(str, enum.Enum):
     ABORT = "abort"  # aborted by the client, by preemption limits, or by an error
 
 
+ABORTED_BY_CLIENT = "aborted by the client"  # the message of an abort through Scheduler.abort_request
+
+
 @dataclass
 class FinishReason:
     kind: FinishKind
@@ -31,7 +34,9 @@ class FinishReason:
     message: str | None = None  # for ABORT: why
     # For ABORT: the ErrorReply code; "bad_request" when the request itself was at fault (a grammar
     # that does not compile, or not in time), so the caller gets a 400 rather than a server error.
-    error_code: str = "aborted"
+    # None when its client asked for the abort: then the answer is the output so far, as SGLang's
+    # (finish_reason {"type": "abort"}), not an error.
+    error_code: str | None = "aborted"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind.value}

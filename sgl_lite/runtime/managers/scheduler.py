@@ -35,7 +35,7 @@ from sgl_lite.runtime.managers.ngram_layout import layout_free_keys
 from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
 from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
-from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
 from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling
 from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
@@ -142,7 +142,9 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                 return
         raise QueueFullError(f"the request queue is full (--max-queued-requests {limit})")
 
-    def abort_request(self, rid: str) -> bool:
+    def abort_request(self, rid: str, by_client: bool = False) -> bool:
+        """End a live request (False if unknown). `by_client`: its client asked, so its output so far is
+        its answer (FinishReason.error_code None); else the abort is an error to whoever waits for it."""
         req = self._live.get(rid)
         if req is None:
             return False
@@ -158,7 +160,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             self.validator.release_grammar(req)  # a compile nobody else waits for is cancelled
         # else: in no queue, after a step that raised between dequeuing it and running it (its grammar,
         # if any, was released when it left grammar_pending)
-        self._finish(req, FinishReason(FinishKind.ABORT, message="aborted by the client"))
+        self._finish(req, FinishReason(FinishKind.ABORT, message=ABORTED_BY_CLIENT, error_code=None if by_client else "aborted"))
         self._reports.append(req)
         return True
 

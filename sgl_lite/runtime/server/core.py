@@ -99,9 +99,10 @@ class RuntimeCore:
         is wrong (QueueFullError when the queue is full)."""
         self.scheduler.add_request(req)
 
-    def abort(self, rid: str) -> bool:
-        """Abort a live request (its abort report comes out of the next `step`); False if unknown."""
-        return self.scheduler.abort_request(rid)
+    def abort(self, rid: str, by_client: bool = False) -> bool:
+        """Abort a live request (its abort report comes out of the next `step`); False if unknown.
+        `by_client`: its client asked, and gets its output so far (Scheduler.abort_request)."""
+        return self.scheduler.abort_request(rid, by_client)
 
     def has_work(self) -> bool:
         """True while anything is queued, running, awaiting a grammar, or an abort awaits its report."""

@@ -4,7 +4,9 @@ A single thread owns the socket and the core. Pure transport: every request goes
 RuntimeCore's methods (submit, abort, step, flush_cache, stream_state), never the scheduler itself.
 Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise
 blocking up to IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for each
-changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted.
+changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted (except
+by its client's AbortReq: that one ends like a finished request, with the output so far and finish_reason
+{"type": "abort"}, as SGLang's /abort_request does).
 
 Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
 identity: two clients may use the same rid, and a client can only abort its own requests.
@@ -47,7 +49,7 @@ from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
 from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, key_matches, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
-from sgl_lite.runtime.managers.request import FinishKind, Req
+from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -70,7 +72,7 @@ class _InFlight:
     identity: bytes
     rid: str  # the client's rid (the scheduler's is identity-prefixed)
     stream_state: IncrementalDetokenizer | None  # None for non-streaming requests
-    abort_message: str | None = None  # set when we aborted it (client, disconnect, shutdown)
+    abort_message: str | None = None  # why we aborted it (a failed step, a disconnect)
     client_gone: bool = False  # replies cannot be delivered any more
 
 
@@ -248,12 +250,14 @@ class RuntimeServer:
         elif isinstance(msg, protocol.AbortReq):
             key = self._key(identity, msg.rid)
             flight = self._inflight.get(key)
-            if self._pending.cancel(key) is not None:
-                self._send(identity, protocol.ErrorReply(msg.rid, "aborted by the client", "aborted"))
-            elif flight is None or not self._core.abort(key):
+            pending = self._pending.cancel(key)
+            if pending is not None:  # not tokenized yet: it ends with no output
+                meta_info = {"id": msg.rid, "prompt_tokens": len(pending.msg.input_ids or ()), "completion_tokens": 0,
+                             "cached_tokens": 0, "finish_reason": {"type": "abort", "message": ABORTED_BY_CLIENT}}
+                for reply in self._final_replies(msg.rid, "", [], meta_info, ("", []) if pending.msg.stream else None):
+                    self._send(identity, reply)
+            elif flight is None or not self._core.abort(key, by_client=True):
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
-            else:
-                flight.abort_message = "aborted by the client"
         elif isinstance(msg, protocol.FlushCacheReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(self._core.flush_cache())}))
         elif isinstance(msg, protocol.ServerInfoReq):
@@ -339,18 +343,15 @@ class RuntimeServer:
         if flight.client_gone:
             return []
         reason = req.finished_reason
-        if reason is not None and reason.kind == FinishKind.ABORT:
+        if reason is not None and reason.kind == FinishKind.ABORT and reason.error_code is not None:
             message = flight.abort_message or reason.message or "request aborted"
             return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
-        if reason is not None:
+        if reason is not None:  # finished, or aborted by its client: the output so far
             text = self._core.output_text(req)
             meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
-            final = protocol.Finished(flight.rid, text, list(req.output_ids), meta_info)
-            if flight.stream_state is None:
-                return [final]
-            last = protocol.TokenChunk(flight.rid, flight.stream_state.finish(text),
-                                       flight.stream_state.new_ids(req.output_ids), meta_info)
-            return [last, final]
+            stream = flight.stream_state
+            last_delta = None if stream is None else (stream.finish(text), stream.new_ids(req.output_ids))
+            return self._final_replies(flight.rid, text, list(req.output_ids), meta_info, last_delta)
         # --stream-interval N: a chunk every N tokens (SGLang's rule), the rest comes with the last one.
         if flight.stream_state is not None and len(req.output_ids) % self._args.stream_interval == 0:
             delta = flight.stream_state.update(req.output_ids)
@@ -359,6 +360,16 @@ class RuntimeServer:
                 progress = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids)}
                 return [protocol.TokenChunk(flight.rid, delta, ids, progress)]
         return []
+
+    @staticmethod
+    def _final_replies(rid: str, text: str, output_ids: list[int], meta_info: dict[str, Any],
+                       last_delta: tuple[str, list[int]] | None) -> list[protocol.Reply]:
+        """Finished, after a stream's last TokenChunk (`last_delta`: the text and ids not streamed yet;
+        None when not streaming), which carries the finish_reason."""
+        final = protocol.Finished(rid, text, output_ids, meta_info)
+        if last_delta is None:
+            return [final]
+        return [protocol.TokenChunk(rid, last_delta[0], last_delta[1], meta_info), final]
 
     def _keepalive(self) -> None:
         now = time.monotonic()
