@@ -13,6 +13,7 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.server.zap import require_handshake
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,9 +27,9 @@ class FakeRouter:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.received: list[protocol.Request] = []
-        self.keys: list[bytes] = []  # each message's key frame
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
+        self._handshake = require_handshake(self._context, self._socket, None)  # as a runtime's (zap.py)
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self._stop = threading.Event()
@@ -41,9 +42,8 @@ class FakeRouter:
                 continue
             batch = []
             while self._socket.poll(0):
-                identity, key, data = self._socket.recv_multipart()
+                identity, data = self._socket.recv_multipart()
                 msg = protocol.decode_request(data)
-                self.keys.append(key)
                 self.received.append(msg)
                 if isinstance(msg, protocol.HealthReq):
                     batch.append((identity, [protocol.InfoReply(msg.rid, {"ok": True})]))
@@ -58,6 +58,7 @@ class FakeRouter:
         self._stop.set()
         self._thread.join()
         self._socket.close(linger=0)
+        self._handshake.stop()
         self._context.term()
 
 
@@ -90,7 +91,7 @@ def echo_server():
 
 
 def test_generate_and_info_calls(echo_server):
-    with RuntimeClient(echo_server.address, api_key="key", timeout=10) as client:
+    with RuntimeClient(echo_server.address, timeout=10) as client:
         out = client.generate("hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert out.text == "olleh"
         assert client.server_info() == {"model_path": "fake"}
@@ -98,7 +99,6 @@ def test_generate_and_info_calls(echo_server):
         assert client.health()
     sent = [m for m in echo_server.received if isinstance(m, protocol.GenerateReq)]
     assert sent[0].sampling_params.max_new_tokens == 4
-    assert set(echo_server.keys) == {b"key"}  # every message's key frame
 
 
 def test_concurrent_threads_get_their_own_answers(echo_server):

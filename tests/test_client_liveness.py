@@ -24,6 +24,7 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, parse_slow_forward_spec
+from sgl_lite.runtime.server.zap import require_handshake
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
@@ -51,6 +52,7 @@ class SilentRouter:
     def __init__(self, address: str, stall_s: float = 0.0, close_after_request: bool = False) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
+        self.handshake = require_handshake(self.context, self.socket, None)  # as a runtime's (zap.py)
         self.socket.bind(address)
         self.address = address
         self.received: list[protocol.Request] = []
@@ -60,7 +62,7 @@ class SilentRouter:
         self._thread.start()
 
     def _run(self) -> None:
-        identity, _, data = self.socket.recv_multipart()
+        identity, data = self.socket.recv_multipart()
         msg = protocol.decode_request(data)
         self.received.append(msg)
         if self._close_after_request:
@@ -73,6 +75,7 @@ class SilentRouter:
         self._thread.join(10)
         if not self.socket.closed:
             self.socket.close(linger=0)
+        self.handshake.stop()
         self.context.term()
 
 
@@ -109,6 +112,7 @@ def test_a_closed_connection_fails_waiters_at_once_and_aborts_their_requests(tmp
         # The abort was queued for the runtime: a peer that comes back on the address receives it.
         successor = zmq.Context()
         router = successor.socket(zmq.ROUTER)
+        handshake = require_handshake(successor, router, None)
         router.bind(address)
         try:
             assert router.poll(10_000), "the queued abort never arrived"
@@ -117,6 +121,7 @@ def test_a_closed_connection_fails_waiters_at_once_and_aborts_their_requests(tmp
             assert isinstance(msg, protocol.AbortReq) and msg.rid == "doomed-1"
         finally:
             router.close(linger=0)
+            handshake.stop()
             successor.term()
 
 
@@ -142,7 +147,10 @@ def test_health_settings_are_validated() -> None:
 _MUTE_ROUTER = """
 import sys, zmq
 from sgl_lite.runtime import protocol
-sock = zmq.Context().socket(zmq.ROUTER)
+from sgl_lite.runtime.server.zap import require_handshake
+context = zmq.Context()
+sock = context.socket(zmq.ROUTER)
+require_handshake(context, sock, None)
 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
 port = sock.bind_to_random_port("tcp://127.0.0.1")
 print(f"tcp://127.0.0.1:{port}", flush=True)

@@ -17,6 +17,7 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.server.zap import require_handshake
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,6 +42,7 @@ class Router:
     def __init__(self, address: str) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
+        self.handshake = require_handshake(self.context, self.socket, None)  # as a runtime's (zap.py)
         self.socket.bind(address)
 
     def read(self, wait_s: float = 1.0) -> list[tuple[str, str]]:
@@ -53,6 +55,7 @@ class Router:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        self.handshake.stop()
         self.context.term()
 
 

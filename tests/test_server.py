@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, use_api_key
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.server.transport import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
@@ -77,16 +77,17 @@ def wait_until_running(client: RuntimeClient, wait_s: float = 30.0) -> None:
 
 
 class RawPeer:
-    """A bare DEALER socket, to send bytes no well-behaved client would (after a key frame)."""
+    """A bare DEALER socket (with `api_key`, passing the handshake with it), to send bytes no well-behaved
+    client would."""
 
     def __init__(self, address: str, api_key: str | None = None) -> None:
-        self.api_key = api_key
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
+        use_api_key(self.socket, api_key)
         self.socket.connect(address)
 
     def send(self, payload: bytes) -> None:
-        self.socket.send_multipart(protocol.request_frames(payload, self.api_key))
+        self.socket.send(payload)
 
     def ask(self, payload: bytes, timeout: float = 10.0) -> protocol.Reply | None:
         self.send(payload)

@@ -11,11 +11,12 @@ rid is reserved for the server's keepalive, an `InfoReply(rid="", info={"keepali
 about once a second to every client that has requests in flight (so that a vanished client is
 noticed, server/transport.py). Clients ignore it; it is never an answer to a request.
 
-A request travels as two ZeroMQ frames: the api_key (empty without one), then the message. The server
-compares the key frame before it reads anything of the message, so a peer without the key costs it a
-comparison per message, whatever it sends. An `ErrorReply` with rid "" and code "unauthorized" answers a
-message without the right key: the server never echoes anything of an unauthenticated message, so the
-client fails every request it has pending (they all carry the same key).
+A message travels as one ZeroMQ frame. The connection itself is authenticated: every client opens it
+with ZeroMQ's PLAIN handshake (plain_credentials: the api_key as its password, if it has one), and a
+runtime with an api_key admits no peer without it (server/zap.py), so nothing an outsider sends is ever
+queued or read; a runtime without one admits every client, with a key or not. An `ErrorReply` with rid
+"" answers a message the server could not tell the request of (framing from another wire version): the
+client then fails every request it has pending.
 
 `SamplingParams` is also the in-process type of the Engine: keys and defaults follow SGLang's
 sampling params, so `engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})` reads the same.
@@ -41,6 +42,17 @@ PromptIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 # A request id: a non-empty string (the empty one is the keepalive's, see the module docstring) of
 # bounded length, since replies carry it back: a huge rid would make every reply huge.
 MAX_RID_CHARS = 256
+# Every connection opens with ZeroMQ's PLAIN handshake (see the module docstring): a client with an api_key
+# sends it as the password of PLAIN_USER, one without sends KEYLESS_USER and a placeholder, which no
+# runtime with a key admits. The password field has a one-byte length: keys are at most MAX_API_KEY_BYTES.
+PLAIN_USER = b"sgl_lite"
+KEYLESS_USER = b"sgl_lite-without-key"
+MAX_API_KEY_BYTES = 255
+
+
+def plain_credentials(api_key: str | None) -> tuple[bytes, bytes]:
+    """The (user name, password) a client sends in the PLAIN handshake (PLAIN takes no empty password)."""
+    return (PLAIN_USER, api_key.encode()) if api_key else (KEYLESS_USER, b"-")
 # Stop strings are matched after every token and withheld from streams up to the longest one's length.
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 512
@@ -182,11 +194,6 @@ class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 
 Request = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
-
-
-def request_frames(payload: bytes, api_key: str | None) -> list[bytes]:
-    """The ZeroMQ frames of one encoded request: the key frame (empty without a key), then the message."""
-    return [(api_key or "").encode(), payload]
 
 
 # ---------------------------------------------------------------- server -> client

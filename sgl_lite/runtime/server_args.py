@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_lite.runtime.protocol import MAX_API_KEY_BYTES
+
 logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -123,8 +125,11 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a value is out of range."""
-        if self.api_key == "":  # a client without a key sends an empty key frame: "" would let everyone in
+        if self.api_key == "":  # an empty bearer token or PLAIN password is no secret
             raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+        if self.api_key is not None and len(self.api_key.encode()) > MAX_API_KEY_BYTES:
+            raise ValueError(f"--api-key is {len(self.api_key.encode())} bytes long; at most {MAX_API_KEY_BYTES} "
+                             "(the ZeroMQ handshake carries it with a one-byte length)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
         for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):

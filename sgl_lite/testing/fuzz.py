@@ -20,6 +20,7 @@ import zmq
 from hypothesis import strategies as st
 
 from sgl_lite.runtime import protocol
+from sgl_lite.runtime.client import use_api_key
 
 REQUEST_TAGS = ("GenerateReq", "AbortReq", "FlushCacheReq", "ServerInfoReq", "HealthReq")
 EDGE_INTS = (0, 1, -1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, 10**9)
@@ -162,7 +163,7 @@ def payloads() -> st.SearchStrategy[bytes]:
 
 
 def frame_lists() -> st.SearchStrategy[list[bytes]]:
-    """The message frames of one DEALER send, after its key frame: mostly one, sometimes several."""
+    """The frames of one DEALER send: mostly one message, sometimes several frames (refused)."""
     return _weighted((9, payloads().map(lambda p: [p])), (1, st.lists(payloads(), min_size=2, max_size=3)))
 
 
@@ -232,6 +233,7 @@ class FuzzSession:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         sock.setsockopt(zmq.LINGER, 0)
+        use_api_key(sock, self.api_key)
         sock.connect(self.address)
         return sock
 
@@ -241,9 +243,8 @@ class FuzzSession:
         self.context.term()
 
     def send(self, frames: list[bytes]) -> None:
-        """Send one fuzz message (after the key frame), wait until the server has handled it, check every
-        reply so far."""
-        self.fuzz.send_multipart(protocol.request_frames(frames[0], self.api_key) + frames[1:])
+        """Send one fuzz message, wait until the server has handled it, check every reply so far."""
+        self.fuzz.send_multipart(frames)
         self.stats.messages += 1
         self._sync()
         if self.stats.messages % self.valid_every == 0:
@@ -253,7 +254,7 @@ class FuzzSession:
         # The server handles one peer's messages in order: once the probe is answered, so is the fuzz.
         for _ in range(3):
             probe = f"probe-{uuid.uuid4().hex}"
-            self.fuzz.send_multipart(protocol.request_frames(protocol.encode(protocol.HealthReq(probe)), self.api_key))
+            self.fuzz.send(protocol.encode(protocol.HealthReq(probe)))
             if self._drain_until(self.fuzz, probe, 10.0) is not None:
                 return
             self.stats.lost_probes += 1  # a message over twice the size limit drops the connection
@@ -287,7 +288,7 @@ class FuzzSession:
     def check_valid(self) -> None:
         rid = f"valid-{uuid.uuid4().hex}"
         msg = protocol.GenerateReq(rid, text=self.valid_prompt, sampling_params=protocol.SamplingParams(**self.valid_params))
-        self.valid.send_multipart(protocol.request_frames(protocol.encode(msg), self.api_key))
+        self.valid.send(protocol.encode(msg))
         reply = self._drain_until(self.valid, rid, self.timeout)
         self.stats.valid_checks += 1
         if not isinstance(reply, protocol.Finished):

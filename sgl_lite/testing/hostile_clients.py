@@ -29,7 +29,7 @@ from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.http.limits import HttpLimits
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.client import RuntimeClient, use_api_key
 from sgl_lite.testing.fuzz import NESTED_FIELDS, nested_message
 
 # The soak's limits: small, so that going past them is cheap; the runtime is started with the same
@@ -68,9 +68,10 @@ def _ask(target: HostileTarget, payload: bytes, *, read: bool = True) -> protoco
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    use_api_key(sock, target.api_key)
     sock.connect(target.address)
     try:
-        sock.send_multipart(protocol.request_frames(payload, target.api_key))
+        sock.send(payload)
         if read and sock.poll(int(_REPLY_WAIT_S * 1000)):
             return protocol.decode_reply(sock.recv())
         return None
@@ -113,10 +114,11 @@ def non_reader(target: HostileTarget, rng: random.Random) -> str | None:
     frames += [protocol.encode(protocol.ServerInfoReq(uuid.uuid4().hex)) for _ in range(400)]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    use_api_key(sock, target.api_key)
     sock.connect(target.address)
     try:
         for frame in frames:
-            sock.send_multipart(protocol.request_frames(frame, target.api_key))
+            sock.send(frame)
         time.sleep(rng.uniform(0.5, 2.0))
     finally:
         sock.close()

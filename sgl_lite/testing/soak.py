@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError, use_api_key
 
 _WORDS = ("the quick brown fox jumps over lazy dog journey of thousand miles begins with single step "
           "what is capital France Paris Berlin Germany thought should call tool action search weather "
@@ -191,6 +191,7 @@ class _RawWorker:
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        use_api_key(sock, self.api_key)
         sock.connect(self.address)
         return sock
 
@@ -227,7 +228,7 @@ class _RawWorker:
             rec.sent_at = time.monotonic()
             msg = protocol.GenerateReq(rec.rid, text=rec.prompt, sampling_params=protocol.SamplingParams(**rec.params),
                                        stream=rec.stream, priority=rec.priority)
-            self.socket.send_multipart(protocol.request_frames(protocol.encode(msg), self.api_key))
+            self.socket.send(protocol.encode(msg))
             self.in_flight[rec.rid] = rec
             if rec.action:
                 self.abort_at[rec.rid] = rec.sent_at + self.rng.uniform(0.0, 0.3)
@@ -242,7 +243,7 @@ class _RawWorker:
             if rec is None:
                 continue
             if rec.action == "abort":
-                self.socket.send_multipart(protocol.request_frames(protocol.encode(protocol.AbortReq(rid)), self.api_key))
+                self.socket.send(protocol.encode(protocol.AbortReq(rid)))
             else:  # disconnect: every request of this socket is left behind without a final
                 for left in self.in_flight.values():
                     left.disconnected = True

@@ -12,6 +12,9 @@ and one step can take a long time). It comes from ZeroMQ itself:
   step stays connected; one whose process is stopped (SIGSTOP) or whose host is unreachable does not.
 - A socket monitor on the DEALER reports the connection's handshake and its loss. A runtime process
   that exits (even by SIGKILL) has its socket closed by the OS, which libzmq sees at once.
+The DEALER opens its connection with the runtime's handshake, with the api_key if it has one
+(use_api_key); a runtime that refuses the key (or wants one this client lacks) fails every pending
+request with code "unauthorized" at once.
 When an established connection is lost, every pending request fails at once with
 RuntimeUnavailableError: their replies will not come (a dead runtime sends none; a live one aborts the
 requests of a peer it cannot reach). The generate requests among them are aborted as well, so that a
@@ -51,8 +54,10 @@ _CLOSE_LINGER_MS = 500
 # Aborts kept for requests failed while the runtime was unreachable, to deliver once it is back; the
 # oldest are dropped past this (the runtime also aborts the requests of a client that is gone).
 _MAX_OWED_ABORTS = 65_536
-# The monitor reports only what changes the link's state (not the TCP-level connects and retries).
-_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# The monitor reports only what changes the link's state (not the TCP-level connects and retries), and
+# the runtime's refusal of this client's api_key in the handshake.
+_LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 Item = Union[protocol.Reply, BaseException]  # what a request's sink receives
 Sink = Callable[[Item], None]
 
@@ -77,7 +82,9 @@ class ClientTransport:
 
         check_zmq_address(address)
         self.address = address
-        self._api_key = api_key  # sent in a frame before every message (protocol.request_frames)
+        if api_key and len(api_key.encode()) > protocol.MAX_API_KEY_BYTES:
+            raise ValueError(f"api_key is longer than {protocol.MAX_API_KEY_BYTES} bytes")
+        self._api_key = api_key or None  # the password of the connection's handshake (use_api_key)
         self._health_interval = health_interval
         self._health_timeout = health_timeout
         self._context = zmq.Context()
@@ -93,6 +100,7 @@ class ClientTransport:
             raise ValueError(f"cannot connect to runtime address {address!r}: {e.strerror}") from None
         self._pending: dict[str, tuple[Sink, bool]] = {}  # rid -> (sink, is a generate request)
         self._aborts_claimed: set[str] = set()  # pending rids whose abort was sent (claim_abort)
+        self._refusal: str | None = None  # why the runtime refused the last handshake (until one succeeds)
         self._owed_aborts: dict[str, None] = {}  # rids to abort once a connection takes them (I/O thread only)
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None = stop
@@ -117,6 +125,8 @@ class ClientTransport:
         with self._lock:  # under the lock that close() takes: no entry can be added after it failed them all
             if self.closed:
                 raise RuntimeRequestError("client is closed", "closed")
+            if self._refusal is not None:  # libzmq does not retry a handshake refused for its key
+                raise RuntimeRequestError(self._refusal, "unauthorized")
             if rid in self._pending:
                 raise RuntimeRequestError(f"request id {rid!r} is already in flight on this client")
             self._pending[rid] = (sink, is_generate)
@@ -193,6 +203,7 @@ class ClientTransport:
         dealer.setsockopt(zmq.IPV6, 1)  # IPv6 runtimes too (IPv4 ones as before)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, _milliseconds(self._health_interval))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _milliseconds(self._health_timeout))
+        use_api_key(dealer, self._api_key)
         monitor = dealer.get_monitor_socket(_LINK_EVENTS)  # before connect(): no event may be missed
         try:
             dealer.connect(self.address)
@@ -260,7 +271,7 @@ class ClientTransport:
         self._close_link(linger_ms=0)
         self._dealer, self._monitor = self._connect()
         for rid in self._owed_aborts:
-            self._send_frames(self._dealer, protocol.encode(protocol.AbortReq(rid)))
+            self._send(self._dealer, protocol.encode(protocol.AbortReq(rid)))
         return self._poller()
 
     def _release(self, ended_by: str) -> None:
@@ -283,8 +294,22 @@ class ClientTransport:
         connection was lost, failing its requests)."""
         lost = False
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            message = recv_monitor_message(self._monitor)
+            event = message["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or (
+                    event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and message["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+                # What waits for the connection now is refused, and so is every later request until a
+                # handshake succeeds (libzmq retries a mismatched mechanism, not a refused key), rather than
+                # left to time out for want of a runtime.
+                why = ("the runtime speaks another handshake (not an sgl_lite runtime of this version?)"
+                       if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH else "the runtime refused this client's api_key"
+                       if self._api_key else "the runtime requires an api_key and this client has none")
+                with self._lock:
+                    self._refusal = why
+                self._refuse_all(protocol.ErrorReply("", why, "unauthorized"))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                with self._lock:
+                    self._refusal = None
                 link_up = True
                 self._owed_aborts.clear()  # queued on this DEALER before its handshake: they go out now
             elif event == zmq.EVENT_DISCONNECTED:
@@ -313,10 +338,16 @@ class ClientTransport:
                 return True
             if data is None:
                 return False
-            self._send_frames(dealer, data)
+            self._send(dealer, data)
 
-    def _send_frames(self, dealer: zmq.Socket, payload: bytes) -> None:
-        dealer.send_multipart(protocol.request_frames(payload, self._api_key))
+    def _send(self, dealer: zmq.Socket, data: bytes) -> None:
+        try:
+            dealer.send(data, zmq.NOBLOCK)  # (the queue is unbounded: only a DEALER without a pipe refuses)
+        except zmq.Again:
+            # libzmq drops the pipe of a connection whose handshake the runtime refused, and does not retry:
+            # blocking would hang this thread. What waits for this message is refused by that handshake's
+            # event (_follow_link), or was already (submit raises then).
+            logger.debug("dropped a message for %s: no connection takes it", self.address)
 
     def _route(self, data: bytes) -> None:
         try:
@@ -326,7 +357,7 @@ class ClientTransport:
             return
         if isinstance(reply, protocol.InfoReply) and reply.rid == "":
             return  # the server's keepalive (it finds vanished clients by sending to them)
-        if isinstance(reply, protocol.ErrorReply) and reply.rid == "" and reply.code in ("unauthorized", "bad_request"):
+        if isinstance(reply, protocol.ErrorReply) and reply.rid == "" and reply.code == "bad_request":
             self._refuse_all(reply)
             return
         with self._lock:
@@ -339,9 +370,9 @@ class ClientTransport:
         entry[0](reply)
 
     def _refuse_all(self, reply: protocol.ErrorReply) -> None:
-        """The server refused a message it could not tell the request of (rid ""): our api_key, or our framing
-        (a client and a server of different wire versions). Every pending request carries the same key and
-        framing, so every one of them is refused, rather than left to wait out the timeout."""
+        """The runtime refused our api_key in the handshake, or a message it could not tell the request of
+        (rid "": our framing, a client and a server of different wire versions). Every pending request
+        has the same key and framing, so every one of them is refused, rather than left to wait out the timeout."""
         with self._lock:
             pending, self._pending = self._pending, {}
         for sink, _ in pending.values():
@@ -364,6 +395,14 @@ class ClientTransport:
             sink(error)
         while len(self._owed_aborts) > _MAX_OWED_ABORTS:
             del self._owed_aborts[next(iter(self._owed_aborts))]
+
+
+def use_api_key(sock: zmq.Socket, api_key: str | None) -> None:
+    """Make `sock` (before it connects) open its connection with the runtime's handshake: ZeroMQ's PLAIN
+    mechanism, with `api_key` as its password if given (protocol.plain_credentials, server/zap.py)."""
+    user, password = protocol.plain_credentials(api_key)
+    sock.setsockopt(zmq.PLAIN_USERNAME, user)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, password)
 
 
 def _encode(msg: protocol.Request) -> bytes:

@@ -1,15 +1,13 @@
-"""What the server may read of ANY incoming message before trusting it: its key frame, then a rid to answer.
+"""What the server may read of ANY incoming message before trusting it: a rid to answer.
 
-A malformed, unauthenticated or hostile message still gets one answer. The key frame (protocol.py) is
-compared first, before any byte of the message is read. The envelope is a lenient view of the msgpack
-map (unknown fields ignored, any type accepted, nesting too deep = no envelope), read before the full
-decode, and only a rid that obeys the wire's own rule (non-empty, at most MAX_RID_CHARS) is ever echoed
-back.
+A malformed or hostile message still gets one answer (with --api-key, only from a peer that passed the
+handshake with the key: zap.py). The envelope is a lenient view of the msgpack map (unknown fields
+ignored, any type accepted, nesting too deep = no envelope), read before the full decode, and only a rid
+that obeys the wire's own rule (non-empty, at most MAX_RID_CHARS) is ever echoed back.
 """
 
 from __future__ import annotations
 
-import hmac
 import typing
 from typing import Any
 
@@ -30,11 +28,6 @@ def read_envelope(payload: bytes) -> Envelope | None:
         return msgspec.msgpack.decode(payload, type=Envelope)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
         return None
-
-
-def key_matches(key_frame: bytes, api_key: str) -> bool:
-    """Whether a message's key frame carries the server's api_key (in constant time)."""
-    return hmac.compare_digest(key_frame, api_key.encode())
 
 
 def echoable_rid(envelope: Envelope | None) -> str:

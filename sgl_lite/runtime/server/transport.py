@@ -23,7 +23,8 @@ which libzmq's I/O thread answers while this thread is inside a scheduler step o
 long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
 between steps: it tells that the runtime is ready to serve, not merely alive.
 
-Hostile input: one message is handled under a guard (_handle_guarded), so nothing it raises (a
+Hostile input: with --api-key, only peers whose handshake carried the key get a message this far
+(zap.py). One message is handled under a guard (_handle_guarded), so nothing it raises (a
 RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
 
 Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
@@ -46,7 +47,7 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
-from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, key_matches, read_envelope
+from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, Req
@@ -64,7 +65,6 @@ GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
-MAX_KEY_FRAME_BYTES = 4096  # a longer key frame is a wrong key, refused without copying it
 
 
 @dataclass
@@ -85,7 +85,10 @@ class RuntimeServer:
     def __init__(self, core: RuntimeCore, args: ServerArgs, context: zmq.Context | None = None) -> None:
         self._core = core
         self._args = args
-        self._context = context or zmq.Context.instance()
+        # A context of its own unless given one: with --api-key its ZAP handler is the context's only one
+        # (zap.py), so two servers in one process (tests) must not share the global context.
+        self._owned_context = context is None
+        self._context = context or zmq.Context()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._router: RouterSocket | None = None  # while bound
         self._inflight: dict[str, _InFlight] = {}
@@ -178,6 +181,8 @@ class RuntimeServer:
         if self._router is not None:
             self._router.close(SHUTDOWN_LINGER_MS)
             self._router = None
+        if self._owned_context:
+            self._context.term()
 
     # ------------------------------------------------------------------ incoming
 
@@ -190,16 +195,15 @@ class RuntimeServer:
             self._handle_guarded(frames)
 
     def _receive(self) -> list[zmq.Frame]:
-        """One message's frames (identity, key, message), not copied out of ZeroMQ's buffers (an
-        unauthenticated message is never read, _handle). ZeroMQ's size limit is per frame and a message may
-        hold any number of them: past the fourth they are dropped as they are read (the message is refused
-        for its frame count), so no message makes this loop keep more than four."""
+        """One message's frames (identity, message), not copied out of ZeroMQ's buffers. ZeroMQ's size limit
+        is per frame and a message may hold any number of them: past the third they are dropped as they are
+        read (the message is refused for its frame count), so no message makes this loop keep more than three."""
         assert self._socket is not None
         frame = self._socket.recv(zmq.NOBLOCK, copy=False)
         frames = [frame]
         while frame.more:
             frame = self._socket.recv(copy=False)
-            if len(frames) < 4:
+            if len(frames) < 3:
                 frames.append(frame)
         return frames
 
@@ -216,17 +220,10 @@ class RuntimeServer:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
-        if len(frames) != 3:
-            got = "one frame" if len(frames) == 2 else "more than two frames"
-            self._send(identity, protocol.ErrorReply("", f"expected a key frame and a message frame, got {got}"))
+        if len(frames) != 2:  # (a peer here passed the handshake: with --api-key, it holds the key, zap.py)
+            self._send(identity, protocol.ErrorReply("", "expected a message in one frame, got several"))
             return
-        key, api_key = frames[1], self._args.api_key
-        if api_key is not None and (len(key) > MAX_KEY_FRAME_BYTES or not key_matches(key.bytes, api_key)):
-            # Nothing of an unauthenticated message is read or echoed (its rid could be huge): rid "" tells
-            # the client that every request it sent with this key is refused.
-            self._send(identity, protocol.ErrorReply("", "missing or wrong api_key", "unauthorized"))
-            return
-        payload = frames[2].bytes
+        payload = frames[1].bytes
         envelope = read_envelope(payload)
         rid = echoable_rid(envelope)
         if len(payload) > self._args.max_message_bytes:
