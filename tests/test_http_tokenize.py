@@ -63,6 +63,18 @@ def test_a_prompt_tokenizes_as_transformers_does(live, path):
     assert default == live.tokenizer(text).input_ids  # special tokens added unless asked otherwise
 
 
+def test_a_list_of_prompts_is_answered_with_a_list_per_field(live):
+    """SGLang's list form: tokens, count and token_strs each a list, one entry per prompt, in order."""
+    texts = ["First prompt.", "A second, longer prompt with more words in it.", "3"]
+    body = live.post("/v1/tokenize", {"prompt": texts, "return_token_strs": True}).json()
+    want = [live.tokenizer(text).input_ids for text in texts]
+    assert body["tokens"] == want and body["count"] == [len(ids) for ids in want]
+    assert body["token_strs"] == [live.tokenizer.convert_ids_to_tokens(ids) for ids in want]
+    assert isinstance(body["max_model_len"], int)
+    one = live.post("/v1/tokenize", {"prompt": texts[:1]}).json()  # a list of one stays a list
+    assert one["tokens"] == want[:1] and one["count"] == [len(want[0])]
+
+
 def test_a_chat_counts_what_its_completion_reports(live):
     reply = live.post("/tokenize", {"messages": CHAT})
     assert reply.status_code == 200, reply.text
@@ -92,6 +104,8 @@ def test_detokenize_inverts_tokenize(live):
     ("/tokenize", {"prompt": "x", "messages": CHAT}, "exactly one of prompt and messages"),
     ("/tokenize", {"messages": CHAT * 3}, "--max-chat-messages 4"),
     ("/tokenize", {"prompt": "x", "temperature": 0}, "temperature"),
+    ("/tokenize", {"prompt": []}, "prompt"),
+    ("/tokenize", {"prompt": ["x"] * 4097}, "prompt"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1] = 1000000000"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0] = -1"),
     ("/abort_request", {"rid": "x" * 10_000}, "rid"),

@@ -8,7 +8,7 @@ runtime on another machine) answers 501. Large inputs are tokenized off the even
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,18 +23,21 @@ from sgl_lite.http.openai_protocol import MAX_TOOLS, ChatMessage, Tool
 from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, check_message_count, template_messages
 from sgl_lite.http.tools import check_tools
 
-# Ids one /detokenize may name: a bound on the work of one request whatever the body limit allows.
+# Ids one /detokenize may name, and texts one /tokenize may hold (SGLang's list form): bounds on the work of
+# one request whatever the body limit allows.
 MAX_DETOKENIZE_TOKENS = 1 << 20
+MAX_TOKENIZE_PROMPTS = 4096
 _INLINE_IDS = 4096  # more ids than this are decoded off the event loop
 
 
 class TokenizeRequest(BaseModel):
-    """Either `prompt` (a text, tokenized with the tokenizer's special tokens by default) or `messages` (a
-    chat, rendered by the model's template, which writes its own special tokens)."""
+    """Either `prompt` (a text, tokenized with the tokenizer's special tokens by default, or a list of them,
+    answered with a list per field as SGLang does) or `messages` (a chat, rendered by the model's template,
+    which writes its own special tokens)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_TOKENIZE_PROMPTS)] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
@@ -59,18 +62,24 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt" if body.prompt is None else "messages")
         if body.prompt is not None:
-            ids = await off_loop_if(len(body.prompt) > RENDER_INLINE_BYTES, context.token_texts.encode, body.prompt,
-                                     True if body.add_special_tokens is None else body.add_special_tokens)
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            encoded = await off_loop_if(sum(map(len, prompts)) > RENDER_INLINE_BYTES,
+                                         lambda: [context.token_texts.encode(text, special) for text in prompts])
         else:
-            ids = await _chat_ids(context, body, limits, len(await request.body()))
+            encoded = [await _chat_ids(context, body, limits, len(await request.body()))]
+        one = not isinstance(body.prompt, list)
 
         def answer() -> Response:  # rendered here: a long answer's JSON is built off the event loop too
-            content: dict[str, Any] = {"count": len(ids), "max_model_len": context.context_length, "tokens": ids}
+            content: dict[str, Any] = {"count": [len(ids) for ids in encoded], "max_model_len": context.context_length,
+                                       "tokens": encoded}
             if body.return_token_strs:
-                content["token_strs"] = [context.token_texts.piece(i) for i in ids]
+                content["token_strs"] = [[context.token_texts.piece(i) for i in ids] for ids in encoded]
+            if one:
+                content.update((key, value[0]) for key, value in content.items() if isinstance(value, list))
             return JSONResponse(content)
 
-        return await off_loop_if(len(ids) > _INLINE_IDS, answer)
+        return await off_loop_if(sum(map(len, encoded)) > _INLINE_IDS, answer)
 
     @app.post("/detokenize", dependencies=protected)
     @app.post("/v1/detokenize", dependencies=protected, include_in_schema=False)
