@@ -299,8 +299,8 @@ class ClientTransport:
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or (
                     event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and message["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
                 # What waits for the connection now is refused, and so is every later request until a
-                # handshake succeeds (libzmq retries a mismatched mechanism, not a refused key), rather than
-                # left to time out for want of a runtime.
+                # handshake succeeds (libzmq does not retry a refused key), rather than left to time out for
+                # want of a runtime.
                 why = ("the runtime speaks another handshake (not an sgl_lite runtime of this version?)"
                        if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH else "the runtime refused this client's api_key"
                        if self._api_key else "the runtime requires an api_key and this client has none")
