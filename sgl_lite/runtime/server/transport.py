@@ -50,7 +50,7 @@ from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
 from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
-from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, Req
+from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -249,8 +249,9 @@ class RuntimeServer:
             flight = self._inflight.get(key)
             pending = self._pending.cancel(key)
             if pending is not None:  # not tokenized yet: it ends with no output
+                reason = FinishReason(FinishKind.ABORT, message=ABORTED_BY_CLIENT, error_code=None)
                 meta_info = {"id": msg.rid, "prompt_tokens": len(pending.msg.input_ids or ()), "completion_tokens": 0,
-                             "cached_tokens": 0, "finish_reason": {"type": "abort", "message": ABORTED_BY_CLIENT}}
+                             "cached_tokens": 0, "finish_reason": reason.to_json()}
                 for reply in self._final_replies(msg.rid, "", [], meta_info, ("", []) if pending.msg.stream else None):
                     self._send(identity, reply)
             elif flight is None or not self._core.abort(key, by_client=True):
