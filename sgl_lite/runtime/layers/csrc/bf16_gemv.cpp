@@ -3,9 +3,16 @@
 //
 // A decode step with 1-16 rows is bound by reading the weights once; oneDNN's small-M bf16 matmuls reach
 // about 30 GB/s here, two thirds of what the machine reads. This kernel streams each weight byte once, in
-// the order it lies in memory: W is packed as [N/16][K/2][16][2] (16 output columns x one pair of the
-// reduction axis per 64-byte vector, the operand layout of VDPBF16PS), so a tile of output columns is one
-// sequential run of vectors and each vector meets every row of x (a broadcast pair) in registers.
+// the order it lies in memory. W is packed for VDPBF16PS: a 64-byte vector holds 16 output columns x one
+// pair of the reduction axis ([16][2] bf16), and the vectors go in groups of three 16-column blocks, pair
+// by pair: group g (columns 48g .. 48g + 47) is [K/2][3][16][2], a last group of one or two blocks
+// [K/2][nb][16][2] (the tensor's shape, [N/16, K/2, 16, 2], gives the sizes; the order is the groups').
+// A tile of output columns is one group, one sequential run of vectors, and each vector meets every row
+// of x (a broadcast pair) in registers. Why groups: the three blocks of a tile stored one after another
+// were three streams 18-48 KB apart, and at 8 rows (the products then take most of a core's time) their
+// reads fell behind: 28-34 GB/s on two threads against 31-38 for the same tiles as one stream each
+// (576-deep matrices; 1536-deep ones 31-32 against 32-33; a 2-core Zen 4 EPYC, scratch loops alternating
+// the two layouts, 2026-11-27).
 //
 // Two arithmetics, the same bits. VDPBF16PS computes, per lane, acc += x[2p+1] * w[2p+1], then
 // acc += x[2p] * w[2p], each a float32 fused multiply-add of exact bf16 products with subnormals read as
@@ -18,10 +25,11 @@
 // tile's rows (widening a tile to float32 once in memory and reusing it was slower at 17-512 rows, measured).
 //
 // A row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
-// Threads take the output columns in tiles of 32 (48 in VDPBF16PS for calls of up to 8 rows; a last tile
-// may be narrower) from a shared counter; rows go in register tiles of up to 12 (9-12 rows then take one
-// tile, not a tile of 8 and one of 1-4 that widens every weight again), so more rows re-read a tile's
-// weights from cache, not from memory.
+// Threads take runs of groups from a shared counter; rows go in register tiles of up to 8 (three blocks x
+// 8 rows of accumulators), so more rows re-read a group from cache, not from memory. Calls of one row take
+// three groups a tile and calls of two rows two (groups_per_tile): with little arithmetic per byte, one
+// stream a core read 4-7% slower than the three of the layout before (scratch loops), and several read as
+// fast or faster.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,18 +57,19 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;        // output columns per packed vector
-constexpr int64_t kMaxTileRows = 12;  // rows of x held in registers at once (2 x 12 accumulators + 6 operands of 32 registers)
-// Calls of up to this many rows take three column blocks a tile in VDPBF16PS (3 x 8 accumulators + 4 operands):
-// each broadcast pair of x then serves three products, not two. 30 layers' matmuls at 8 rows went from
-// 7.6-7.7 to 6.8-7.0 ms on a Zen 4 EPYC (4 rows 7.1-7.2 -> 6.6-6.7, 1 row alike), the same bits.
-constexpr int64_t kWideTileRows = 8;
+constexpr int64_t kCols = 16;  // output columns per packed vector
+constexpr int64_t kGroup = 3;  // column blocks per group, interleaved pair by pair (the packing)
+// Rows of x a register tile holds: a group's 3 blocks x 8 rows of accumulators and the operands fit 32
+// registers. (Three blocks a tile, not two: each broadcast pair of x serves three products; 30 layers'
+// matmuls at 8 rows went from 7.6-7.7 to 6.8-7.0 ms on a Zen 4 EPYC, 2026-11-26.)
+constexpr int64_t kMaxTileRows = 8;
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
-// Weights are prefetched this far ahead of the loads: a tile's run is short (18-50 KB at 135M's shapes),
-// too short for the hardware prefetcher to reach full speed on its own (measured: 2 KB beat 1 and 4 KB).
-// Into L2 (_MM_HINT_T1), leaving the last step to the hardware's L1 prefetcher: a software prefetch into
-// L1 holds an L1 miss buffer for a whole memory latency (a 2-core EPYC, Zen 4: 1-row matmuls 1.05-1.3x,
-// 8 rows ~1.07x, bench_decode_kernels with interleaved builds, 2026-11-25).
+// Weights are prefetched this many bytes per block of the group ahead of the loads (2 KB of each block's
+// run: 32 pairs ahead): a group's run is short (55-147 KB at 135M's shapes), too short for the hardware
+// prefetcher to reach full speed on its own (2 KB a block beat 1 and 4 KB, and as one stream 6 KB a group
+// beat 4, 5, 7, 8, 12 and 16). Into L2 (_MM_HINT_T1), leaving the last step to the hardware's L1
+// prefetcher: a software prefetch into L1 holds an L1 miss buffer for a whole memory latency (a 2-core
+// EPYC, Zen 4: 1-row matmuls 1.05-1.3x, 8 rows ~1.07x, bench_decode_kernels with interleaved builds, 2026-11-25).
 constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Arithmetic : int { kAuto = 0, kDpbf16 = 1, kFma = 2 };
@@ -70,7 +79,7 @@ bool has_avx512_bf16() { return SGL_LITE_HAS_AVX512_BF16; }
 
 void check_packed(const at::Tensor& packed, int64_t k) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.size(1) * 2 == k,
-              "bf16_gemv: packed weight must be [N/16, K/2, 16, 2] (pack_bf16_gemv_weight) for K = ", k);
+              "bf16_gemv: packed weight must be sized [N/16, K/2, 16, 2] (GemvLinear.pack) for K = ", k);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "bf16_gemv: packed weight must be contiguous bf16");
 }
 
@@ -94,29 +103,34 @@ inline void store(__m512 y, const float* bias, uint16_t* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
 }
 
-// VDPBF16PS: rows [0, R) of x against NB (1-3) column blocks starting at `w` (block stride `block`),
-// writing out[r][0 : 16*NB]. x rows have stride `ldx`, out rows `ldo`.
-template <int R, int NB>
-inline void tile_dpbf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
+// VDPBF16PS: rows [0, R) of x against G consecutive groups of NB blocks each (NB < 3 only for a last
+// group), writing out[r][0 : 16 * NB * G]. x rows have stride `ldx`, out rows `ldo`; pair p of block b of
+// group i is the vector at w + ((i * pairs + p) * NB + b) * 16 x 2.
+template <int R, int NB, int G>
+inline void tile_dpbf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, const float* bias,
                         uint16_t* out, int64_t ldo) {
-  __m512 acc[R][NB];
+  constexpr int B = NB * G;
+  __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * block + p * 2 * kCols) + kPrefetchBytes, _MM_HINT_T1);
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block + p * 2 * kCols);
+    __m512bh wv[B];
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* line = w + (g * pairs + p) * NB * 2 * kCols;
+      for (int b = 0; b < NB; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(line + b * 2 * kCols) + NB * kPrefetchBytes, _MM_HINT_T1);
+        wv[g * NB + b] = (__m512bh)_mm512_loadu_si512(line + b * 2 * kCols);
+      }
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) store(acc[r][b], bias == nullptr ? nullptr : bias + b * kCols, out + r * ldo + b * kCols);
+    for (int b = 0; b < B; ++b) store(acc[r][b], bias == nullptr ? nullptr : bias + b * kCols, out + r * ldo + b * kCols);
 }
 
 // The odd and even halves of one packed vector (16 columns x a pair along K) as float32 vectors.
@@ -126,31 +140,32 @@ inline void widen_pair(const uint16_t* line, __m512& odd, __m512& even) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
+template <int NB>
 inline void load_pair(const uint16_t* line, __m512& odd, __m512& even) {
-  _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(line) + NB * kPrefetchBytes, _MM_HINT_T1);
   widen_pair(line, odd, even);
 }
 
-// FMA: the same tile with x in float32 (`xf`, widened once per call) and two FMAs per pair, odd first.
-// The loops over R are fully unrolled: else GCC may keep the accumulators in memory.
+// FMA: the same tile (one group) with x in float32 (`xf`, widened once per call) and two FMAs per pair,
+// odd first. The loops over R are fully unrolled: else GCC may keep the accumulators in memory.
 template <int R, int NB>
-inline void tile_fma(const float* xf, int64_t ldx, const uint16_t* w, int64_t block, int64_t pairs, const float* bias,
+inline void tile_fma(const float* xf, int64_t ldx, const uint16_t* w, int64_t pairs, const float* bias,
                      uint16_t* out, int64_t ldo) {
   __m512 acc[R][NB];
-#pragma GCC unroll 12
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512 odd[NB], even[NB];
-    for (int b = 0; b < NB; ++b) load_pair(w + b * block + p * 2 * kCols, odd[b], even[b]);
-#pragma GCC unroll 12
+    for (int b = 0; b < NB; ++b) load_pair<NB>(w + (p * NB + b) * 2 * kCols, odd[b], even[b]);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 xo = _mm512_set1_ps(xf[r * ldx + 2 * p + 1]);
       const __m512 xe = _mm512_set1_ps(xf[r * ldx + 2 * p]);
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xe, even[b], _mm512_fmadd_ps(xo, odd[b], acc[r][b]));
     }
   }
-#pragma GCC unroll 12
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) store(acc[r][b], bias == nullptr ? nullptr : bias + b * kCols, out + r * ldo + b * kCols);
 }
@@ -166,31 +181,49 @@ struct Operands {
   uint16_t* out;
 };
 
-// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x.
-void column_tile(const Operands& o, bool fma, int64_t b0, int64_t nb) {
-  const int64_t pairs = o.k / 2, block = pairs * 2 * kCols;
+// Output columns [16 * b0, 16 * (b0 + nb)) for every row of x: `groups` groups from block b0 (a multiple
+// of kGroup), nb blocks in all (fewer than 3 x groups only in a last group).
+void column_tile(const Operands& o, bool fma, int64_t b0, int64_t groups, int64_t nb) {
+  const int64_t pairs = o.k / 2;
   const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
-  const uint16_t* w = o.w + b0 * block;
+  const uint16_t* w = o.w + b0 * pairs * 2 * kCols;  // the groups before are whole: 3 blocks each
   for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
     uint16_t* out = o.out + r0 * o.n + b0 * kCols;
     sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
       constexpr int R = decltype(rows)::value;
-      if (fma) {
-        (nb == 2 ? tile_fma<R, 2> : tile_fma<R, 1>)(o.xf + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
-      } else {
-        // three blocks only in calls of at most kWideTileRows rows (gemv's choice), so only in tiles that fit them
-        if constexpr (R <= kWideTileRows) {
-          if (nb == 3) return tile_dpbf16<R, 3>(o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
+      // the tile's groups one at a time: tile(blocks, weights, bias, out) for each
+      const auto each_group = [&](auto tile) {
+        for (int64_t g = 0; g < groups; ++g) {
+          tile(std::min<int64_t>(kGroup, nb - g * kGroup), w + g * kGroup * pairs * 2 * kCols,
+               bias == nullptr ? nullptr : bias + g * kGroup * kCols, out + g * kGroup * kCols);
         }
-        (nb == 2 ? tile_dpbf16<R, 2> : tile_dpbf16<R, 1>)(o.x + r0 * o.k, o.k, w, block, pairs, bias, out, o.n);
+      };
+      if (fma) {
+        const float* xf = o.xf + r0 * o.k;
+        return each_group([&](int64_t blocks, const uint16_t* wg, const float* bg, uint16_t* og) {
+          (blocks == 3 ? tile_fma<R, 3> : blocks == 2 ? tile_fma<R, 2> : tile_fma<R, 1>)(xf, o.k, wg, pairs, bg, og, o.n);
+        });
       }
+      const uint16_t* x = o.x + r0 * o.k;
+      if constexpr (R == 1) {
+        if (groups == 3 && nb == 3 * kGroup) return tile_dpbf16<R, 3, 3>(x, o.k, w, pairs, bias, out, o.n);
+      }
+      if constexpr (R <= 2) {
+        if (groups == 2 && nb == 2 * kGroup) return tile_dpbf16<R, 3, 2>(x, o.k, w, pairs, bias, out, o.n);
+      }
+      each_group([&](int64_t blocks, const uint16_t* wg, const float* bg, uint16_t* og) {
+        (blocks == 3 ? tile_dpbf16<R, 3, 1> : blocks == 2 ? tile_dpbf16<R, 2, 1> : tile_dpbf16<R, 1, 1>)(x, o.k, wg, pairs, bg, og, o.n);
+      });
     });
   }
 }
 
+// Groups a tile takes (column_tile's cases): several streams a core where the arithmetic is light.
+int64_t groups_per_tile(int64_t rows, bool fma) { return fma || rows > 2 ? 1 : rows == 1 ? 3 : 2; }
+
 void gemv(const Operands& o, bool fma) {
-  const int64_t blocks = o.n / kCols;
-  const int64_t per_tile = !fma && o.m <= kWideTileRows ? 3 : 2, tiles = (blocks + per_tile - 1) / per_tile;  // the last may hold fewer
+  const int64_t blocks = o.n / kCols, groups = (blocks + kGroup - 1) / kGroup;  // the last may hold fewer
+  const int64_t per_tile = groups_per_tile(o.m, fma), tiles = (groups + per_tile - 1) / per_tile;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
   // Threads take runs of tiles from a shared counter rather than fixed shares: on a 2-core box a thread
   // that loses its core for a moment (the HTTP front waking up, a neighbour) would otherwise leave the
@@ -202,7 +235,8 @@ void gemv(const Operands& o, bool fma) {
     for (int64_t begin = next.fetch_add(run, std::memory_order_relaxed); begin < tiles;
          begin = next.fetch_add(run, std::memory_order_relaxed)) {
       for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
-        column_tile(o, fma, per_tile * t, std::min<int64_t>(per_tile, blocks - per_tile * t));
+        const int64_t b0 = t * per_tile * kGroup;
+        column_tile(o, fma, b0, std::min(per_tile, groups - t * per_tile), std::min(per_tile * kGroup, blocks - b0));
       }
     }
   });

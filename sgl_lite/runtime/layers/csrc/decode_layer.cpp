@@ -148,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   static const auto avx2_gemv = op<Gemv>("sgl_lite::avx2_gemv");
   static const auto avx2_q4_gemv = op<Gemv>("sgl_lite::avx2_q4_gemv");
   static const auto w8a8_gemm = op<Gemv>("sgl_lite::w8a8_gemm");
-  // Each weight's kernel by its packing: AVX512-BF16's weights are in pairs along K ([N/16, K/2, 16, 2]),
+  // Each weight's kernel by its packing: AVX512-BF16's weights are in pairs along K (sized [N/16, K/2, 16, 2]),
   // AVX2's are not ([N/16, K, 16]), AVX2's 4-bit blocks are uint8 ([N/16, K/32, 320]) and w8a8's int8.
   const auto gemv = [&](const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
     if (weight.scalar_type() == at::kByte) return avx2_q4_gemv.call(x, weight, bias);
