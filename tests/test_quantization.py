@@ -276,9 +276,10 @@ def test_w8a8_rows_too_small_to_scale_quantize_to_zeros_in_both(form_type: type)
     assert torch.equal(out[0], torch.zeros(32)) and out[1].abs().max() > 0
 
 
-def test_w8a8_unpacks_the_weight_it_packed() -> None:
+@pytest.mark.parametrize("n", [40, 80, 100])  # 3 blocks (one group), 5 (a last group of 2), 7 (of 1)
+def test_w8a8_unpacks_the_weight_it_packed(n: int) -> None:
     g = torch.Generator().manual_seed(3)
-    weight = torch.randn(40, 30, generator=g)
+    weight = torch.randn(n, 30, generator=g)
     form = W8A8Int8(weight)
     expected = torch.round(weight / form.scales[:, None]).clamp(-127, 127).to(torch.int8)
     assert torch.equal(form.q, expected)

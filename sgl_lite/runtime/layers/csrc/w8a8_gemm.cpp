@@ -18,10 +18,15 @@
 // (one rounding). Twice the products of w8a8 for the bytes of int8 weights: what the activations lose is
 // ~1/256 of what 8 bits lose, below the weights' own rounding.
 //
-// Packed weight (int8, [N/16, K4 * 64 + 128], K4 = ceil(K / 4)): per block of 16 output columns, K4 vectors of
-// 16 columns x 4 k (zero past K), then the 16 columns' float32 scales, then their int32 compensations.
-// Threads take the column tiles (three blocks) from a shared counter, rows go in register tiles of up to 8
-// (4 with 16-bit activations, whose two sums per output take twice the registers).
+// Packed weight (int8, sized [N/16, K4 * 64 + 128], K4 = ceil(K / 4)): per block of 16 output columns, K4
+// vectors of 16 columns x 4 k (zero past K) and a trailer, the 16 columns' float32 scales, then their int32
+// compensations. The blocks go in groups of three (a last group may hold one or two): a group's vectors
+// interleaved k by k, [K4][3][64] bytes, then its three trailers. A tile is a group, so that it reads one
+// stream, not three streams K4 * 64 bytes apart, which fell behind the products at 8 rows, as in
+// bf16_gemv.cpp: 30 layers' matmuls at 8 rows 1.05-1.09x, 32 rows 1.03x, but 1 row 0.95-0.97x, whether a
+// one-row call took one group a tile or two or three (scripts/ab_matmul_builds.py, 2026-11-27). Threads take the tiles from a shared counter, rows
+// go in register tiles of up to 8 (4 with 16-bit activations, whose two sums per output take twice the
+// registers).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,7 +56,8 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kTilesPerRun = 8;
-constexpr int64_t kPrefetchBytes = 2048;  // into L2, as in bf16_gemv.cpp (a Zen 4 EPYC: ~11% off a batch-8 step's w8a8_gemm)
+// per block of a group, into L2, as in bf16_gemv.cpp (a Zen 4 EPYC: ~11% off a batch-8 step's w8a8_gemm)
+constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kTrailer = 128;  // per block: 16 float32 scales, 16 int32 compensations
 
 bool has_vnni() { return SGL_LITE_HAS_VNNI; }
@@ -81,8 +87,8 @@ struct Activations {
   // 30 layers' matmuls at 8 rows from 4.4 to 3.9 ms on a Zen 4 EPYC (32 rows 11.1 -> 10.3; 1 row alike);
   // 16-bit activations likewise ran 4 rows x 3 blocks 1.1-1.2x faster than 6 x 2.
   static constexpr int kMaxTileRows = kParts == 1 ? 8 : 4;
-  static constexpr int kBlocksPerTile = 3;
 };
+constexpr int kGroup = 3;  // blocks per tile: a group of the packing (W8A8Int8's _GROUP)
 
 // One row: its scale (max|x| / kMax) and q + kOffset as kParts bytes (a part of k4 * 4 bytes each, the high
 // bytes first), zero-padded (q = 0) to k4 * 4. A row whose kMax / max|x| is not finite (all zeros, or below
@@ -127,11 +133,12 @@ struct Operands {
   const float* row_scale;   // [m]
   int64_t m, k4;
   const int8_t* w;          // packed
-  int64_t n, block_bytes;
+  int64_t n, block_bytes;   // block_bytes: a block's vectors and trailer, k4 * 64 + kTrailer
   const float* bias;        // float32 [n] or null
 };
 
-// Rows [0, R) against NB column blocks from `w`, writing out[r][0 : 16 * NB]; one sum per activation part.
+// Rows [0, R) against the group of NB column blocks at `w` (NB < 3 only for a last group), writing
+// out[r][0 : 16 * NB]; one sum per activation part.
 template <int kParts, int R, int NB, typename O>
 inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, const int8_t* w, const float* bias, O* out) {
   __m512i acc[kParts][R][NB];
@@ -146,8 +153,8 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
     __m512i wv[NB];
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
-      const int8_t* line = w + b * o.block_bytes + p * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+      const int8_t* line = w + (p * NB + b) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(line) + NB * kPrefetchBytes, _MM_HINT_T1);
       wv[b] = _mm512_loadu_si512(line);
     }
 #pragma GCC unroll 8
@@ -167,7 +174,7 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
   }
 #pragma GCC unroll 8
   for (int b = 0; b < NB; ++b) {
-    const int8_t* trailer = w + b * o.block_bytes + o.k4 * 64;
+    const int8_t* trailer = w + NB * o.k4 * 64 + b * kTrailer;
     const __m512 col_scale = _mm512_loadu_ps(reinterpret_cast<const float*>(trailer));
     const __m512i comp = _mm512_loadu_si512(trailer + 64);
     const __m512 vbias = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kCols);
@@ -189,8 +196,7 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
 template <int kParts, typename O>
 void gemm(const Operands& o, O* out) {
   constexpr int kMaxTileRows = Activations<kParts>::kMaxTileRows;
-  constexpr int kBlocks = Activations<kParts>::kBlocksPerTile;
-  const int64_t blocks = o.n / kCols, tiles = (blocks + kBlocks - 1) / kBlocks;
+  const int64_t blocks = o.n / kCols, tiles = (blocks + kGroup - 1) / kGroup;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
   // a shared counter, not fixed shares: a thread that loses its core must not hold up the others (bf16_gemv.cpp)
   const int64_t run = std::max<int64_t>(1, std::min<int64_t>(kTilesPerRun, tiles / (threads * 4)));
@@ -199,15 +205,15 @@ void gemm(const Operands& o, O* out) {
     for (int64_t begin = next.fetch_add(run, std::memory_order_relaxed); begin < tiles;
          begin = next.fetch_add(run, std::memory_order_relaxed)) {
       for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
-        const int64_t b0 = kBlocks * t, nb = std::min<int64_t>(kBlocks, blocks - b0);
-        const int8_t* w = o.w + b0 * o.block_bytes;
+        const int64_t b0 = kGroup * t, nb = std::min<int64_t>(kGroup, blocks - b0);
+        const int8_t* w = o.w + b0 * o.block_bytes;  // the groups before are whole
         const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
         for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
           const uint8_t* xq = o.xq + r0 * kParts * o.k4 * 4;
           O* dst = out + r0 * o.n + b0 * kCols;
           sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
             constexpr int R = decltype(rows)::value;
-            const auto run_tile = nb == kBlocks ? tile<kParts, R, kBlocks, O> : nb == 2 ? tile<kParts, R, 2, O> : tile<kParts, R, 1, O>;
+            const auto run_tile = nb == kGroup ? tile<kParts, R, kGroup, O> : nb == 2 ? tile<kParts, R, 2, O> : tile<kParts, R, 1, O>;
             run_tile(o, xq, o.row_scale + r0, w, bias, dst);
           });
         }
