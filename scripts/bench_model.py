@@ -21,6 +21,10 @@ two limits and the lower of them (the roofline):
   threads; measured before each batch size, the best of the run for every row). Activations and caches
   are ignored, so both limits are upper bounds, and where the matmul limit is the lower one a step cannot
   reach its memory limit whatever its reads cost.
+  This host's read rate moves by up to 2x within a minute (other tenants' traffic), so a window measured
+  in a slow minute set against the run's fastest probe says little about the step. Hence also a paired
+  figure: each timed window is bracketed by two probes, set against the memory limit at the faster of
+  those two, and the median of those ratios over the rounds is reported ("/ memory limit, paired").
 
 Prints a markdown table, writes JSON (and a PNG when matplotlib is installed).
 Usage: python scripts/bench_model.py [--model smollm2-135m] [--dtype auto|bf16|fp32] [--threads N]
@@ -36,6 +40,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,9 +115,11 @@ def matmul_limit(runner: ModelRunner, forms: tuple[list[dict], object], rows: in
     return {"gflops": gflops, "params_per_token": params_per_token, "tokens_per_s": gflops * 1e9 / (2 * params_per_token)}
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s that a sum over a 512 MiB float32 tensor reads with torch's current threads (best of `repeats`)."""
-    x = torch.ones(128 << 20)
+def read_bandwidth(repeats: int = 5, x: torch.Tensor | None = None) -> float:
+    """Bytes/s that a sum over a 512 MiB float32 tensor (`x`, or a new one) reads with torch's current
+    threads (best of `repeats`)."""
+    if x is None:
+        x = torch.ones(128 << 20)
     x.sum()  # page faults and thread start-up out of the timing
     best = 0.0
     for _ in range(repeats):
@@ -337,20 +344,27 @@ def main() -> None:
     # mean context over a timed window: the prompt, the warm-up step, then the window
     context = args.decode_prompt_len + 1 + (args.decode_steps + 1) / 2
     decode_rows: list[tuple[dict, Variant]] = []
+    probe = torch.ones(128 << 20)  # the paired probes' tensor, allocated once
     for batch in tqdm(batch_sizes, desc="bench_model"):
         probes.append(read_bandwidth())
         ps = prompts(batch, args.decode_prompt_len)
         best = {v.name: 0.0 for v in variants}
+        paired: dict[str, list[float]] = {v.name: [] for v in variants}
         for _ in range(args.repeats):  # interleaved: every variant once per round
             for v in variants:
                 v.install(runner)
-                best[v.name] = max(best[v.name], ours.decode(ps, args.decode_steps, 1))
+                before = read_bandwidth(3, probe)
+                tokens_per_s = ours.decode(ps, args.decode_steps, 1)
+                bandwidth_near = max(before, read_bandwidth(3, probe))
+                best[v.name] = max(best[v.name], tokens_per_s)
+                paired[v.name].append(tokens_per_s * decode_bytes(runner, batch, context, v.kv_dtype, v.packed) / (batch * bandwidth_near))
         hf = ref.decode(ps, args.decode_steps, args.repeats) if ref else None
         for v in variants:
             limit = matmul_limit(runner, v.packed, batch, with_lm_head=True)
             row = {"phase": "decode", "batch": batch, "variant": v.name, "sgl_lite": best[v.name], "transformers": hf,
                    "vs_first_variant": best[v.name] / best[variants[0].name],
-                   "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"]}
+                   "matmul_gflops": limit["gflops"], "limit": limit["tokens_per_s"],
+                   "memory_limit_paired_ratios": paired[v.name], "memory_limit_paired": statistics.median(paired[v.name])}
             rows.append(row)
             decode_rows.append((row, v))
     bandwidth = max(probes)
@@ -367,8 +381,8 @@ def main() -> None:
     print(f"model {model_dir.name}, dtype {dtype_name}, threads {threads}, decode prompt "
           f"{args.decode_prompt_len} tok, {args.decode_steps} timed steps, best of {args.repeats} (tokens/s)\n")
     print("| phase | batch | attention | sgl_lite | vs " + variants[0].name + " | transformers | matmul limit | memory limit "
-          "| / matmul limit | / memory limit | / roofline | matmul GFLOP/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| / matmul limit | / memory limit | / memory limit, paired | / roofline | matmul GFLOP/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         hf = r["transformers"]
         mem = r["memory_limit"]
@@ -376,6 +390,7 @@ def main() -> None:
               f"{'-' if 'vs_first_variant' not in r else format(r['vs_first_variant'], '.2f') + 'x'} | "
               f"{'-' if hf is None else format(hf, '.1f')} | {r['limit']:.1f} | {'-' if mem is None else format(mem, '.1f')} | "
               f"{r['sgl_lite'] / r['limit']:.0%} | {'-' if mem is None else format(r['sgl_lite'] / mem, '.0%')} | "
+              f"{'-' if mem is None else format(r['memory_limit_paired'], '.0%')} | "
               f"{'-' if mem is None else format(r['sgl_lite'] / r['roofline'], '.0%')} | {r['matmul_gflops']:.1f} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"model": str(model_dir), "dtype": dtype_name, "threads": torch.get_num_threads(),
