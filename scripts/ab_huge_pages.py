@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_model import RunnerBench  # noqa: E402
+from runner_bench import RunnerBench  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.model_executor import model_runner  # noqa: E402

@@ -248,7 +248,7 @@ def bench_activation(repeats: int) -> list[dict]:
 
 def bench_fused_layer(repeats: int) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from bench_model import RunnerBench
+    from runner_bench import RunnerBench
 
     from sgl_lite.runtime.model_executor.model_runner import ModelRunner
     from sgl_lite.runtime.server_args import ServerArgs

@@ -7,7 +7,7 @@ step (restarting when it terminates), so the matchers visit varied states rather
     PYTHONPATH=. python scripts/bench_grammar.py [--batch 32] [--steps 200] [--out artifacts/bench_grammar.json]
 
 It also times an unconstrained decode step of the default model at the same batch size in the same
-run (scripts/bench_model.py's RunnerBench) and prints the mask cost as a fraction of that step.
+run (scripts/runner_bench.py's RunnerBench) and prints the mask cost as a fraction of that step.
 
 Uses the default model's tokenizer (SmolLM2, vocab 49152) when the loader can provide it, else the
 tiny test tokenizer (vocab ~400, far cheaper: not representative).
@@ -119,7 +119,7 @@ def decode_step_ms(batch: int, steps: int = 8) -> float:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_model import RunnerBench
+    from runner_bench import RunnerBench
 
     from sgl_lite.runtime.model_executor.loader import resolve_model_path
     from sgl_lite.runtime.model_executor.model_runner import ModelRunner

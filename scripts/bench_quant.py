@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_model import RunnerBench  # noqa: E402
+from runner_bench import RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402

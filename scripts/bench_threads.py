@@ -43,7 +43,7 @@ def worker(batch: int, steps: int, prompt_len: int, adaptive: bool) -> None:
 
     sys.path.insert(0, str(ROOT / "scripts"))
     sys.path.insert(0, str(ROOT))
-    from bench_model import RunnerBench
+    from runner_bench import RunnerBench
 
     from sgl_lite.runtime.model_executor.loader import resolve_model_path
     from sgl_lite.runtime.model_executor.model_runner import ModelRunner

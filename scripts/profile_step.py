@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_model import DTYPE_FLAGS, RunnerBench  # noqa: E402
+from runner_bench import DTYPE_FLAGS, RunnerBench  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
