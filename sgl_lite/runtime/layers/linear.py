@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sgl_lite.runtime.layers.column_groups import interleave_groups
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.weight_only import (
     Int4Avx2,
@@ -50,18 +51,6 @@ AVX2_INT4_MAX_ROWS = 32
 # Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
 GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
-GEMV_GROUP = 3  # and the AVX512-BF16 kernel's blocks in groups of this many, interleaved pair by pair
-
-
-def _interleaved_groups(blocks: torch.Tensor) -> torch.Tensor:
-    """[N/16, K/2, 16, 2] blocks of VDPBF16PS vectors -> csrc/bf16_gemv.cpp's order, flat: groups of
-    GEMV_GROUP blocks, each [K/2][GEMV_GROUP][16][2] (a pair's vectors of the group's blocks side by side),
-    the last group holding the one or two blocks left over."""
-    whole = blocks.shape[0] // GEMV_GROUP * GEMV_GROUP
-    parts = [blocks[:whole].reshape(-1, GEMV_GROUP, *blocks.shape[1:]).transpose(1, 2).reshape(-1)]
-    if whole < blocks.shape[0]:
-        parts.append(blocks[whole:].transpose(0, 1).reshape(-1))
-    return torch.cat(parts)
 
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -142,7 +131,7 @@ class GemvLinear:
     """A weight packed for the small-row kernel that serves it, with the form calls of more rows use."""
 
     # avx512_bf16: sized [N/16, K/2, 16, 2], 16 output columns x one pair along K per 64-byte vector, the
-    # vectors of groups of three blocks interleaved pair by pair (bf16_gemv.cpp, _interleaved_groups);
+    # vectors of groups of three blocks interleaved pair by pair (bf16_gemv.cpp, column_groups.py);
     # avx2: [N/16, K, 16], 16 output columns of one k in a run (avx2_gemv.cpp)
     gemv_weight: torch.Tensor
     packed_dense: torch.Tensor | None  # oneDNN-packed weight, or None for F.linear on the weight
@@ -157,7 +146,7 @@ class GemvLinear:
         w = weight.detach()
         if kernel == "avx512_bf16":
             blocks = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k // 2, 2).permute(0, 2, 1, 3)  # [N/16, K/2, 16, 2]
-            gemv = _interleaved_groups(blocks).reshape(blocks.shape)
+            gemv = interleave_groups(blocks).reshape(blocks.shape)
         else:
             gemv = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k).permute(0, 2, 1).contiguous()
         return cls(gemv, packed_dense, gemv_max_rows(kernel))

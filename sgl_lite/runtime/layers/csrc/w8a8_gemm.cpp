@@ -18,15 +18,15 @@
 // (one rounding). Twice the products of w8a8 for the bytes of int8 weights: what the activations lose is
 // ~1/256 of what 8 bits lose, below the weights' own rounding.
 //
-// Packed weight (int8, sized [N/16, K4 * 64 + 128], K4 = ceil(K / 4)): per block of 16 output columns, K4
-// vectors of 16 columns x 4 k (zero past K) and a trailer, the 16 columns' float32 scales, then their int32
-// compensations. The blocks go in groups of three (a last group may hold one or two): a group's vectors
-// interleaved k by k, [K4][3][64] bytes, then its three trailers. A tile is a group, so that it reads one
-// stream, not three streams K4 * 64 bytes apart, which fell behind the products at 8 rows, as in
-// bf16_gemv.cpp: 30 layers' matmuls at 8 rows 1.05-1.09x, 32 rows 1.03x, but 1 row 0.95-0.97x, whether a
-// one-row call took one group a tile or two or three (scripts/ab_matmul_builds.py, 2026-11-27). Threads take the tiles from a shared counter, rows
-// go in register tiles of up to 8 (4 with 16-bit activations, whose two sums per output take twice the
-// registers).
+// Packed weight (int8, sized [N/16, K4 * 64 + 128], K4 = ceil(K / 4)): per block of 16 output columns, K4 + 2
+// vectors of 64 bytes: K4 of 16 columns x 4 k (zero past K), then the 16 columns' float32 scales, then their
+// int32 compensations. The blocks go in groups of three (a last group may hold one or two), a group's
+// vectors interleaved step by step, [K4 + 2][3][64] bytes (layers/column_groups.py). A tile is a group, so
+// that it reads one stream, not three streams K4 * 64 bytes apart, which fell behind the products at 8 rows,
+// as in bf16_gemv.cpp: 30 layers' matmuls at 8 rows 1.05-1.09x, 32 rows 1.03x, but 1 row 0.95-0.97x, whether
+// a one-row call took one group a tile or two or three (scripts/ab_matmul_builds.py, 2026-11-27). Threads take
+// the tiles from a shared counter, rows go in register tiles of up to 8 (4 with 16-bit activations, whose two
+// sums per output take twice the registers).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -174,9 +174,9 @@ inline void tile(const Operands& o, const uint8_t* xq, const float* row_scale, c
   }
 #pragma GCC unroll 8
   for (int b = 0; b < NB; ++b) {
-    const int8_t* trailer = w + NB * o.k4 * 64 + b * kTrailer;
-    const __m512 col_scale = _mm512_loadu_ps(reinterpret_cast<const float*>(trailer));
-    const __m512i comp = _mm512_loadu_si512(trailer + 64);
+    // the block's scales and compensations: the group's two vectors after its weights (k4 and k4 + 1)
+    const __m512 col_scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + (o.k4 * NB + b) * 64));
+    const __m512i comp = _mm512_loadu_si512(w + ((o.k4 + 1) * NB + b) * 64);
     const __m512 vbias = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kCols);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {

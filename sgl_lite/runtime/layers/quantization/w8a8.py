@@ -17,10 +17,11 @@ import functools
 
 import torch
 
+from sgl_lite.runtime.layers.column_groups import deinterleave_groups, interleave_groups
+
 _COLUMNS = 16  # output columns per packed block; rows are padded to a multiple
 _K_GROUP = 4  # k per VPDPBUSD lane; K is padded to a multiple
-_GROUP = 3  # blocks per group, their lines interleaved (csrc/w8a8_gemm.cpp: a tile's one stream)
-_TRAILER = _COLUMNS * 8  # bytes per block after its lines: float32 scales, then int32 compensations
+_VECTOR = _COLUMNS * _K_GROUP  # bytes per packed vector: 16 columns x 4 k
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,11 +48,10 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
 
 class W8A8Int8:
     """A weight [N, K] as int8 with a float32 scale per output column (max|row| / 127), packed for
-    csrc/w8a8_gemm.cpp: int8 sized [N/16, ceil(K/4) * 64 + 128]. Per block of 16 columns: K/4 vectors of 16
-    columns x 4 k, and a trailer of the columns' scales and compensations (-128 * the column's sum, for the
-    kernel's unsigned activations); the blocks go in groups of three (the last may hold fewer), each group's
-    vectors interleaved k by k ([K/4][3][64] bytes) and then its three trailers. Rows are padded to a
-    multiple of 16 (their outputs sliced off)."""
+    csrc/w8a8_gemm.cpp: int8 sized [N/16, ceil(K/4) * 64 + 128]. Per block of 16 columns, K/4 + 2 vectors of
+    64 bytes: 16 columns x 4 k each, then the columns' float32 scales, then their int32 compensations (-128 *
+    the column's sum, for the kernel's unsigned activations); the blocks in groups of three, vector by
+    vector (layers/column_groups.py). Rows are padded to a multiple of 16 (their outputs sliced off)."""
 
     kernel = "w8a8_gemm"  # the op of csrc/w8a8_gemm.cpp that multiplies by `packed`
 
@@ -69,35 +69,21 @@ class W8A8Int8:
         scales = torch.cat([self.scales, self.scales.new_ones(self.pad)])
         comp = -128 * q.sum(dim=1, dtype=torch.int32)
         blocks = (n + self.pad) // _COLUMNS
-        lines = q.reshape(blocks, _COLUMNS, k4, _K_GROUP).permute(0, 2, 1, 3).reshape(blocks, k4, -1)
-        trailer = torch.cat([scales.reshape(blocks, _COLUMNS).view(torch.int8), comp.reshape(blocks, _COLUMNS).view(torch.int8)], 1)
-        groups = [torch.cat([lines[b : b + _GROUP].transpose(0, 1).reshape(-1), trailer[b : b + _GROUP].reshape(-1)])
-                  for b in range(0, blocks, _GROUP)]
-        self.packed = torch.cat(groups).reshape(blocks, -1)
+        lines = q.reshape(blocks, _COLUMNS, k4, _K_GROUP).permute(0, 2, 1, 3).reshape(blocks, k4, _VECTOR)
+        trailer = torch.stack([scales.reshape(blocks, _COLUMNS).view(torch.int8), comp.reshape(blocks, _COLUMNS).view(torch.int8)], 1)
+        self.packed = interleave_groups(torch.cat([lines, trailer], 1)).reshape(blocks, -1)
 
-    @property
-    def _line_bytes(self) -> int:
-        """Bytes of a packed block's weight lines, before its trailer (scales, then compensations)."""
-        return -(-self.in_features // _K_GROUP) * _COLUMNS * _K_GROUP
-
-    def _block_rows(self) -> torch.Tensor:
-        """`packed` block by block: [N/16, line bytes + trailer], each row a block's vectors, then its trailer."""
-        blocks, line_bytes = self.packed.shape[0], self._line_bytes
-        flat, rows, start = self.packed.reshape(-1), [], 0
-        for b in range(0, blocks, _GROUP):
-            nb = min(_GROUP, blocks - b)
-            group = flat[start : start + nb * (line_bytes + _TRAILER)]
-            lines = group[: nb * line_bytes].reshape(-1, nb, _COLUMNS * _K_GROUP).transpose(0, 1).reshape(nb, line_bytes)
-            rows.append(torch.cat([lines, group[nb * line_bytes :].reshape(nb, _TRAILER)], 1))
-            start += nb * (line_bytes + _TRAILER)
-        return torch.cat(rows)
+    def _vectors(self) -> torch.Tensor:
+        """`packed` block by block: [N/16, K/4 + 2, 64], each block's weight vectors, scales, compensations."""
+        blocks = self.packed.shape[0]
+        return deinterleave_groups(self.packed, (blocks, self.packed.shape[1] // _VECTOR, _VECTOR))
 
     @property
     def q(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from `packed` the first time where the kernel is the path)."""
         if self._q is None:
             blocks = self.packed.shape[0]
-            lines = self._block_rows()[:, : self._line_bytes].reshape(blocks, -1, _COLUMNS, _K_GROUP)
+            lines = self._vectors()[:, :-2].reshape(blocks, -1, _COLUMNS, _K_GROUP)
             self._q = lines.permute(0, 2, 1, 3).reshape(blocks * _COLUMNS, -1)[: self.out_features, : self.in_features].contiguous()
         return self._q
 
@@ -144,12 +130,11 @@ class W8A16Int8(W8A8Int8):
     def fused_decode_weight(self) -> bool:
         return False
 
-    @property
+    @functools.cached_property
     def column_sums(self) -> torch.Tensor:
-        """Each output column's sum of int8 weights (int32 [N]), read back from the compensations packed
+        """Each output column's sum of int8 weights (int32 [N]), read back once from the compensations packed
         with them (-128 * the sum), which is cheaper than summing the weights again."""
-        start = self._line_bytes + _COLUMNS * 4  # past the lines and the float32 scales
-        comp = self._block_rows()[:, start : start + _COLUMNS * 4].contiguous().view(torch.int32).reshape(-1)
+        comp = self._vectors()[:, -1].contiguous().view(torch.int32).reshape(-1)
         return comp[: self.out_features] // -128
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
