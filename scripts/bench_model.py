@@ -276,6 +276,7 @@ def main() -> None:
         ps = prompts(batch, args.decode_prompt_len)
         best = {v.name: 0.0 for v in variants}
         paired: dict[str, list[float]] = {v.name: [] for v in variants}
+        step_bytes = {v.name: decode_bytes(runner, batch, context, v.kv_dtype, v.packed) for v in variants}
         for _ in range(args.repeats):  # interleaved: every variant once per round
             for v in variants:
                 v.install(runner)
@@ -283,7 +284,7 @@ def main() -> None:
                 tokens_per_s = ours.decode(ps, args.decode_steps, 1)
                 bandwidth_near = max(before, read_bandwidth(3, probe))
                 best[v.name] = max(best[v.name], tokens_per_s)
-                paired[v.name].append(tokens_per_s * decode_bytes(runner, batch, context, v.kv_dtype, v.packed) / (batch * bandwidth_near))
+                paired[v.name].append(tokens_per_s * step_bytes[v.name] / (batch * bandwidth_near))
         hf = ref.decode(ps, args.decode_steps, args.repeats) if ref else None
         for v in variants:
             limit = matmul_limit(runner, v.packed, batch, with_lm_head=True)
