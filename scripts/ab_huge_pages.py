@@ -1,7 +1,7 @@
 """Decode steps with the weights and KV pool on 2 MiB pages against 4 KiB pages, in one process, interleaved.
 
 Builds two ModelRunners of the default model with a server's KV pool (the default --max-total-tokens):
-one as the server builds it (model_executor/huge_pages.py advises huge pages under the weights and the
+one as the server builds it (cpu_host/huge_pages.py advises huge pages under the weights and the
 pool), one with that advice skipped. Each gets the same batch of requests with cached prefixes, then decode
 steps are timed on the two in turn (each first in every other round), best of --repeats per round, on one
 thread count (the governor off). Prints a table and writes JSON: the baseline (4 KiB pages) is measured in

@@ -3,7 +3,7 @@
 Across processes this host's speeds move by ~10% (where a run's memory lands, what else runs), more than
 many kernel changes move them: two runs of bench_decode_kernels.py, one per version, can show no
 difference where there is one, or one where there is none. This builds the kernel's source file
-(`layers/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
+(`kernels/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
 is in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random
 weights once, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
 memory, as in a decode step) at each row count, the two builds alternating (each first in every other
@@ -35,7 +35,7 @@ from torch.utils import cpp_extension  # noqa: E402
 from bench_decode_kernels import LAYERS, SHAPES, best_seconds  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops  # noqa: E402
+from sgl_lite.runtime.kernels.loader import load_cpu_ops  # noqa: E402
 from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
 
@@ -71,8 +71,8 @@ def base_and_tree(kernel: str, base: str) -> dict:
     """The op `kernel` (csrc/<kernel>.cpp) built as it is at git revision `base` and in the working tree,
     each with the headers of its own version: {"base": op, "working tree": op}."""
     if not load_cpu_ops():
-        raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.layers.cpu_ops)")
-    relative = f"sgl_lite/runtime/layers/csrc/{kernel}.cpp"
+        raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.kernels.loader)")
+    relative = f"sgl_lite/runtime/kernels/csrc/{kernel}.cpp"
     base_source = git_show(base, relative)
     if base_source is None:
         raise SystemExit(f"{relative} does not exist at {base}")
@@ -81,7 +81,7 @@ def base_and_tree(kernel: str, base: str) -> dict:
         workdir = Path(tempfile.mkdtemp(prefix=f"ab_{kernel}-"))
         try:
             for header in CSRC.glob("*.h"):
-                text = git_show(base, f"sgl_lite/runtime/layers/csrc/{header.name}") if name == "base" else None
+                text = git_show(base, f"sgl_lite/runtime/kernels/csrc/{header.name}") if name == "base" else None
                 (workdir / header.name).write_text(text if text is not None else header.read_text())
             ops[name] = build(kernel, source, library, workdir)
         finally:

@@ -5,7 +5,7 @@ For each (prefix, new tokens, requests) shape - one long prompt from scratch, ag
 cached conversation, a short chunk on a long context - it builds a KV pool holding the prefixes (the
 default model's heads: 9 query and 3 KV heads of 64, bf16 unless --dtype float32) and times one layer's
 attention for all new rows:
-- kernel: `CpuKernelBackend.forward` (layers/csrc/extend_attention.cpp, the cpu_kernel backend's extend
+- kernel: `CpuKernelBackend.forward` (kernels/csrc/extend_attention.cpp, the cpu_kernel backend's extend
   path where it is built);
 - kernel in the other arithmetic (bf16 on AVX512-BF16 CPUs): the kernel follows bf16_gemv's probe, float32
   FMAs or VDPBF16PS pairs, whichever this core runs faster; the other one is timed too, with its ratio;
@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
-from sgl_lite.runtime.layers.cpu_ops import bf16_arithmetic  # noqa: E402
+from sgl_lite.runtime.kernels.loader import bf16_arithmetic  # noqa: E402
 
 HQ, HKV, DIM = 9, 3, 64
 SHAPES = [  # (prefix, new tokens per request, requests)

@@ -3,7 +3,7 @@
 Each measurement is a fresh process (OpenMP reads its environment once, at start-up) that loads the model
 and times `--steps` decode steps at batch `--batch` with the cpu_kernel backend (best of 2 windows).
 Settings: the adaptive thread count `sgl-lite serve` uses by default (1 or all threads per batch size,
-chosen by timing both: model_executor/thread_governor.py), and fixed counts: all threads with OpenMP's
+chosen by timing both: cpu_host/thread_governor.py), and fixed counts: all threads with OpenMP's
 default wait policy (spin at every barrier before sleeping) or OMP_WAIT_POLICY=passive (sleep at once),
 and 1 thread. Neighbours: none, `python -c "while 1: pass"`
 unpinned, and the same pinned to the last core. Every (neighbour, setting) pair is measured in each round,

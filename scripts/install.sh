@@ -25,7 +25,7 @@ EOF
 prebuild_kernel() {
     # The C++ CPU ops (decode attention, RMSNorm): built once per machine into $cache/kernels (a cache hit
     # takes a second). A failed build is not an error: the runtime then uses the torch path and says so.
-    (cd / && python -m sgl_lite.runtime.layers.cpu_ops) \
+    (cd / && python -m sgl_lite.runtime.kernels.loader) \
         || echo "install.sh: the C++ CPU ops did not build; the model uses the torch path" >&2
 }
 

@@ -73,11 +73,11 @@ def __getattr__(name: str) -> Any:
 
         return Engine
     if name == "OpenAI":
-        from sgl_lite.lang.openai_backend import OpenAI
+        from sgl_lite.lang.backend.openai import OpenAI
 
         return OpenAI
     if name == "RuntimeEndpoint":
-        from sgl_lite.lang.endpoint import RuntimeEndpoint
+        from sgl_lite.lang.backend.runtime_endpoint import RuntimeEndpoint
 
         return RuntimeEndpoint
     raise AttributeError(f"module 'sgl_lite' has no attribute {name!r}")

@@ -133,7 +133,7 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     import signal
 
     from sgl_lite.http.launch import HttpFront
-    from sgl_lite.http.limits import HttpLimits
+    from sgl_lite.http.guards.limits import HttpLimits
     from sgl_lite.runtime.free_port import connect_host, url_host
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent

@@ -62,6 +62,6 @@ def draft_lengths_from_the_prior(monkeypatch: pytest.MonkeyPatch) -> None:
     """Speculative tests about verification, not about the draft-length policy: draft lengths come from the
     fixed prior, as on a fresh runtime. The measured step times of a loaded CI box may otherwise find drafts
     not worth verifying, and a test that needs drafts would then see none (test_step_cost.py tests the policy)."""
-    from sgl_lite.runtime.managers.step_cost import StepCost
+    from sgl_lite.runtime.speculative.step_cost import StepCost
 
     monkeypatch.setattr(StepCost, "measured", property(lambda self: False))

@@ -1,11 +1,11 @@
-"""The C++ argmax over logit rows (layers/csrc/argmax_rows.cpp) answers as torch.argmax(x, -1) does."""
+"""The C++ argmax over logit rows (kernels/csrc/argmax_rows.cpp) answers as torch.argmax(x, -1) does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.kernels.loader import load_cpu_ops
 from sgl_lite.runtime.sampling.sampler import argmax_ids
 
 

@@ -15,7 +15,7 @@ import torch
 from test_attention import naive_attention, random_batch
 
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
-from sgl_lite.runtime.layers import cpu_ops
+from sgl_lite.runtime.kernels import loader, ops
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
@@ -27,9 +27,8 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @pytest.fixture(scope="module")
 def op():
-    built = cpu_ops.load_paged_decode_op()
-    assert built is not None, "the CPU decode kernel did not build on this machine"
-    return built
+    assert loader.has_op("paged_decode_attention"), "the CPU decode kernel did not build on this machine"
+    return ops.paged_decode_attention
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
@@ -164,7 +163,7 @@ def test_verification_rows_give_each_query_the_bits_of_decoding_it_alone(op, hea
         pytest.skip("the pairs arithmetic is for bf16 queries and K/V")
     hq, hkv, dim = heads
     q, k_cache, v_cache, rows, alone = verification_inputs(hq + dim, VERIFY_ROWS, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
-    with cpu_ops.bf16_arithmetic(arithmetic):
+    with loader.bf16_arithmetic(arithmetic):
         together = op(q, k_cache, v_cache, rows[0], rows[1], dim**-0.5, rows[2])
         expected = op(q, k_cache, v_cache, alone[0], alone[1], dim**-0.5)
         # one row at a time too: the batch (which picks the work items' shape) must not matter either
@@ -233,7 +232,7 @@ def test_rows_sharing_a_prompt_get_the_bits_of_decoding_alone(op, heads, dtype, 
     hq, hkv, dim = heads
     q, k_cache, v_cache, rows, alone = shared_prefix_inputs(dim, hq, hkv, dim, dtype, dtype if kv == "same" else FP8[kv])
     scale = dim**-0.5
-    with cpu_ops.bf16_arithmetic(arithmetic):
+    with loader.bf16_arithmetic(arithmetic):
         together = op(q, k_cache, v_cache, rows[0], rows[1], scale, rows[2])
         decoded = op(q, k_cache, v_cache, alone[0], alone[1], scale)
         one_by_one = [op(q[i : i + 1], k_cache, v_cache, alone[0][i : i + 2] - alone[0][i], alone[1][alone[0][i] : alone[0][i + 1]], scale)
@@ -296,16 +295,37 @@ def test_auto_picks_the_kernel_on_cpu_and_falls_back(op, monkeypatch, caplog):
     assert "does not support" in caplog.text
 
 
-def test_build_failure_falls_back_with_one_line(tmp_path, monkeypatch, caplog):
+def test_build_failure_falls_back_with_a_line_that_says_so(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_ops, "SOURCES", (broken,))
+    monkeypatch.setattr(loader, "SOURCES", (broken,))
     monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert cpu_ops.load_cpu_ops.__wrapped__() is False
-    warnings = [r for r in caplog.records if r.name == cpu_ops.logger.name and r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "using the torch path" in warnings[0].getMessage()
+        assert loader.load_cpu_ops.__wrapped__() is False
+    warnings = [r.getMessage() for r in caplog.records if r.name == loader.logger.name and r.levelno >= logging.WARNING]
+    assert any("broken did not compile" in w for w in warnings)
+    assert "using the torch path" in warnings[-1]
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+
+
+def test_a_source_that_does_not_compile_disables_only_its_own_ops(tmp_path, monkeypatch, caplog):
+    """One broken source among good ones: the library is built from the rest, whose ops load, and the log
+    names the one left out. A source linking against the broken one is left out with it."""
+    good = tmp_path / "probe_good.cpp"
+    good.write_text('#include <torch/library.h>\n#include <ATen/ATen.h>\n'
+                    'at::Tensor probe_twice(const at::Tensor& x) { return x * 2; }\n'
+                    'TORCH_LIBRARY_FRAGMENT(sgl_lite, m) { m.def("probe_twice(Tensor x) -> Tensor", &probe_twice); }\n')
+    broken = tmp_path / "probe_broken.cpp"
+    broken.write_text("this is not C++\n")
+    dependent = tmp_path / "probe_dependent.cpp"
+    dependent.write_text("int probe_dependent() { return 1; }\n")
+    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(loader.SOURCE_NEEDS, "probe_dependent", {"probe_broken"})
+    with caplog.at_level(logging.WARNING):
+        built = loader._load_or_build((broken, dependent, good), ["-O1"])
+    assert built == (good,)
+    assert any("probe_broken did not compile" in r.getMessage() for r in caplog.records)
+    assert torch.equal(torch.ops.sgl_lite.probe_twice(torch.arange(3)), torch.arange(3) * 2)
 
 
 def test_kv_cache_dtype_flag():
@@ -377,7 +397,7 @@ def bf16_arithmetic(request):
     extend_kernel()
     if torch.ops.sgl_lite.bf16_gemv_arithmetic() == "none":
         pytest.skip("no AVX512-BF16 on this CPU")
-    with cpu_ops.bf16_arithmetic(request.param):
+    with loader.bf16_arithmetic(request.param):
         yield request.param
 
 
@@ -388,7 +408,7 @@ def in_each_bf16_arithmetic(compute: Callable[[], torch.Tensor]) -> dict[str, to
         pytest.skip("no AVX512-BF16 on this CPU")
     outs: dict[str, torch.Tensor] = {}
     for arithmetic in ("fma", "dpbf16"):
-        with cpu_ops.bf16_arithmetic(arithmetic):
+        with loader.bf16_arithmetic(arithmetic):
             outs[arithmetic] = compute()
     return outs
 

@@ -141,7 +141,7 @@ def test_health_settings_are_validated() -> None:
 
 
 # A ROUTER in its own process (so that it can be stopped): prints its address, then the type and rid
-# of every request it reads, and never answers. Like the runtime's (server/transport.py) it hands a
+# of every request it reads, and never answers. Like the runtime's (server/event_loop.py) it hands a
 # routing id over to the newest connection: on resuming, it may see the client's new connection before
 # the old one's close, and without handover it would drop the new one, and the abort on it.
 _MUTE_ROUTER = """

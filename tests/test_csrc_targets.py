@@ -1,6 +1,6 @@
 """The C++ ops compile for every x86 class the loader can meet, not only for this machine's.
 
-cpu_ops.py builds layers/csrc/ with -march=native, so a suite run on an AVX512-BF16 box builds and tests
+kernels/loader.py builds kernels/csrc/ with -march=native, so a suite run on an AVX512-BF16 box builds and tests
 that target alone; code outside a kernel's `#if` that leans on what is inside it would break the whole
 library (and with it every C++ op: the runtime falls back to torch) on an AVX2-only host, unseen here.
 This compiles each source (syntax and templates, no code generation) for the other classes.
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_lite.runtime.layers.cpu_ops import SOURCES
+from sgl_lite.runtime.kernels.loader import SOURCES
 
 TARGETS = {
     "x86-64": "no AVX: the loader's portable retry",

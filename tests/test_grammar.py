@@ -180,8 +180,8 @@ def test_ebnf_walks(tiny_backend, tiny_tokenizer):
 @pytest.mark.parametrize("choice", ["required", "named", "auto", "none"])
 def test_random_walks_under_the_tool_call_structural_tags(tiny_backend, tiny_tokenizer, choice):
     """The structural tags the HTTP front sends for tools: whatever the logits, every call is whole and valid."""
-    from sgl_lite.http.tool_parsers import Qwen25Parser
-    from sgl_lite.http.tools import ToolRequest
+    from sgl_lite.http.openai_api.tool_parsers import Qwen25Parser
+    from sgl_lite.http.openai_api.tools import ToolRequest
 
     tools = [{"type": "function", "function": {"name": "person", "parameters": PERSON_SCHEMA}}]
     request = ToolRequest(tools, choice, "person" if choice == "named" else None, True, Qwen25Parser, True)

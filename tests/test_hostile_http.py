@@ -19,7 +19,7 @@ import pytest
 from sgl_lite.http.app import create_app
 from sgl_lite.http.chat_template import ChatTemplate
 from sgl_lite.http.launch import HttpServerThread
-from sgl_lite.http.limits import HttpLimits
+from sgl_lite.http.guards.limits import HttpLimits
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import warn_if_exposed

@@ -20,7 +20,7 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, use_api_key
 from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.fuzz import NESTED_FIELDS, nested_message
 from sgl_lite.testing.tiny_model import make_tiny_model
@@ -179,7 +179,7 @@ def test_a_rid_over_the_limit_is_refused_and_not_echoed(serve):
 def test_a_peer_without_the_key_gets_nothing_queued_or_read(serve, monkeypatch):
     """With --api-key a peer must pass the connection's handshake with the key (zap.py): one with a wrong
     key, or none, is dropped there, so not one of its messages reaches the serve loop, whatever it sends."""
-    from sgl_lite.runtime.server import transport
+    from sgl_lite.runtime.server import event_loop as transport
 
     received: list[int] = []
     real = transport.RuntimeServer._handle_guarded

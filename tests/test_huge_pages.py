@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_lite.runtime.model_executor.huge_pages import HUGE_PAGE, advise_huge_pages, tensors_of
+from sgl_lite.runtime.model_executor.cpu_host.huge_pages import HUGE_PAGE, advise_huge_pages, tensors_of
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import sgl_lite as sgl
-from sgl_lite.lang.backend import BaseBackend, PrefillRequest
+from sgl_lite.lang.backend.base import BaseBackend, PrefillRequest
 from sgl_lite.lang.chat_template import CHATML, ChatTemplate
 from sgl_lite.lang.executor import ProgramError
 from sgl_lite.lang.ir import SglSamplingParams

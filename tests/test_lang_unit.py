@@ -212,7 +212,7 @@ def test_choices_methods_math():
 
 
 def test_request_options_forward_logprobs_and_priority():
-    from sgl_lite.lang.endpoint import RuntimeEndpoint
+    from sgl_lite.lang.backend.runtime_endpoint import RuntimeEndpoint
 
     params = sgl.gen("x", return_logprob=True, top_logprobs_num=2).sampling_params.resolve(
         SglSamplingParams(max_new_tokens=4, priority=7))

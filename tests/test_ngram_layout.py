@@ -1,4 +1,4 @@
-"""Layout-free n-gram lookup (managers/ngram_layout.py): a copy laid out anew still drafts from its source."""
+"""Layout-free n-gram lookup (speculative/ngram_layout.py): a copy laid out anew still drafts from its source."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_lite.runtime.managers.ngram_layout import WHITESPACE, LayoutFreeView, layout_free_keys
-from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, suffix_match
+from sgl_lite.runtime.speculative.ngram_layout import WHITESPACE, LayoutFreeView, layout_free_keys
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine

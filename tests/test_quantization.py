@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.kernels.loader import load_cpu_ops
 from sgl_lite.runtime.layers.linear import AVX2_INT4_MAX_ROWS, QuantizedLinear, avx2_int4_preferred, quantize_linear
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks

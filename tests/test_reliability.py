@@ -20,7 +20,7 @@ from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hol
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, install_fault_injection, parse_fault_spec
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import StopChecker, trim_stop
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks

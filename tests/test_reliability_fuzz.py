@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request
 
 pytestmark = pytest.mark.timeout(600)

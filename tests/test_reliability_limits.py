@@ -11,7 +11,7 @@ import pytest
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.runtime.server.core import RuntimeCore
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from test_reliability import ScriptedRunner, make_core, serve, tokenizer  # noqa: F401 - serve, tokenizer are fixtures
 

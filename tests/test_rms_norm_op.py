@@ -1,11 +1,11 @@
-"""The C++ RMSNorm op (layers/csrc/rms_norm.cpp) against transformers' LlamaRMSNorm arithmetic."""
+"""The C++ RMSNorm op (kernels/csrc/rms_norm.cpp) against transformers' LlamaRMSNorm arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sgl_lite.runtime.layers import cpu_ops
+from sgl_lite.runtime.kernels import loader
 from sgl_lite.runtime.layers.layernorm import RMSNorm
 
 
@@ -18,7 +18,7 @@ def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
+    assert loader.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])

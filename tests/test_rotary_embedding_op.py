@@ -1,18 +1,18 @@
-"""The C++ rotary_embedding op (layers/csrc/rotary_embedding.cpp) against torch's rotate-half expression."""
+"""The C++ rotary_embedding op (kernels/csrc/rotary_embedding.cpp) against torch's rotate-half expression."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sgl_lite.runtime.layers import cpu_ops
+from sgl_lite.runtime.kernels import loader
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope
 from test_silu_and_mul_op import assert_same_bits
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
+    assert loader.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
 
 
 def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

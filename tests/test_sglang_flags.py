@@ -18,7 +18,7 @@ from sgl_lite.cli import build_server_args, server_arg_options
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The C++ silu_and_mul op (layers/csrc/silu_and_mul.cpp) against torch's two ops, silu(gate) * up."""
+"""The C++ silu_and_mul op (kernels/csrc/silu_and_mul.cpp) against torch's two ops, silu(gate) * up."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.layers import cpu_ops
+from sgl_lite.runtime.kernels import loader
 from sgl_lite.runtime.layers.activation import silu_and_mul
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
+    assert loader.load_cpu_ops(), "the C++ CPU ops did not build on this machine"
 
 
 def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

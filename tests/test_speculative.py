@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_lite.runtime.managers.ngram_proposer import (
+from sgl_lite.runtime.speculative.ngram_proposer import (
     MAX_FAILED_DRAFTS,
     Acceptance,
     NgramProposer,
@@ -17,10 +17,10 @@ from sgl_lite.runtime.managers.ngram_proposer import (
     worth_length,
 )
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.managers.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, draft_token_cost
+from sgl_lite.runtime.speculative.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, draft_token_cost
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.sampler import Sampler
-from sgl_lite.runtime.sampling.speculative import verify_drafts
+from sgl_lite.runtime.speculative.verification import verify_drafts
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
@@ -329,7 +329,7 @@ BF16_PROMPTS = [
 @pytest.mark.default_model
 def test_bf16_greedy_output_is_identical_with_speculation_on_the_default_model(default_model_dir: Path) -> None:
     """In bf16 too: up to GEMV_MAX_ROWS rows a matmul row and a decode-attention row are computed the same way
-    in any batch (layers/csrc/bf16_gemv.cpp, fixed-length chunks in the decode kernel), so a verification
+    in any batch (kernels/csrc/bf16_gemv.cpp, fixed-length chunks in the decode kernel), so a verification
     row gives a decode step's bits. The tiny model's wide logit margins hide such last-bit differences,
     hence the real weights."""
     from sgl_lite.runtime.layers.linear import gemv_supported

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
-from sgl_lite.runtime.managers.ngram_proposer import NgramProposer, suffix_match
+from sgl_lite.runtime.speculative.ngram_pool import SEPARATOR, NgramPool
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine

@@ -11,9 +11,9 @@ import pytest
 
 import itertools
 
-from sgl_lite.runtime.managers.ngram_proposer import Acceptance, NgramProposer, NgramState, allocate_draft_tokens, worth_length
+from sgl_lite.runtime.speculative.ngram_proposer import Acceptance, NgramProposer, NgramState, allocate_draft_tokens, worth_length
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.managers.step_cost import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW,
+from sgl_lite.runtime.speculative.step_cost import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW,
                                                  StepCost)
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from sgl_lite.runtime.model_executor.run_queue import RunQueueWait, forward_thread_ids
-from sgl_lite.runtime.model_executor.thread_governor import SUSTAINED_S, ThreadGovernor
+from sgl_lite.runtime.model_executor.cpu_host.run_queue import RunQueueWait, forward_thread_ids
+from sgl_lite.runtime.model_executor.cpu_host.thread_governor import SUSTAINED_S, ThreadGovernor
 
 
 @pytest.fixture(autouse=True)
@@ -367,7 +367,7 @@ def test_without_a_fall_nothing_looks():
 
 
 def test_the_runnable_count_is_read_from_the_machine():
-    from sgl_lite.runtime.model_executor.forward_looks import others_runnable
+    from sgl_lite.runtime.model_executor.cpu_host.forward_looks import others_runnable
 
     count = others_runnable()
     if count is None:

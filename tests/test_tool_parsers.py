@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from sgl_lite.http.tool_parsers import PARSERS, ParsedCall, ParsedOutput, collect
+from sgl_lite.http.openai_api.tool_parsers import PARSERS, ParsedCall, ParsedOutput, collect
 from sgl_lite.runtime.server_args import TOOL_CALL_PARSERS
 
 NAMES = {"get_weather", "add", "search"}

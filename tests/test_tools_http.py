@@ -252,8 +252,8 @@ def test_malformed_tools_get_400_naming_the_field(live: Live, change: dict[str, 
 
 def test_a_template_without_tools_is_refused_with_a_400_naming_tools() -> None:
     from sgl_lite.http.errors import HttpError
-    from sgl_lite.http.openai_protocol import ChatCompletionRequest
-    from sgl_lite.http.tools import tool_request
+    from sgl_lite.http.openai_api.protocol import ChatCompletionRequest
+    from sgl_lite.http.openai_api.tools import tool_request
     from sgl_lite.lang.template_renderer import TemplateRenderer
     from sgl_lite.testing.tiny_model import CHATML_TEMPLATE
 

@@ -15,7 +15,7 @@ import threading
 import uuid
 from typing import Any, Optional
 
-from sgl_lite.lang.backend import BaseBackend
+from sgl_lite.lang.backend.base import BaseBackend
 from sgl_lite.lang.chat_template import ChatTemplate
 from sgl_lite.lang.ir import (
     SglCommitLazy,

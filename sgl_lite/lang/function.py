@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 from sgl_lite.lang.ir import SglFunctionCall, SglSamplingParams
 
 if TYPE_CHECKING:
-    from sgl_lite.lang.backend import BaseBackend
+    from sgl_lite.lang.backend.base import BaseBackend
     from sgl_lite.lang.state import ProgramState
 
 # The state whose program body is running in this thread/context: a call to another @function

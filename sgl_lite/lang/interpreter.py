@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
-from sgl_lite.lang.backend import BaseBackend, PrefillRequest
+from sgl_lite.lang.backend.base import BaseBackend, PrefillRequest
 from sgl_lite.lang.executor import StreamExecutor
 from sgl_lite.lang.function import running_state
 from sgl_lite.lang.global_config import global_config

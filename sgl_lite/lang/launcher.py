@@ -123,7 +123,7 @@ class Runtime:
     @property
     def endpoint(self) -> Any:
         if self._endpoint is None:
-            from sgl_lite.lang.endpoint import RuntimeEndpoint
+            from sgl_lite.lang.backend.runtime_endpoint import RuntimeEndpoint
 
             self._endpoint = RuntimeEndpoint(self.address, api_key=self.api_key, timeout=self._client_timeout)
         return self._endpoint

@@ -9,7 +9,7 @@ naming the field at fault for anything else. No pickle anywhere.
 Request ids are chosen by the client, at most MAX_RID_CHARS long, and must be non-empty: the empty
 rid is reserved for the server's keepalive, an `InfoReply(rid="", info={"keepalive": True})` sent
 about once a second to every client that has requests in flight (so that a vanished client is
-noticed, server/transport.py). Clients ignore it; it is never an answer to a request.
+noticed, server/event_loop.py). Clients ignore it; it is never an answer to a request.
 
 A message travels as one ZeroMQ frame. The connection itself is authenticated: every client opens it
 with ZeroMQ's PLAIN handshake (plain_credentials: the api_key as its password, if it has one), and a

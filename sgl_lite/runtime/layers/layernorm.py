@@ -6,13 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.loader import has_op
 
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally of `x + residual` (returning that sum too, the next residual).
 
-    On CPU it runs the C++ op of layers/csrc/rms_norm.cpp when it is built: one pass per row with
+    On CPU it runs the C++ op of kernels/csrc/rms_norm.cpp when it is built: one pass per row with
     transformers' roundings, ~2-3 us at decode sizes against ~10-20 us for torch's composite rms_norm,
     which a decode step calls twice per layer. Elsewhere torch's rms_norm (float32 accumulation; in bf16
     one rounding step apart from transformers, which casts back before scaling).
@@ -22,13 +23,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
-        self.cpu_op = device.type == "cpu" and load_cpu_ops()
+        self.cpu_op = device.type == "cpu" and has_op("rms_norm") and has_op("add_rms_norm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.cpu_op:
             if residual is None:
-                return torch.ops.sgl_lite.rms_norm(x.contiguous(), self.weight, self.eps)
-            return torch.ops.sgl_lite.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         total = x + residual

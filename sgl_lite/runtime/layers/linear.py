@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sgl_lite.runtime.layers.column_groups import interleave_groups
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.column_groups import interleave_groups
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.weight_only import (
     Int4Avx2,
@@ -78,13 +79,11 @@ def gemv_kernel(weight: torch.Tensor) -> str | None:
         return None
     if weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+    from sgl_lite.runtime.kernels.loader import runs_here
 
-    if not load_cpu_ops():
-        return None
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and torch.ops.sgl_lite.bf16_gemv_supported():
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and runs_here("bf16_gemv"):
         return "avx512_bf16"
-    return "avx2" if torch.ops.sgl_lite.avx2_gemv_supported() else None
+    return "avx2" if runs_here("avx2_gemv") else None
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:
@@ -98,9 +97,9 @@ def avx2_int4_preferred() -> bool:
     torch's int4 kernel is the slower one), with the op built."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return False
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+    from sgl_lite.runtime.kernels.loader import runs_here
 
-    return load_cpu_ops() and bool(torch.ops.sgl_lite.avx2_q4_gemv_supported())
+    return runs_here("avx2_q4_gemv")
 
 
 def gemv_max_rows(kernel: str) -> int | None:
@@ -121,9 +120,9 @@ def bf16_gemv_fma() -> bool:
     than VDPBF16PS; the same bits either way, see csrc/bf16_gemv.cpp). Decided once per process, by the
     first probe, and what calls it takes follows from it; `set_bf16_gemv_arithmetic` afterwards changes
     only the arithmetic."""
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+    from sgl_lite.runtime.kernels.loader import has_op
 
-    return load_cpu_ops() and torch.ops.sgl_lite.bf16_gemv_arithmetic() == "fma"
+    return has_op("bf16_gemv_arithmetic") and ops.bf16_gemv_arithmetic() == "fma"
 
 
 @dataclass
@@ -159,8 +158,8 @@ class GemvLinear:
         if not self.takes(x.shape[0]):
             return linear(x, weight, bias, self.packed_dense)
         if self.gemv_weight.dim() == 4:
-            return torch.ops.sgl_lite.bf16_gemv(x.contiguous(), self.gemv_weight, bias)
-        return torch.ops.sgl_lite.avx2_gemv(x.contiguous(), self.gemv_weight, bias)
+            return ops.small_row_matmul("bf16_gemv", x, self.gemv_weight, bias)
+        return ops.small_row_matmul("avx2_gemv", x, self.gemv_weight, bias)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.loader import has_op
 
 
 def rope_parameters(config) -> dict:
@@ -51,11 +52,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE (the HF layout). x [N, H, D]; cos/sin [N, 1, D/2] in x's dtype.
 
     On CPU, in bf16 or float32 with each row's heads contiguous (q and k as a view of the qkv matmul's
-    output), the C++ op of layers/csrc/rotary_embedding.cpp when built: one pass with torch's bits instead
+    output), the C++ op of kernels/csrc/rotary_embedding.cpp when built: one pass with torch's bits instead
     of seven ops over the whole tensor. The decode layer's op rotates with the same code (csrc/rope.h)."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and cos.dtype == sin.dtype == x.dtype
-            and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and load_cpu_ops()):
-        return torch.ops.sgl_lite.rotary_embedding(x, cos, sin)
+            and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and has_op("rotary_embedding")):
+        return ops.rotary_embedding(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -89,7 +89,7 @@ class Req:
     stop_strings: Any = None
 
     # N-gram speculative decoding (--speculative-algorithm ngram): the proposer's per-request state
-    # (managers/ngram_proposer.py), verification steps, and draft tokens proposed / accepted.
+    # (speculative/ngram_proposer.py), verification steps, and draft tokens proposed / accepted.
     spec_state: Any = None
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0

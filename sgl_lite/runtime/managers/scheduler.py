@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
-from sgl_lite.runtime.managers.ngram_layout import layout_free_keys
-from sgl_lite.runtime.managers.ngram_proposer import NgramProposer
+from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer
 from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req

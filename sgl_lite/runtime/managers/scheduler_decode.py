@@ -54,7 +54,7 @@ class DecodeScheduling(_Base):
             params = req.sampling_params
             # Requests whose next-token distribution depends on the tokens before it in ways the
             # verifier does not replay (penalties, min_new_tokens) decode one token a step; a grammar's
-            # state it does replay (sampling/speculative.py).
+            # state it does replay (speculative/verification.py).
             plain = (len(req.output_ids) >= params.min_new_tokens
                      and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
                      and params.repetition_penalty == 1.0)

@@ -40,7 +40,7 @@ class ForwardBatch:
     is_decode: bool = False
     # Speculative decoding: per request, draft tokens appended after its fill_ids in this forward
     # (extend_lens[i] = tokens of fill_ids computed now + len(draft_ids[i])); None when no row drafts.
-    # A drafting row is verified (sampling/speculative.py) instead of sampled once.
+    # A drafting row is verified (speculative/verification.py) instead of sampled once.
     draft_ids: list[list[int]] | None = None
 
     @property
@@ -84,5 +84,5 @@ class ModelRunnerBase(abc.ABC):
         - samples with the request's SamplingParams (greedy when temperature == 0), applying its
           grammar bitmask when `req.grammar` is set; never returns a token for sample[i] False;
         - for a row with draft tokens (batch.draft_ids), computes its new tokens followed by the draft
-          and returns in accepted_ids[i] the tokens verification accepts (sampling/speculative.py).
+          and returns in accepted_ids[i] the tokens verification accepts (speculative/verification.py).
         """

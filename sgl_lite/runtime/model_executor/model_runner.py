@@ -22,8 +22,8 @@ from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_ca
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.model_executor.huge_pages import advise_huge_pages, tensors_of
-from sgl_lite.runtime.model_executor.thread_governor import ThreadGovernor
+from sgl_lite.runtime.model_executor.cpu_host.huge_pages import advise_huge_pages, tensors_of
+from sgl_lite.runtime.model_executor.cpu_host.thread_governor import ThreadGovernor
 from sgl_lite.runtime.model_executor.tp import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def choose_device(name: str) -> torch.device:
 
 def cpu_has_bf16_kernels() -> bool:
     """Whether sgl_lite's own CPU kernels serve bf16 matmuls here (AVX2 + FMA with the C++ ops built:
-    layers/csrc/avx2_gemv.cpp widens bf16 weights in registers), so that bf16 is the fast path even
+    kernels/csrc/avx2_gemv.cpp widens bf16 weights in registers), so that bf16 is the fast path even
     without native bf16 instructions: half the bytes per decode step of float32, as fast in prefill."""
     return gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is not None
 
@@ -277,7 +277,7 @@ class ModelRunner(ModelRunnerBase):
         num_sample = len(sample_idx)
         self._score_inputs(batch, score_ranges, logits[num_sample:num_scored])
         if spec_idx:
-            from sgl_lite.runtime.sampling.speculative import verify_drafts
+            from sgl_lite.runtime.speculative.verification import verify_drafts
 
             spec_logits = logits[num_scored:]
             verified = verify_drafts(self.sampler, spec_logits, [reqs[i] for i in spec_idx],

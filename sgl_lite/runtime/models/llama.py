@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.loader import has_op
 from sgl_lite.runtime.layers.activation import silu_and_mul
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, DecodeKernelInputs
 from sgl_lite.runtime.layers.layernorm import RMSNorm
@@ -76,15 +78,15 @@ class LlamaDecoderLayer(nn.Module):
 
         The residual add is left to the next norm, which fuses it (None: `hidden` is the embedding).
         `kernel` (a decode batch the paged decode kernel attends) lets a layer whose matmuls all take the
-        small-row kernel run as one C++ op, bit-identical to the ops below (layers/csrc/decode_layer.cpp)."""
+        small-row kernel run as one C++ op, bit-identical to the ops below (kernels/csrc/decode_layer.cpp)."""
         n = hidden.shape[0]
         packed = self.packed
         if kernel is not None and self.tp_reduce is None:
             operands = self.fused_decode_operands(n, kv_pool)
             if operands is not None:
                 weights, caches, heads = operands
-                return torch.ops.sgl_lite.decode_layer(hidden, residual, *weights, cos, sin, *caches, kernel.out_cache_loc,
-                                                       kernel.kv_indptr, kernel.kv_indices, *heads, kernel.scale, kernel.qo_indptr)
+                return ops.decode_layer(hidden, residual, *weights, cos, sin, *caches, kernel.out_cache_loc,
+                                        kernel.kv_indptr, kernel.kv_indices, *heads, kernel.scale, kernel.qo_indptr)
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -130,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
         when the fused layer takes them (a small-row kernel's, or the AVX2 int4 kernel's; a quantized form
         hands calls above its own row limit to its dense form) and RMSNorm has its C++ op; else None, and
         the layer runs op by op."""
-        if not self.input_layernorm.cpu_op:
+        if not self.input_layernorm.cpu_op or not has_op("decode_layer"):
             return None
         weights = []
         for form in self.packed.values():

@@ -10,7 +10,7 @@ Life of a constrained request (what the scheduler and sampler do with this modul
   after sampling, `req.grammar.accept_token(tok)` (False only if the mask was not applied: abort);
   when `req.grammar.is_terminated()` the request finishes (FinishKind.STOP, matched=tok), even
   before min_new_tokens.
-- speculative decoding (runtime/sampling/speculative.py): a draft is cut at the first token the grammar
+- speculative decoding (runtime/speculative/verification.py): a draft is cut at the first token the grammar
   forbids (`allowed_prefix`), and verified with `apply_draft_grammar_masks`: each verified position is
   masked with the state after the draft tokens before it; the matcher advances only by the tokens kept.
 - retraction keeps output_ids and so the matcher's state; a request whose output is dropped and

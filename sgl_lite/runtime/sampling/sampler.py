@@ -21,7 +21,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.loader import has_op
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 
@@ -42,10 +43,10 @@ def request_seed(req: Req, default_seed: int | None) -> int | None:
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for [B, V] logits (each row's first largest value; NaN counts as the
-    largest), through layers/csrc/argmax_rows.cpp for float32 CPU logits: torch's walks a 49152-token row
+    largest), through kernels/csrc/argmax_rows.cpp for float32 CPU logits: torch's walks a 49152-token row
     in ~40 us, the op in ~8, and every greedy row and draft position takes one."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and load_cpu_ops():
-        return torch.ops.sgl_lite.argmax_rows(logits.contiguous())
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and has_op("argmax_rows"):
+        return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 

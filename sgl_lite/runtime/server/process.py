@@ -20,13 +20,13 @@ import zmq
 
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.ports import PortUnavailableError
-from sgl_lite.runtime.server.transport import RuntimeServer
+from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
 
 if TYPE_CHECKING:
     from sgl_lite.runtime.server.core import RuntimeCore
 
-logger = logging.getLogger("sgl_lite.runtime.server.transport")
+logger = logging.getLogger("sgl_lite.runtime.server.event_loop")
 
 
 def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list[str]] | None = None,

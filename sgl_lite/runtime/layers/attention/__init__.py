@@ -40,7 +40,8 @@ def create_backend(
 
 def _cpu_kernel_or_torch(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend, kernel_supports
-    from sgl_lite.runtime.layers.cpu_ops import load_paged_decode_op
+    from sgl_lite.runtime.kernels import ops
+    from sgl_lite.runtime.kernels.loader import has_op
 
     if device.type != "cpu":
         raise ValueError(f"the cpu_kernel attention backend runs on CPU, not {device.type}")
@@ -48,10 +49,9 @@ def _cpu_kernel_or_torch(device: torch.device, num_q_heads: int, num_kv_heads: i
         logger.warning("cpu_kernel does not support %d query / %d KV heads of dim %d: using torch_native",
                        num_q_heads, num_kv_heads, head_dim)
         return TorchNativeBackend(num_q_heads, num_kv_heads, head_dim)
-    op = load_paged_decode_op()  # logs its own line when it cannot be built
-    if op is None:
+    if not has_op("paged_decode_attention"):  # the loader logs its own line when it cannot be built
         return TorchNativeBackend(num_q_heads, num_kv_heads, head_dim)
-    return CpuKernelBackend(num_q_heads, num_kv_heads, head_dim, op)
+    return CpuKernelBackend(num_q_heads, num_kv_heads, head_dim, ops.paged_decode_attention)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchNativeBackend", "create_backend"]

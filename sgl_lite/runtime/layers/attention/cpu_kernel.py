@@ -2,12 +2,12 @@
 
 Decode (one new token per request) is where CPU serving spends most of its attention time, and there the
 torch path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The
-kernel (layers/csrc/paged_decode_attention.cpp, built by layers/cpu_ops.py) reads each KV row once, straight
+kernel (kernels/csrc/paged_decode_attention.cpp, built by kernels/loader.py) reads each KV row once, straight
 from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts
 8-bit pools in registers; the few tokens of a speculative verification row (meta.verify_rows) go through
 it as one row of several queries, which share its reads of K/V and each give the bits of that token
 decoded alone. Prefill and extend chunks (an agent's next turn over its cached conversation)
-go through layers/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
+go through kernels/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
 metadata, where it is built (AVX-512); else the torch path. An 8-bit pool is widened in registers by both
 kernels; a prompt with nothing cached still attends its own K/V unrounded there (the torch path), as
 documented for `--kv-cache-dtype`, and every later token reads the pool.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata, DecodeKernelInputs
 from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
 from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
@@ -42,10 +43,10 @@ class _KernelDecodeGroup:
 
 @functools.cache
 def extend_kernel_available() -> bool:
-    """Whether layers/csrc/extend_attention.cpp is built here (it needs AVX-512)."""
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+    """Whether kernels/csrc/extend_attention.cpp is built here (it needs AVX-512)."""
+    from sgl_lite.runtime.kernels.loader import runs_here
 
-    return load_cpu_ops() and bool(torch.ops.sgl_lite.extend_attention_supported())
+    return runs_here("extend_attention")
 
 
 def kernel_supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -87,7 +88,7 @@ class CpuKernelBackend(TorchNativeBackend):
             table = table[table[:, 3] > table[:, 1]]  # the rows of requests with a cached prefix (kv length > new)
             if not len(table):
                 return
-        torch.ops.sgl_lite.extend_attention(q.contiguous(), k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
+        ops.extend_attention(q, k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
         # A verification row is one kernel row of several queries: they share its reads of K/V.

@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from sgl_lite.runtime.layers.column_groups import deinterleave_groups, interleave_groups
+from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.kernels.column_groups import deinterleave_groups, interleave_groups
 
 _COLUMNS = 16  # output columns per packed block; rows are padded to a multiple
 _K_GROUP = 4  # k per VPDPBUSD lane; K is padded to a multiple
@@ -27,9 +28,9 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @functools.cache
 def w8a8_kernel_available() -> bool:
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
+    from sgl_lite.runtime.kernels.loader import runs_here
 
-    return load_cpu_ops() and bool(torch.ops.sgl_lite.w8a8_gemm_supported())
+    return runs_here("w8a8_gemm")
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ class W8A8Int8:
     csrc/w8a8_gemm.cpp: int8 sized [N/16, ceil(K/4) * 64 + 128]. Per block of 16 columns, K/4 + 2 vectors of
     64 bytes: 16 columns x 4 k each, then the columns' float32 scales, then their int32 compensations (-128 *
     the column's sum, for the kernel's unsigned activations); the blocks in groups of three, vector by
-    vector (layers/column_groups.py). Rows are padded to a multiple of 16 (their outputs sliced off)."""
+    vector (kernels/column_groups.py). Rows are padded to a multiple of 16 (their outputs sliced off)."""
 
     kernel = "w8a8_gemm"  # the op of csrc/w8a8_gemm.cpp that multiplies by `packed`
 
@@ -97,7 +98,7 @@ class W8A8Int8:
             return self.reference_matmul(x, bias)
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = getattr(torch.ops.sgl_lite, self.kernel)(x.contiguous(), self.packed, bias)
+        out = ops.small_row_matmul(self.kernel, x, self.packed, bias)
         return out[:, : self.out_features] if self.pad else out
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

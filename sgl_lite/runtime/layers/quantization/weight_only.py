@@ -6,7 +6,7 @@
   once by `aten._convert_weight_to_int4pack_for_cpu` and multiplied by
   `aten._weight_int4pack_mm_for_cpu`, whose per-group pair is (scale, zero) with
   w = (q - 8) * scale + zero, so zero = min + 8 * scale.
-- Int4Avx2: the same values for sgl_lite's own kernel (layers/csrc/avx2_q4_gemv.cpp), which keeps each
+- Int4Avx2: the same values for sgl_lite's own kernel (kernels/csrc/avx2_q4_gemv.cpp), which keeps each
   group's scale and min as fp16 (as GGUF does) and is the faster of the two on CPUs without AVX-512.
 
 `Int8WeightOnly.dequantize()` and `Int4Values.dequantize()` give the float32 weight the kernels
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from sgl_lite.runtime.kernels import ops
 
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; also the smallest group the CPU kernel accepts
 _INT4_ROW_MULTIPLE = 16  # the int4 packing needs N % 16 == 0: pad rows, slice the output
@@ -164,7 +166,7 @@ class Int4Avx2:
         """The bias is added inside the kernel, before rounding, as csrc/decode_layer.cpp does."""
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = torch.ops.sgl_lite.avx2_q4_gemv(x.contiguous(), self.packed, bias)
+        out = ops.small_row_matmul("avx2_q4_gemv", x, self.packed, bias)
         return out[:, : self.out_features] if self.pad else out
 
     @property

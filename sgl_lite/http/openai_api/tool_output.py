@@ -8,8 +8,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sgl_lite.http.tool_parsers import ArgumentsDelta, ContentDelta, Event, ToolCallStart
-from sgl_lite.http.tools import ToolRequest
+from sgl_lite.http.openai_api.tool_parsers import ArgumentsDelta, ContentDelta, Event, ToolCallStart
+from sgl_lite.http.openai_api.tools import ToolRequest
 
 
 def _call_id() -> str:

@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sgl_lite.http.chat_template import ChatTemplateError
 from sgl_lite.http.errors import HttpError, bad_request
-from sgl_lite.http.limits import HttpLimits, off_loop_if, parse_body
+from sgl_lite.http.guards.limits import HttpLimits, off_loop_if, parse_body
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
-from sgl_lite.http.openai_protocol import MAX_TOOLS, ChatMessage, Tool
-from sgl_lite.http.openai_serving import RENDER_INLINE_BYTES, check_message_count, template_messages
-from sgl_lite.http.tools import check_tools
+from sgl_lite.http.openai_api.protocol import MAX_TOOLS, ChatMessage, Tool
+from sgl_lite.http.openai_api.serving import RENDER_INLINE_BYTES, check_message_count, template_messages
+from sgl_lite.http.openai_api.tools import check_tools
 
 # Ids one /detokenize may name, and texts one /tokenize may hold (SGLang's list form): bounds on the work of
 # one request whatever the body limit allows.

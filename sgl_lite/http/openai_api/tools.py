@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 
 from sgl_lite.http.errors import bad_request
-from sgl_lite.http.openai_protocol import ChatCompletionRequest, NamedToolChoice
-from sgl_lite.http.tool_parsers import PARSERS, ToolCallParser
+from sgl_lite.http.openai_api.protocol import ChatCompletionRequest, NamedToolChoice
+from sgl_lite.http.openai_api.tool_parsers import PARSERS, ToolCallParser
 
 # Every size has a limit: a schema is compiled into a grammar over the vocabulary.
 MAX_SCHEMA_BYTES = 64 * 1024  # one tool's parameters, serialized

@@ -89,7 +89,7 @@ class ToolCallParser:
     tail_end: ClassVar[str]  # what closes a call after its arguments
     end_tag: ClassVar[str | None] = None  # a block end that lets an unmatched header be decided (RAW)
     separators: ClassVar[str] = " \t\r\n"
-    # How a call is written, for the xgrammar structural tag that allows exactly this (http/tools.py).
+    # How a call is written, for the xgrammar structural tag that allows exactly this (http/openai_api/tools.py).
     call_trigger: ClassVar[str]
     call_separator: ClassVar[str]
     call_end: ClassVar[str]

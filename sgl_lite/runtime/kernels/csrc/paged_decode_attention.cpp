@@ -702,7 +702,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY(sgl_lite, m) {
+TORCH_LIBRARY_FRAGMENT(sgl_lite, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, float scale, "
         "Tensor? qo_indptr=None) -> Tensor");
 }

@@ -26,13 +26,12 @@ TASKS = "/proc/self/task"
 def forward_thread_ids() -> list[int]:
     """The calling thread and the threads of torch's parallel regions at the current thread count (every
     thread of the process when the C++ ops that name them are not built)."""
-    import torch
+    from sgl_lite.runtime.kernels import ops
+    from sgl_lite.runtime.kernels.loader import has_op
 
-    from sgl_lite.runtime.layers.cpu_ops import load_cpu_ops
-
-    if not load_cpu_ops():
+    if not has_op("parallel_thread_ids"):
         return [int(tid) for tid in os.listdir(TASKS)]
-    workers = [tid for tid in torch.ops.sgl_lite.parallel_thread_ids() if tid >= 0]
+    workers = [tid for tid in ops.parallel_thread_ids() if tid >= 0]
     return sorted({threading.get_native_id(), *workers})
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
-from sgl_lite.lang.backend import BaseBackend, PrefillRequest
+from sgl_lite.lang.backend.base import BaseBackend, PrefillRequest
 from sgl_lite.lang.chat_template import CHATML, ChatTemplate
 from sgl_lite.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from sgl_lite.lang.ir import SglSamplingParams

@@ -1,6 +1,6 @@
 // The OS thread ids of the threads that run torch's parallel regions (at::parallel_for), by thread number.
 //
-// Why: the thread governor (model_executor/thread_governor.py) reads how long the threads running a
+// Why: the thread governor (cpu_host/thread_governor.py) reads how long the threads running a
 // forward waited for a CPU; the process's other threads (its event loop, tokenizers) wait too when it is
 // busy, without slowing the forward. Their ids are only known from inside a parallel region.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import regex
 
-from sgl_lite.http.tool_parsers.base import ToolCallParser
+from sgl_lite.http.openai_api.tool_parsers.base import ToolCallParser
 
 
 class Qwen25Parser(ToolCallParser):

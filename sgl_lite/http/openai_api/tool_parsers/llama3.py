@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import regex
 
-from sgl_lite.http.tool_parsers.base import ToolCallParser
+from sgl_lite.http.openai_api.tool_parsers.base import ToolCallParser
 
 
 class Llama3Parser(ToolCallParser):

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.errors import bad_request
 from sgl_lite.http.generation import GenerationInput, RequestRunner
-from sgl_lite.http.openai_protocol import MAX_CHOICES, GenerateRequest
+from sgl_lite.http.openai_api.protocol import MAX_CHOICES, GenerateRequest
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.runtime.protocol import MAX_RID_CHARS, sampling_params_from_dict

@@ -6,7 +6,7 @@
 // the order it lies in memory. W is packed for VDPBF16PS: a 64-byte vector holds 16 output columns x one
 // pair of the reduction axis ([16][2] bf16), and the vectors go in groups of three 16-column blocks, pair
 // by pair: group g (columns 48g .. 48g + 47) is [K/2][3][16][2], a last group of one or two blocks
-// [K/2][nb][16][2] (the tensor's shape, [N/16, K/2, 16, 2], gives the sizes; the order is the groups', layers/column_groups.py).
+// [K/2][nb][16][2] (the tensor's shape, [N/16, K/2, 16, 2], gives the sizes; the order is the groups', kernels/column_groups.py).
 // A tile of output columns is one group, one sequential run of vectors, and each vector meets every row
 // of x (a broadcast pair) in registers. Why groups: the three blocks of a tile stored one after another
 // were three streams 18-48 KB apart, and at 8 rows (the products then take most of a core's time) their

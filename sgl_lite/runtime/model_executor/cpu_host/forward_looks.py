@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_lite.runtime.model_executor.run_queue import RunQueueWait
+from sgl_lite.runtime.model_executor.cpu_host.run_queue import RunQueueWait
 
 STARVED_WAIT = 0.7  # a forward whose threads waited for a CPU longer than this x its wall time had a core taken
 SUSTAINED_S = 0.1  # wall time of starved (or slow) forwards in a row before the governor acts on them

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_lite.runtime.managers.ngram_layout import LayoutFreeView, grown
-from sgl_lite.runtime.managers.ngram_pool import SEPARATOR, NgramPool
+from sgl_lite.runtime.speculative.ngram_layout import LayoutFreeView, grown
+from sgl_lite.runtime.speculative.ngram_pool import SEPARATOR, NgramPool
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.managers.step_cost import StepCost, draft_token_cost
+from sgl_lite.runtime.speculative.step_cost import StepCost, draft_token_cost
 
 # Back-off when acceptance is poor: after this many consecutive fully rejected drafts, skip drafting for
 # BACKOFF_START steps, doubling each time it happens again (up to BACKOFF_MAX); an accepted draft resets it.

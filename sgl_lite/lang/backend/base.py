@@ -1,8 +1,8 @@
 """The interface between the interpreter and whatever serves the model.
 
-RuntimeEndpoint (lang/endpoint.py) implements it over the ZeroMQ RuntimeClient; tests may
+RuntimeEndpoint (lang/backend/runtime_endpoint.py) implements it over the ZeroMQ RuntimeClient; tests may
 implement it in-process. `select` is implemented here once, on top of `prefill`, so every backend
-scores choices the same way (see lang/select.py).
+scores choices the same way (see lang/backend/runtime_select.py).
 """
 
 from __future__ import annotations
@@ -68,6 +68,6 @@ class BaseBackend(ABC):
     def select(
         self, text: str, choices: list[str], temperature: float, choices_method: ChoicesSamplingMethod
     ) -> ChoicesDecision:
-        from sgl_lite.lang.select import select_choice
+        from sgl_lite.lang.backend.runtime_select import select_choice
 
         return select_choice(self, text, choices, temperature, choices_method)

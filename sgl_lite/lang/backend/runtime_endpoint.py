@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from sgl_lite.lang.backend import BaseBackend, PrefillRequest
+from sgl_lite.lang.backend.base import BaseBackend, PrefillRequest
 from sgl_lite.lang.chat_template import CHATML, LLAMA3, ChatTemplate, chat_template_from_model_info
 from sgl_lite.lang.ir import SglSamplingParams
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError

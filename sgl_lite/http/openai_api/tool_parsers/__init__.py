@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sgl_lite.http.tool_parsers.base import (ArgumentsDelta, ContentDelta, Event, ParsedCall, ParsedOutput,
+from sgl_lite.http.openai_api.tool_parsers.base import (ArgumentsDelta, ContentDelta, Event, ParsedCall, ParsedOutput,
                                              ToolCallParser, ToolCallStart, collect)
-from sgl_lite.http.tool_parsers.llama3 import Llama3Parser
-from sgl_lite.http.tool_parsers.qwen25 import Qwen25Parser
+from sgl_lite.http.openai_api.tool_parsers.llama3 import Llama3Parser
+from sgl_lite.http.openai_api.tool_parsers.qwen25 import Qwen25Parser
 
 PARSERS: dict[str, type[ToolCallParser]] = {cls.name: cls for cls in (Qwen25Parser, Llama3Parser)}
 

@@ -21,7 +21,7 @@
 // Packed weight (int8, sized [N/16, K4 * 64 + 128], K4 = ceil(K / 4)): per block of 16 output columns, K4 + 2
 // vectors of 64 bytes: K4 of 16 columns x 4 k (zero past K), then the 16 columns' float32 scales, then their
 // int32 compensations. The blocks go in groups of three (a last group may hold one or two), a group's
-// vectors interleaved step by step, [K4 + 2][3][64] bytes (layers/column_groups.py). A tile is a group, so
+// vectors interleaved step by step, [K4 + 2][3][64] bytes (kernels/column_groups.py). A tile is a group, so
 // that it reads one stream, not three streams K4 * 64 bytes apart, which fell behind the products at 8 rows,
 // as in bf16_gemv.cpp: 30 layers' matmuls at 8 rows 1.05-1.09x, 32 rows 1.03x, but 1 row 0.95-0.97x, whether
 // a one-row call took one group a tile or two or three (scripts/ab_matmul_builds.py, 2026-11-27). Threads take

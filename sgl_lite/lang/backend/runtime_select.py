@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sgl_lite.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 
 if TYPE_CHECKING:
-    from sgl_lite.lang.backend import BaseBackend
+    from sgl_lite.lang.backend.base import BaseBackend
 
 
 def normalized_logprob(entries: list[list[Any]]) -> float:
@@ -30,7 +30,7 @@ def normalized_logprob(entries: list[list[Any]]) -> float:
 def select_choice(
     backend: BaseBackend, text: str, choices: list[str], temperature: float, method: ChoicesSamplingMethod
 ) -> ChoicesDecision:
-    from sgl_lite.lang.backend import PrefillRequest
+    from sgl_lite.lang.backend.base import PrefillRequest
 
     if temperature > 1e-5:
         raise ValueError(f"select supports only temperature 0 (greedy scoring); got {temperature}")

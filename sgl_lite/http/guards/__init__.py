@@ -1,0 +1,1 @@
+"""What every route passes first: the API key, body and time limits, disconnects, validation errors."""

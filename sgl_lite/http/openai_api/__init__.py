@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routes: chat and completions, tools and their parsers, logprobs."""
