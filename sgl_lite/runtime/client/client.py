@@ -20,13 +20,8 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 import msgspec
 
 from sgl_lite.runtime import protocol
-from sgl_lite.runtime.client.transport import (
-    ClientTransport,
-    Item,
-    RuntimeRequestError,
-    RuntimeUnavailableError,
-    Sink,
-)
+from sgl_lite.runtime.client.errors import RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.client.transport import ClientTransport, Item, Sink
 from sgl_lite.runtime.protocol import ErrorReply, Finished, InfoReply, SamplingParams, TokenChunk
 
 __all__ = ["RuntimeClient", "RuntimeRequestError", "RuntimeUnavailableError"]

@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from sgl_lite.runtime.client.transport import RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.client.errors import RuntimeRequestError, RuntimeUnavailableError
 
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "")
 # The server_info key naming the ZeroMQ endpoint (sgl_lite's own; SGLang has no such endpoint).

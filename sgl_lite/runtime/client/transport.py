@@ -46,6 +46,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sgl_lite.runtime import protocol
+from sgl_lite.runtime.client.errors import RuntimeRequestError, RuntimeUnavailableError
+from sgl_lite.runtime.client.wire import encode_request, heartbeat_milliseconds, use_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +62,6 @@ _LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVE
                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 Item = Union[protocol.Reply, BaseException]  # what a request's sink receives
 Sink = Callable[[Item], None]
-
-
-class RuntimeRequestError(Exception):
-    """The runtime answered with an error (`code`: bad_request, unauthorized, queue_full, aborted, ...)."""
-
-    def __init__(self, message: str, code: str = "bad_request") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-class RuntimeUnavailableError(ConnectionError):
-    """The runtime is gone (its process exited or is stopped), cannot be reached, or did not answer a
-    request within the client's `timeout`."""
 
 
 class ClientTransport:
@@ -121,7 +109,7 @@ class ClientTransport:
         """Register `sink` for the replies to `rid`, then send `msg`."""
         if len(rid) > protocol.MAX_RID_CHARS:
             raise RuntimeRequestError(f"request id of {len(rid)} characters is longer than {protocol.MAX_RID_CHARS}")
-        data = _encode(msg)
+        data = encode_request(msg)
         with self._lock:  # under the lock that close() takes: no entry can be added after it failed them all
             if self.closed:
                 raise RuntimeRequestError("client is closed", "closed")
@@ -133,7 +121,7 @@ class ClientTransport:
         self._send_encoded(data)
 
     def send(self, msg: protocol.Request) -> None:
-        self._send_encoded(_encode(msg))
+        self._send_encoded(encode_request(msg))
 
     def _send_encoded(self, data: bytes) -> None:
         if self.closed:
@@ -201,8 +189,8 @@ class ClientTransport:
         # liveness check keeps running and fails the pending requests instead.
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.IPV6, 1)  # IPv6 runtimes too (IPv4 ones as before)
-        dealer.setsockopt(zmq.HEARTBEAT_IVL, _milliseconds(self._health_interval))
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, _milliseconds(self._health_timeout))
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_milliseconds(self._health_interval))
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_milliseconds(self._health_timeout))
         use_api_key(dealer, self._api_key)
         monitor = dealer.get_monitor_socket(_LINK_EVENTS)  # before connect(): no event may be missed
         try:
@@ -395,28 +383,3 @@ class ClientTransport:
             sink(error)
         while len(self._owed_aborts) > _MAX_OWED_ABORTS:
             del self._owed_aborts[next(iter(self._owed_aborts))]
-
-
-def use_api_key(sock: zmq.Socket, api_key: str | None) -> None:
-    """Make `sock` (before it connects) open its connection with the runtime's handshake: ZeroMQ's PLAIN
-    mechanism, with `api_key` as its password if given (protocol.plain_credentials, server/zap.py)."""
-    user, password = protocol.plain_credentials(api_key)
-    sock.setsockopt(zmq.PLAIN_USERNAME, user)
-    sock.setsockopt(zmq.PLAIN_PASSWORD, password)
-
-
-def _encode(msg: protocol.Request) -> bytes:
-    """The wire bytes of `msg`; what msgpack cannot carry is the caller's error, named here."""
-    try:
-        return protocol.encode(msg)
-    except OverflowError:
-        raise RuntimeRequestError("the request holds an integer outside the 64-bit range") from None
-    except UnicodeEncodeError as e:
-        raise RuntimeRequestError(f"the request holds text that is not valid Unicode ({e.reason}: a lone surrogate)") from None
-    except RecursionError:  # the server could not decode it either (and could not even tell whose it is)
-        raise RuntimeRequestError("the request is nested too deeply to encode") from None
-
-
-def _milliseconds(seconds: float) -> int:
-    """libzmq's heartbeat options are whole milliseconds in a C int; 0 would switch heartbeats off."""
-    return min(max(1, round(seconds * 1000)), 2**31 - 1)
