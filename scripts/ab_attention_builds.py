@@ -1,7 +1,7 @@
 """The paged decode attention kernel at two versions of the code, timed in one process, interleaved.
 
-As scripts/ab_matmul_builds.py does for the matmuls (this host's ~10% process-to-process spread hides
-kernel changes of that size): builds `kernels/csrc/paged_decode_attention.cpp` with its headers as they are
+As scripts/ab_matmul_builds.py does for the matmuls (a shared host's process-to-process spread hides
+small kernel changes): builds `kernels/csrc/paged_decode_attention.cpp` with its headers as they are
 at git revision --base and as they are in the working tree, each as a library of its own name, checks that
 both give the same outputs, and times a decode step's 30 layers of attention (9 query / 3 KV heads of 64,
 bf16, each layer with its own K/V pool, so that K/V stream from memory as in a served step) per case, the

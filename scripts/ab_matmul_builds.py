@@ -1,8 +1,8 @@
 """A small-row matmul kernel at two versions of the code, timed in one process, interleaved.
 
-Across processes this host's speeds move by ~10% (where a run's memory lands, what else runs), more than
-many kernel changes move them: two runs of bench_decode_kernels.py, one per version, can show no
-difference where there is one, or one where there is none. This builds the kernel's source file
+Across processes a shared host's speeds move (where a run's memory lands, what else runs) by more than
+many kernel changes move them: timing each version in a process of its own with bench_decode_kernels.py
+can show no difference where there is one, or one where there is none. This builds the kernel's source file
 (`kernels/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
 is in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random
 weights once, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from

@@ -21,7 +21,7 @@ two limits and the lower of them (the roofline):
   threads; measured before each batch size, the best of the run for every row). Activations and caches
   are ignored, so both limits are upper bounds, and where the matmul limit is the lower one a step cannot
   reach its memory limit whatever its reads cost.
-  This host's read rate moves by up to 2x within a minute (other tenants' traffic), so a window measured
+  A shared host's read rate can move widely within a minute (other tenants' traffic), so a window measured
   in a slow minute set against the run's fastest probe says little about the step. Hence also a paired
   figure: each timed window is bracketed by two probes, set against the memory limit at the faster of
   those two, and the median of those ratios over the rounds is reported ("/ memory limit, paired").
@@ -249,7 +249,7 @@ def main() -> None:
     variants = [Variant(runner, spec) for spec in args.variants.split(",")]
     ours = RunnerBench(runner)
     ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)
-    # the best read rate seen over the run (measured again before each batch size: this host's bandwidth
+    # the best read rate seen over the run (measured again before each batch size: a shared host's bandwidth
     # moves from minute to minute, and a limit is an upper bound)
     probes = [read_bandwidth()]
     g = torch.Generator().manual_seed(0)

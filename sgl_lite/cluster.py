@@ -84,7 +84,7 @@ def router_command(worker_urls: list[str], host: str, port: int, policy: str, lo
     # in flight (64 by default): agent sessions sharing a long system prompt would all match one replica
     # and leave the others idle (measured in docs/performance.md, "Scale-out: replicas behind sglang-router"). At 1
     # it sends a request to the least-loaded replica whenever loads differ by 2+ requests (and by 1.5x),
-    # else by cache match: in the measured agent runs first turns spread 50/50 and later turns kept their
+    # else by cache match: in those agent runs first turns spread evenly and later turns kept their
     # cache. Flags given later (router_args) override this.
     balance = ["--balance-abs-threshold", "1"] if policy == "cache_aware" else []
     return [sys.executable, "-c", _ROUTER_BOOTSTRAP, "--host", host, "--port", str(port),

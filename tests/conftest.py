@@ -9,10 +9,20 @@ import pytest
 import torch
 
 from sgl_lite.testing.tiny_model import make_tiny_model
+from tiers import MARKERS, mark
 
 # The box has 2 cores shared by the test process and any runtime subprocess it starts: two threads
 # use both without oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker, (meaning, _) in MARKERS.items():
+        config.addinivalue_line("markers", f"{marker}: {meaning} (tiers.py; `scripts/test.sh --fast` leaves it out)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark(items)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The load driver: serve one workload on each selected system in turn and report.
 
-Systems run one after another, never side by side (this box has two cores): `sgl_lite` (the runtime
-at --address over ZeroMQ, the HTTP server or router at --url, or a runtime started with the given
+Systems run one after another, never side by side (on a machine of few cores they would take each
+other's cores): `sgl_lite` (the runtime at --address over ZeroMQ, the HTTP server or router at --url,
+or a runtime started with the given
 server args), `no-cache` (a second runtime with --disable-radix-cache), `hf` (the naive transformers
 server, in process) and `router-dpN` (N replicas behind sglang-router, started here with
 sgl_lite.cluster, driven over HTTP). Each starts cold: warm-up requests, then its prefix cache is

@@ -20,8 +20,9 @@ from pathlib import Path
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
 
-# scripts/bench_model.py on this machine class (2 CPU cores, SmolLM2-135M, bfloat16, 2 threads,
-# load average 3.1): prefill 863 tok/s at 1024 tokens; decode 20.9 / 148.1 / 290.7 tok/s at batch 1 / 8 / 32.
+# The built-in calibration (CostModel.default): scripts/bench_model.py's figures for SmolLM2-135M in bfloat16
+# on 2 CPU cores, 2 threads - prompt tokens per second of a 1024-token prefill, output tokens per second of
+# decode by batch size. from_bench_model_json takes a machine's own instead.
 DEFAULT_MEASUREMENT = {"prefill_tokens": 1024, "prefill_tokens_per_s": 863.1,
                        "decode_tokens_per_s": {1: 20.93, 8: 148.1, 32: 290.7}}
 

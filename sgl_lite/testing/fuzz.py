@@ -138,8 +138,8 @@ def nested_value(depth: int, kind: str = "array") -> bytes:
 
 
 def nested_message(field: str, depth: int, kind: str = "array") -> bytes:
-    """A small request whose `field` holds a value nested `depth` deep (issue 16: ~1 KB at 1000 deep
-    once made msgspec raise RecursionError, which ended the server loop)."""
+    """A small request whose `field` holds a value nested `depth` deep (~1 KB at 1000 deep once made
+    msgspec raise RecursionError, which ended the server loop)."""
     encode = msgspec.msgpack.encode
     fields: dict[str, bytes] = {"type": encode("GenerateReq"), "rid": encode("nested"), "text": encode("hi")}
     if field == "json_schema":  # a field of any type: decoded in full, however deep

@@ -1,5 +1,5 @@
-"""Hostile and careless clients to run beside a soak's normal ones (issue 16's cases, as the protocol
-fuzzer sends them): deeply nested messages, over-long rids, a peer that never reads its replies,
+"""Hostile and careless clients to run beside a soak's normal ones (nested messages built as the
+protocol fuzzer builds them): deeply nested messages, over-long rids, a peer that never reads its replies,
 over-limit stop strings, over-limit grammars and JSON schemas on the ZeroMQ wire; prompts x n over the
 fan-out cap, bodies over the body limit, slowloris headers and clients that hang up before their first
 event over HTTP.

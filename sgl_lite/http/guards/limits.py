@@ -1,4 +1,4 @@
-"""What one HTTP client may cost the front (issue 16): body size, read times, fan-out, chat length.
+"""What one HTTP client may cost the front: body size, read times, fan-out, chat length.
 
 - `RequestGuard` (ASGI middleware) refuses a missing or wrong API key (401) before anything else, then
   reads each request body itself, up to `max_request_body_bytes` (413 past it, at once when

@@ -2,28 +2,31 @@
 int8/int4, chosen per call by row count.
 
 A decode step with few rows reads every weight once and does little else, so it wants the kernel that
-streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp: measured on SmolLM2-135M's 30
-layers of weights (too many to stay in cache), 2 threads, 1.1-1.3x oneDNN's packed matmuls from 1 to 128
-rows on an AMD EPYC, where its VDPBF16PS arithmetic wins and oneDNN takes calls above GEMV_MAX_ROWS. On
-CPUs whose float32 FMAs outrun VDPBF16PS (an Intel Xeon, family 6 model 207: 174 against 86 GFLOP/s a
-core), the kernel computes the same bits with FMAs over weights widened in registers, which beats oneDNN's
-bf16 (VDPBF16PS-bound) matmuls at every row count, 1.5x at 8 rows and 2x at 512 in cache, so there it
-takes every call, prefill too (`bf16_gemv_fma`). Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
-a 2-core AVX2-only EPYC, in float32, 1.8x MKL's sgemm at 1 row (21 GB/s of weights, the machine's read
-rate), 2.6x at 8, 1.4x at 128 and still 1.1-1.2x at 256-1024 rows, so on such a CPU it takes every call
-(prefill too); on a CPU with AVX512, where MKL's sgemm is wider, only calls up to GEMV_MAX_ROWS rows.
+streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp: over SmolLM2-135M's 30
+layers of weights (too many to stay in cache) it beats oneDNN's packed matmuls from 1 to 128 rows on CPUs
+where its VDPBF16PS arithmetic wins, and oneDNN takes calls above GEMV_MAX_ROWS. On CPUs whose float32
+FMAs outrun VDPBF16PS, the kernel computes the same bits with FMAs over weights widened in registers,
+which beats oneDNN's bf16 (VDPBF16PS-bound) matmuls at every row count, so there it takes every call,
+prefill too (`bf16_gemv_fma`; docs/performance.md, "On CPUs whose float32 FMAs outrun VDPBF16PS").
+Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
+an AVX2-only CPU, in float32, it beats MKL's sgemm from 1 row (reading weights at the machine's read
+rate) up to 1024 rows, so on such a CPU it takes every call (prefill too; docs/performance.md, "On CPUs
+without AVX-512 (AVX2 + FMA)"); on a CPU with AVX512, where MKL's sgemm is wider, only calls up to
+GEMV_MAX_ROWS rows.
 The kernels' rows are independent of each other, so within the kernel's row limit a token's matmuls
 give the same bits in any batch: a request decoded alone, batched, or verified as a speculative draft row.
 
 Weight-only kernels read 2-4x fewer weight bytes, which is what a step with few rows is bound by; with
-many rows the matmul is compute bound and the dense (prepacked) kernel wins (measured at SmolLM2-135M's
-shapes on AVX512-BF16: int4/int8 ~1.7-3x faster at 1 row, about even at 8, 0.3-0.6x at 32). So a
-QuantizedLinear keeps the dense weight too and picks per call: the quantized kernel up to
+many rows the matmul is compute bound and the dense (prepacked) kernel wins (at SmolLM2-135M's shapes on
+AVX512-BF16: int4/int8 well ahead at 1 row, about even at 8, well behind at 32; docs/performance.md,
+"Weight-only quantization (`--quantization`)"). So a QuantizedLinear keeps the dense weight too and
+picks per call: the quantized kernel up to
 `max_rows` rows (decode at small batch), the dense one above (prefill, large decode batches). On a CPU
 without AVX-512, int4 runs on csrc/avx2_q4_gemv.cpp instead of torch's kernel (which is slower there
-than the dense bf16 kernel): 2.0-2.2x the bf16 kernel at 1 row, 0.8-1.3x from 3 to 32 rows, slower above
-(`python scripts/bench_decode_kernels.py`), so it serves every decode batch up to AVX2_INT4_MAX_ROWS rows,
-and a request's tokens get the same bits whatever the batch up to there.
+than the dense bf16 kernel): well ahead of the bf16 kernel at 1 row, about even from 3 to 32 rows, slower
+above (docs/performance.md, "On CPUs without AVX-512 (AVX2 + FMA)", its int4 rows), so it serves every
+decode batch up to AVX2_INT4_MAX_ROWS rows, and a request's tokens get the same bits whatever the batch
+up to there.
 """
 
 from __future__ import annotations
@@ -55,14 +58,14 @@ GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): ~10-25% faster matmuls here."""
+    """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): faster matmuls than unpacked bf16."""
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
 @functools.cache
 def onednn_bf16_supported() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT and
-    refuses elsewhere (an AVX2-only EPYC, say), which only trying tells."""
+    refuses elsewhere (an AVX2-only CPU, say), which only trying tells."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
@@ -189,6 +192,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32) -> torch.Tensor | GemvLinear | None:
+    """What the model's calls of `weight` run on: the small-row kernel's form where one serves it, around
+    oneDNN's packed copy (`onednn`: packing is available) for the calls above its row limit (none where
+    the kernel takes every call: that copy would only cost memory); else oneDNN's copy, or None (F.linear)."""
+    kernel = gemv_kernel(weight)
+    wants_dense = onednn and (kernel is None or gemv_max_rows(kernel) is not None)
+    dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint) if wants_dense else None
+    return GemvLinear.pack(weight, dense) if kernel is not None else dense
 
 
 def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tensor | GemvLinear | None,

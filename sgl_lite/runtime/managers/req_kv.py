@@ -78,7 +78,7 @@ class ReqKV:
         assert None not in rows, "every part holds a req_to_token row"
         if not any(borrowed) and all(n == 1 for _, n in parts):
             # A decode step (one new slot per row): one indexing op for all rows, not a slice assignment
-            # each (~5 us apiece in the scheduler's loop, which shares the cores with the forward's threads).
+            # each (each one costs the scheduler's loop, which shares the cores with the forward's threads).
             table[torch.tensor(rows, device=table.device), torch.tensor([req.kv_len for req, _ in parts], device=table.device)] = slots
         else:
             for i, (req, n) in enumerate(parts):

@@ -50,8 +50,8 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         # Freed slots go to the front: the next allocation reuses them (LIFO), so serving keeps touching
         # the same few pages of the pool. A FIFO list walked through every never-written page first, and
-        # each first write to a page of the (uninitialized) pool is a page fault: measured 0.9 ms instead
-        # of 0.04 ms to store one layer's K of an 8 x 85-token extend.
+        # each first write to a page of the (uninitialized) pool is a page fault, which makes a fresh
+        # server's K/V stores several times slower than on warm pages (docs/performance.md, "Model path").
         if slots.numel():
             self._free = torch.cat((slots.to(self._free.device, torch.int64), self._free))
 

@@ -82,7 +82,7 @@ def keep_freed_heap_memory() -> bool:
 
     A forward step allocates and frees the same MB-sized activations every layer; with glibc's
     defaults each of them is a fresh mmap or a heap trim, so every step pays thousands of page
-    faults (measured: ~2 ms of a 0.5 ms attention call at batch 32). Process-wide, like the
+    faults (at batch 32 they cost an attention call several times its own work). Process-wide, like the
     jemalloc/tcmalloc preload that CPU inference stacks recommend. Returns whether it applied.
     """
     try:

@@ -25,8 +25,7 @@ from sgl_lite.runtime.layers.linear import (
     GemvLinear,
     QuantizedLinear,
     cpu_packed_linear_supported,
-    gemv_kernel,
-    gemv_max_rows,
+    dense_forms,
     linear,
     quantize_linear,
 )
@@ -111,8 +110,9 @@ class LlamaDecoderLayer(nn.Module):
         """What csrc/decode_layer.cpp takes from this layer for a `rows`-row step - (norm weights and eps, the
         four matmuls' weights and biases), (its K and V caches), (head counts) - or None when the layer runs
         op by op (fused_decode_weights). Kept from the last call while the rows, the packed forms and the pool
-        are the same objects: gathered anew for each layer of each step they cost a batch-8 decode step of the
-        default model ~4% (12.65 against 12.15 ms, interleaved in one process, 2026-11-27)."""
+        are the same objects: gathering them anew for each layer of each step costs a decode step measurably
+        (docs/performance.md, "Glue around the kernels: a prefill's RoPE in one op, decode layers' operands
+        kept")."""
         k_cache = kv_pool.k[self.layer_id]
         cached = self._decode_operands
         if cached is not None and cached[0] == rows and cached[1] is self.packed and cached[2] is k_cache:
@@ -283,18 +283,11 @@ class LlamaForCausalLM(nn.Module):
         packing is available here.
         """
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
-        reorder = torch.ops.mkldnn._reorder_linear_weight
 
         def forms(weight: torch.Tensor) -> torch.Tensor | GemvLinear | None:
-            # The small-row kernel's form around oneDNN's copy, which calls above its row limit use (none
-            # where the kernel takes every call: then that copy would only cost memory). None under
-            # w8a8_int8, whose quantized forms take every call and keep no dense one (~0.3 s and a copy of
-            # the weights packed at load only to be dropped).
-            if quantization == "w8a8_int8":
-                return None
-            kernel = gemv_kernel(weight)
-            dense = reorder(weight.detach(), batch_hint) if packed and (kernel is None or gemv_max_rows(kernel) is not None) else None
-            return GemvLinear.pack(weight, dense) if kernel is not None else dense
+            # None under w8a8_int8, whose quantized forms take every call and keep no dense one (~0.3 s and
+            # a copy of the weights packed at load only to be dropped).
+            return None if quantization == "w8a8_int8" else dense_forms(weight, packed, batch_hint)
 
         try:
             for layer in self.layers:

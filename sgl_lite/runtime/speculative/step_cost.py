@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # The prior: a draft token's cost as a fraction of a one-request decode step, and what each decode row adds
-# to a step, measured on an AVX512-BF16 box with the default model in bf16 (`python scripts/bench_speculative.py
-# --step-cost`, 2026-11-24 04:10, load ~1): 0.52 ms a draft token, 0.58 ms a decode row, against a 9.5 ms
-# one-request step. They decide until the runtime has measured its own steps, and after that set the least
-# a row beyond the most rows measured is assumed to cost.
+# to a step, as `python scripts/bench_speculative.py --step-cost` finds them for the default model in bf16
+# on AVX512-BF16 (docs/speculative.md, "How it works"). They decide until the runtime has measured its own
+# steps, and after that set the least a row beyond the most rows measured is assumed to cost.
 DRAFT_TOKEN_STEP_COST = 0.055
 DECODE_ROW_STEP_COST = 0.06
 

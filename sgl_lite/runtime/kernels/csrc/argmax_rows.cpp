@@ -1,9 +1,9 @@
 // argmax over the last axis of float32 logits [B, V], as torch.argmax(x, -1) answers it: the first index of
 // the row's largest value, NaN counting as the largest (its first index).
 //
-// Why: torch's CPU argmax walks a row at ~4 cycles an element (~40 us for a 49152-token vocabulary), and
-// every greedy decode row and every position of a speculative draft takes one: 0.3 ms of a batch-1 step
-// that verifies 8 draft tokens, 1.2 ms of a batch-32 decode step. Here a row is one pass of 16-lane
+// Why: torch's CPU argmax walks a row at ~4 cycles an element, and every greedy decode row and every
+// position of a speculative draft takes one over the whole vocabulary: a visible share of a decode step
+// (docs/performance.md, "Verification rows share their reads"). Here a row is one pass of 16-lane
 // compares (each lane keeping its first largest value and where it was), rows split among threads.
 
 #include <ATen/Parallel.h>

@@ -1,8 +1,9 @@
 // y = x @ W.T (+ bias) on AVX2 + FMA, float32 arithmetic over float32 or bf16 activations and weights.
 //
-// The counterpart of bf16_gemv.cpp for CPUs without AVX512-BF16 (an AVX2-only EPYC, say). There MKL's
-// small-M sgemm reads the weights of a batch-1 decode step at ~10 GB/s on 2 cores, under half of what the
-// machine reads, and torch's bf16 matmul has no fast path at all (~15 GFLOP/s). This kernel streams each
+// The counterpart of bf16_gemv.cpp for CPUs without AVX512-BF16 (AVX2-only ones, say). There MKL's
+// small-M sgemm reads the weights of a batch-1 decode step at under half of what the machine reads, and
+// torch's bf16 matmul has no fast path at all (docs/performance.md, "On CPUs without AVX-512 (AVX2 +
+// FMA)"). This kernel streams each
 // weight byte once, in memory order: W is packed as [N/16][K][16] (16 output columns of one k: a 64-byte
 // line in float32, half a line in bf16), so a tile of 16 output columns is one sequential run, and each
 // run meets every row of x (a broadcast float) in registers. bf16 weights are widened to float32 in
@@ -35,7 +36,7 @@ namespace {
 using sgl_lite_avx2::kCols;
 constexpr int64_t kMaxTileRows = 6;  // rows of x held in registers at once
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
-constexpr int64_t kPrefetchBytes = 1024;  // into L1: prefetcht1 (as bf16_gemv.cpp) made 8+ rows 1.3-1.5x slower on a Zen 4 EPYC
+constexpr int64_t kPrefetchBytes = 1024;  // into L1: prefetcht1 (as bf16_gemv.cpp) made 8+ rows slower (docs/performance.md, "Decode kernels prefetch into L2")
 
 bool has_avx2_fma() { return SGL_LITE_HAS_AVX2_FMA; }
 
@@ -57,7 +58,7 @@ using sgl_lite_avx2::store_row;
 
 // Rows [0, R) of x (float32) against one 16-column tile `w` ([K][16]), writing out[r][0:16].
 // The loops over R are fully unrolled: else GCC keeps the accumulator arrays in memory and stores all
-// twelve at every k (measured: 2.5x slower in cache).
+// twelve at every k (far slower, even in cache).
 template <int R, typename W, typename O>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t k, const float* bias, O* out, int64_t ldo) {
   __m256 lo[R], hi[R];

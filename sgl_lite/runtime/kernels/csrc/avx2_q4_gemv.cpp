@@ -3,7 +3,7 @@
 //
 // Why: a decode step with few rows reads every weight once, so on a CPU whose reads are its limit the
 // step's matmuls cost what their weights weigh. torch's int4 kernel (_weight_int4pack_mm_for_cpu) is slower
-// than the bf16 small-row kernel on an AVX2-only EPYC; this one reads 5 bits a weight (bf16: 16) with the
+// than the bf16 small-row kernel on AVX2-only CPUs; this one reads 5 bits a weight (bf16: 16) with the
 // same streaming layout as avx2_gemv.cpp.
 //
 // Packed weight: uint8 [N/16, K/32, 320], one block per (16 output columns, group of 32 k): 32 lines of 8

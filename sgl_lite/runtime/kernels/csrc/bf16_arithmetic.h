@@ -1,5 +1,5 @@
-// Which bf16 arithmetic this core runs faster: VDPBF16PS (an AMD EPYC) or two float32 FMAs on the pair
-// widened (an Intel Xeon family 6 model 207, where VDPBF16PS issues at half their rate). bf16_gemv.cpp
+// Which bf16 arithmetic this core runs faster: VDPBF16PS or two float32 FMAs on the pair widened (on CPUs
+// where VDPBF16PS issues at half their rate). bf16_gemv.cpp
 // probes it once per process (`bf16_gemv_arithmetic`, overridable with `set_bf16_gemv_arithmetic`); the
 // other bf16 kernels follow its answer.
 #pragma once

@@ -1,8 +1,8 @@
 // y = x @ W.T (+ bias) for bf16 activations and weights, on AVX512-BF16: every row count on CPUs where
 // float32 FMAs outrun VDPBF16PS, up to GEMV_MAX_ROWS rows (decode) elsewhere.
 //
-// A decode step with 1-16 rows is bound by reading the weights once; oneDNN's small-M bf16 matmuls reach
-// about 30 GB/s here, two thirds of what the machine reads. This kernel streams each weight byte once, in
+// A decode step with 1-16 rows is bound by reading the weights once; oneDNN's small-M bf16 matmuls read
+// them well below the machine's read bandwidth. This kernel streams each weight byte once, in
 // the order it lies in memory. W is packed for VDPBF16PS: a 64-byte vector holds 16 output columns x one
 // pair of the reduction axis ([16][2] bf16), and the vectors go in groups of three 16-column blocks, pair
 // by pair: group g (columns 48g .. 48g + 47) is [K/2][3][16][2], a last group of one or two blocks
@@ -10,26 +10,25 @@
 // A tile of output columns is one group, one sequential run of vectors, and each vector meets every row
 // of x (a broadcast pair) in registers. Why groups: the three blocks of a tile stored one after another
 // were three streams 18-48 KB apart, and at 8 rows (the products then take most of a core's time) their
-// reads fell behind: 28-34 GB/s on two threads against 31-38 for the same tiles as one stream each
-// (576-deep matrices; 1536-deep ones 31-32 against 32-33; a 2-core Zen 4 EPYC, scratch loops alternating
-// the two layouts, 2026-11-27).
+// reads fell behind those of the same tiles as one stream each (docs/performance.md, "Matmul tiles read
+// as one stream").
 //
 // Two arithmetics, the same bits. VDPBF16PS computes, per lane, acc += x[2p+1] * w[2p+1], then
 // acc += x[2p] * w[2p], each a float32 fused multiply-add of exact bf16 products with subnormals read as
 // zero and flushed to zero. `fma` does exactly that with two VFMADD231PS on the pair widened in registers
 // (a bf16 is the top half of a float32: the odd half is the lane masked, the even half the lane shifted),
-// under MXCSR's DAZ and FTZ. Which is faster depends on the CPU: an Intel Xeon (family 6 model 207) runs
-// VDPBF16PS at half the rate of float32 FMAs (86 against 174 GFLOP/s a core), an AMD EPYC the other way
-// round; `bf16_gemv_arithmetic` probes both once per process (probe_arithmetic) and can be overridden.
+// under MXCSR's DAZ and FTZ. Which is faster depends on the CPU: some run VDPBF16PS at half the rate of
+// float32 FMAs, others the other way round (docs/performance.md, "On CPUs whose float32 FMAs outrun
+// VDPBF16PS"); `bf16_gemv_arithmetic` probes both once per process (probe_arithmetic) and can be overridden.
 // The widening stays in registers at every row count: two integer ops per 64-byte vector, shared by the
-// tile's rows (widening a tile to float32 once in memory and reusing it was slower at 17-512 rows, measured).
+// tile's rows (widening a tile to float32 once in memory and reusing it was slower at 17-512 rows).
 //
 // A row's result does not depend on the other rows or on the thread count: the kernel is batch invariant.
 // Threads take runs of groups from a shared counter; rows go in register tiles of up to 8 (three blocks x
 // 8 rows of accumulators), so more rows re-read a group from cache, not from memory. Calls of one row take
 // three groups a tile and calls of two rows two (groups_per_tile): with little arithmetic per byte, one
-// stream a core read 4-7% slower than the three of the layout before (scratch loops), and several read as
-// fast or faster.
+// stream a core read slower than the three of the layout before, and several read as fast or faster
+// (docs/performance.md, "Matmul tiles read as one stream").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,16 +59,16 @@ namespace {
 constexpr int64_t kCols = 16;  // output columns per packed vector
 constexpr int64_t kGroup = 3;  // column blocks per group, interleaved pair by pair (the packing)
 // Rows of x a register tile holds: a group's 3 blocks x 8 rows of accumulators and the operands fit 32
-// registers. (Three blocks a tile, not two: each broadcast pair of x serves three products; 30 layers'
-// matmuls at 8 rows went from 7.6-7.7 to 6.8-7.0 ms on a Zen 4 EPYC, 2026-11-26.)
+// registers. (Three blocks a tile, not two: each broadcast pair of x serves three products, which made
+// 8-row matmuls faster; docs/performance.md, "Matmul tiles of three column blocks".)
 constexpr int64_t kMaxTileRows = 8;
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
 // Weights are prefetched this many bytes per block of the group ahead of the loads (2 KB of each block's
 // run: 32 pairs ahead): a group's run is short (55-147 KB at 135M's shapes), too short for the hardware
 // prefetcher to reach full speed on its own (2 KB a block beat 1 and 4 KB, and as one stream 6 KB a group
 // beat 4, 5, 7, 8, 12 and 16). Into L2 (_MM_HINT_T1), leaving the last step to the hardware's L1
-// prefetcher: a software prefetch into L1 holds an L1 miss buffer for a whole memory latency (a 2-core
-// EPYC, Zen 4: 1-row matmuls 1.05-1.3x, 8 rows ~1.07x, bench_decode_kernels with interleaved builds, 2026-11-25).
+// prefetcher: a software prefetch into L1 holds an L1 miss buffer for a whole memory latency, which slowed
+// the matmuls at every row count (docs/performance.md, "Decode kernels prefetch into L2").
 constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Arithmetic : int { kAuto = 0, kDpbf16 = 1, kFma = 2 };
@@ -225,7 +224,7 @@ void gemv(const Operands& o, bool fma) {
   const int64_t blocks = o.n / kCols, groups = (blocks + kGroup - 1) / kGroup;  // the last may hold fewer
   const int64_t per_tile = groups_per_tile(o.m, fma), tiles = (groups + per_tile - 1) / per_tile;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
-  // Threads take runs of tiles from a shared counter rather than fixed shares: on a 2-core box a thread
+  // Threads take runs of tiles from a shared counter rather than fixed shares: with few cores a thread
   // that loses its core for a moment (the HTTP front waking up, a neighbour) would otherwise leave the
   // other one waiting at the end of every matmul.
   const int64_t run = std::max<int64_t>(1, std::min<int64_t>(kTilesPerRun, tiles / (threads * 4)));
@@ -265,8 +264,9 @@ double time_chains(int64_t iters, Step step) {
 
 // Which arithmetic multiplies a pair faster on this core: one VDPBF16PS or two FMAs (the widening's two
 // integer ops are left out: with several rows they are shared by every row). Best of three short runs of
-// each (~0.3 ms in all), so a moment of preemption does not decide; FMAs must win by 1/4 (measured: 2x on
-// an Intel Xeon family 6 model 207, where they are the faster), since a wrong `fma` also moves prefill off oneDNN.
+// each, so a moment of preemption does not decide; FMAs must win by 1/4 (where they are the faster they win
+// by far more: docs/performance.md, "On CPUs whose float32 FMAs outrun VDPBF16PS"), since a wrong `fma`
+// also moves prefill off oneDNN.
 Arithmetic probe_arithmetic() {
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
   const __m512 x = _mm512_set1_ps(1e-3f);

@@ -6,8 +6,8 @@
 // sums), and the transposition is shared by every query vector of the tile - the G heads of a decode
 // query, or the G x (1 + draft) of a verification row. Before, each query vector summed the 16 lanes of
 // its q.k products per token (as many shuffles as products), which the transposition now does once per
-// block for all of them: a verification row of 9 queries runs 1.3-1.5x faster than before as 9 decode
-// rows, and decode rows as fast (bench_decode_kernels, interleaved builds, a Zen 4 EPYC, 2026-11-26).
+// block for all of them: a verification row of 9 queries runs faster than it did as 9 decode rows, and
+// decode rows as fast (docs/performance.md, "Verification rows share their reads").
 // The products of two bf16 are exact in float32; the scale is applied to the sums.
 // P.V pairs two tokens: the two V rows are interleaved with VPUNPCKL/HWD in registers, which works within
 // 128-bit lanes, so the accumulators hold the dims in the interleaved order (bf16_arithmetic.h) until the
@@ -21,7 +21,7 @@
 // every fp8 value is a bf16 value), so a query gets the bits it would get from a bf16 pool holding the same
 // values, at half the bytes read: fp8_vectors.h's row readers (a table lookup, two VPERMT2W per 32 values).
 // (Converted arithmetically, 16 values at a time through fp16 and float32, the widening cost more than the
-// bytes it saved: an 8-bit pool decoded slower than a bf16 one on the 2-core EPYC.)
+// bytes it saved: an 8-bit pool decoded slower than a bf16 one.)
 //
 // Not a standalone header: paged_decode_attention.cpp includes it inside its anonymous namespace, after
 // its helpers (softmax_block, prefetch_row) and types (Partial, Shape, Tile, LookAhead), and fp8_vectors.h before it.
@@ -137,8 +137,8 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
     // Prefetches into L2, a token's rows (K kPrefetchAhead tokens ahead, V for this block's P.V pass) after
     // every `lines` loads of K, so that they spread over the block's transpositions: issued as one burst at the
     // block's start they filled the queue of misses, and the core waited there with its arithmetic no longer
-    // overlapping the reads (8 x 500 tokens: 1.7x slower from memory than the per-token loop before it,
-    // as fast from cache; spread, level with it).
+    // overlapping the reads (much slower from memory than the per-token loop before it, as fast from cache;
+    // spread, level with it: docs/performance.md, "Verification rows share their reads").
     const int64_t lines = row_bytes / 64;  // a row's lines of K (and as many of V)
     int64_t loads = 0, token = start;  // every `lines` loads of K, the next token's rows are prefetched
     const auto prefetch = [&] {

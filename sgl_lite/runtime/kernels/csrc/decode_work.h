@@ -75,10 +75,10 @@ inline WorkPlan plan_work(int64_t R, int64_t Hkv, int64_t G, const int32_t* qo, 
                           int64_t threads) {
   // Where there are enough chunks to keep every thread busy, an item takes all KV heads of its chunk and
   // reads each slot's row whole (every head's K, then V, one contiguous run): reading one head's 128 bytes
-  // of each 384-byte row got 11-12 GB/s from memory on a 2-core EPYC, whole rows 25-27 GB/s. Otherwise (one
-  // short request, say) items are single heads, as many as there are. Either way each (request, head,
-  // chunk) is computed alike, so the bits do not depend on the choice. (The kernel, whose arithmetic
-  // overlaps its reads less well than a plain sum does, gained 1.05-1.08x from it at 8-32 x 480-2000.)
+  // of each 384-byte row read memory at under half the rate of whole rows. Otherwise (one short request,
+  // say) items are single heads, as many as there are. Either way each (request, head, chunk) is computed
+  // alike, so the bits do not depend on the choice. (The kernel, whose arithmetic overlaps its reads less
+  // well than a plain sum does, gains less from it than the reads alone would, but gains at 8-32 rows.)
   // A verification row's queries share the reads of each chunk: up to kMaxVectors query vectors an item.
   // So do rows holding the same slots over a whole chunk (shared_chunks: a prompt the radix cache shares):
   // an item per KV head takes as many of them as fit, so that each block's K rows are transposed once for

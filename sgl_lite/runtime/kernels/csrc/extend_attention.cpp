@@ -12,12 +12,13 @@
 // in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
 // an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why:
 // torch's path (scores, softmax and their casts as separate passes over the whole score matrix) ran an
-// agent turn's extend (8 requests x 90 tokens on 450-token prefixes) at ~80 GFLOP/s on a 2-core
-// Xeon, a third of its prefill step.
+// agent turn's extend (8 requests x 90 tokens on 450-token prefixes) far below the FMAs' rate, a large
+// share of its prefill step (docs/performance.md, "On CPUs whose float32 FMAs outrun VDPBF16PS").
 //
-// In bf16, on CPUs whose VDPBF16PS outruns their float32 FMAs (bf16_gemv.cpp's probe: an AMD EPYC), both
+// In bf16, on CPUs whose VDPBF16PS outruns their float32 FMAs (as bf16_gemv.cpp's probe finds), both
 // products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
-// interleaved by pairs of keys; half the instructions, no widening of K and V (an agent turn: 1.4x).
+// interleaved by pairs of keys; half the instructions, no widening of K and V (docs/performance.md,
+// "Extend attention in VDPBF16PS pairs").
 //
 // An 8-bit float pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) is read as it is stored and widened in
 // registers (fp8_vectors.h): to float32 for the FMAs, to bf16 for the pairs (exactly: every fp8 value is a

@@ -96,7 +96,7 @@ inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, i
     for (int64_t c = 0; c < C; ++c) {
       __m512i line = _mm512_loadu_si512(vp + i * C * 16 + c * 16);
       // Opaque to GCC, which otherwise reloads the V line for every row: a load per product, where the
-      // loads, not VDPBF16PS, then bound the loop (perf on a Zen 4 EPYC).
+      // loads, not VDPBF16PS, then bound the loop (as perf annotate shows).
       __asm__("" : "+v"(line));
       vv[c] = (__m512bh)line;
     }

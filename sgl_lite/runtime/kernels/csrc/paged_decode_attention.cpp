@@ -50,8 +50,8 @@
 namespace {
 
 // Floats per vector: one AVX-512 register, else one AVX2 register (two SSE ones). Sixteen lanes on AVX2
-// made every vector two registers and the shuffles of the lane reductions cross-register permutes: about
-// 3x slower there than eight.
+// made every vector two registers and the shuffles of the lane reductions cross-register permutes: far
+// slower there than eight.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #else
@@ -71,7 +71,7 @@ constexpr int64_t kBlock = 32;  // tokens scored between two online-softmax upda
 // contexts of different lengths) gives the same bits.
 constexpr int64_t kChunk = 256;
 // Tokens: slots are scattered, so the hardware prefetcher cannot follow. Into L2 (see prefetch_row), 48,
-// 96 and 160 ran alike on a 2-core EPYC (Zen 4); 96 was a little ahead.
+// 96 and 160 ran alike; 96 was a little ahead (docs/performance.md, "Decode kernels prefetch into L2").
 constexpr int64_t kPrefetchAhead = 96;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -254,8 +254,8 @@ inline vfloat exp_nonpositive(vfloat x) {
 
 // Into L2 (prefetcht1), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its
 // line arrives, and a whole look-ahead of rows (96 x 6 lines) queued behind them stalled the loads the
-// arithmetic waits on. On a 2-core EPYC (Zen 4) the kernel read K/V at 18-20 GB/s this way against 13-15
-// into L1 (bench_decode_kernels, interleaved builds, 2026-11-25).
+// arithmetic waits on. The kernel reads K/V markedly faster this way than into L1 (docs/performance.md,
+// "Decode kernels prefetch into L2").
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
@@ -270,10 +270,10 @@ struct FirstRows {
 // A thread's next work item, claimed when its current item's look-ahead runs past the item's last token,
 // so that the look-ahead goes on into the next item's first rows. Each item used to start cold: its first
 // block's rows, prefetched only as it began, came from memory with nothing to overlap them, which made
-// chunks of 512 positions run 1.06-1.14x faster than chunks of 256 at 8-32 rows from memory (1.03x from
-// cache; a Zen 4 EPYC, builds interleaved in one process, 2026-11-26). Now the rows are on their way while
-// the previous item finishes: 1.05-1.12x at 8 and 32 rows from memory in two runs, level from cache and at
-// one row, the same bits (scripts/ab_attention_builds.py, same day). `claim` takes the next item from the
+// chunks of 512 positions run faster than chunks of 256 at 8-32 rows from memory. Now the rows are on
+// their way while the previous item finishes: faster at 8 and 32 rows from memory, level from cache and at
+// one row, the same bits (docs/performance.md, "Decode attention: the next work item's rows on their
+// way"; scripts/ab_attention_builds.py). `claim` takes the next item from the
 // shared counter and returns its rows (count 0: none left); the first rows the look-ahead did not reach,
 // [0, cold_rows()), the item prefetches itself when it starts.
 class LookAhead {

@@ -2,8 +2,9 @@
 // returns cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) with the same bits (rope.h), contiguous.
 //
 // Why: in torch that expression is seven ops over the whole [n, H, D] (four products, a difference, a sum, a
-// cat), each a pass through memory and a parallel region: ~11 ms of an agent turn's 560-token prefill step
-// (30 layers, 2 threads; scripts/profile_step.py extend). Here each row's heads are rotated in one pass, rows
+// cat), each a pass through memory and a parallel region: a visible share of an agent turn's prefill step
+// (docs/performance.md, "Glue around the kernels: a prefill's RoPE in one op"; scripts/profile_step.py
+// extend). Here each row's heads are rotated in one pass, rows
 // spread over the threads. x may be a view into the qkv matmul's output (rows strided, heads contiguous).
 // Other dtypes and layouts take torch's ops (layers/rotary_embedding.py checks before calling).
 

@@ -1,9 +1,10 @@
 // y = x @ W.T (+ bias) with int8 weights (a scale per output column) and int8 activations (a scale per
 // row, taken from the row itself): `--quantization w8a8_int8`, on AVX512-VNNI.
 //
-// Why: on a CPU whose bf16 matmuls are slow (VDPBF16PS at half the float32 FMA rate on an Intel Xeon,
-// family 6 model 207), VPDPBUSD multiplies 64 byte pairs an instruction at twice the FMA rate: ~4x the
-// bf16 kernel's rate on a prefill's many rows, and half the bytes a decode step streams.
+// Why: on a CPU whose bf16 matmuls are slow (VDPBF16PS at half the float32 FMA rate), VPDPBUSD multiplies
+// 64 byte pairs an instruction at twice the FMA rate: a multiple of the bf16 kernel's rate on a prefill's
+// many rows, and half the bytes a decode step streams (docs/performance.md, "On CPUs whose float32 FMAs
+// outrun VDPBF16PS").
 //
 // Arithmetic: each row of x is quantized symmetrically, q = round_half_even(x * 127 / max|x|), and stored
 // as q + 128 (VPDPBUSD multiplies unsigned by signed bytes); the column's compensation -128 * sum_k w[k]
@@ -23,8 +24,8 @@
 // int32 compensations. The blocks go in groups of three (a last group may hold one or two), a group's
 // vectors interleaved step by step, [K4 + 2][3][64] bytes (kernels/column_groups.py). A tile is a group, so
 // that it reads one stream, not three streams K4 * 64 bytes apart, which fell behind the products at 8 rows,
-// as in bf16_gemv.cpp: 30 layers' matmuls at 8 rows 1.05-1.09x, 32 rows 1.03x, but 1 row 0.95-0.97x, whether
-// a one-row call took one group a tile or two or three (scripts/ab_matmul_builds.py, 2026-11-27). Threads take
+// as in bf16_gemv.cpp: 8- and 32-row calls gained, one-row calls lost a little whether a one-row call took
+// one group a tile or two or three (docs/performance.md, "Matmul tiles read as one stream"). Threads take
 // the tiles from a shared counter, rows go in register tiles of up to 8 (4 with 16-bit activations, whose two
 // sums per output take twice the registers).
 
@@ -56,7 +57,7 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kTilesPerRun = 8;
-// per block of a group, into L2, as in bf16_gemv.cpp (a Zen 4 EPYC: ~11% off a batch-8 step's w8a8_gemm)
+// per block of a group, into L2, as in bf16_gemv.cpp (docs/performance.md, "Decode kernels prefetch into L2")
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kTrailer = 128;  // per block: 16 float32 scales, 16 int32 compensations
 
@@ -83,9 +84,9 @@ struct Activations {
   static constexpr float kMax = kParts == 1 ? 127.f : 32767.f;
   static constexpr int32_t kOffset = kParts == 1 ? 128 : 32768;
   // A register tile holds kParts x rows x blocks sums, the blocks' weight vectors and a broadcast row (of 32
-  // registers). Three blocks, not two: each broadcast of a row's 4 bytes then serves 3 products, which took
-  // 30 layers' matmuls at 8 rows from 4.4 to 3.9 ms on a Zen 4 EPYC (32 rows 11.1 -> 10.3; 1 row alike);
-  // 16-bit activations likewise ran 4 rows x 3 blocks 1.1-1.2x faster than 6 x 2.
+  // registers). Three blocks, not two: each broadcast of a row's 4 bytes then serves 3 products, which made
+  // matmuls of 8 and 32 rows faster (1 row alike); 16-bit activations likewise ran faster as 4 rows x 3
+  // blocks than as 6 x 2 (docs/performance.md, "Matmul tiles of three column blocks").
   static constexpr int kMaxTileRows = kParts == 1 ? 8 : 4;
 };
 constexpr int kGroup = 3;  // blocks per tile: a group of the packing (W8A8Int8's _GROUP)

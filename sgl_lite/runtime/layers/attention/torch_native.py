@@ -7,20 +7,22 @@ one or more tokens. Requests are split once per forward (in `prepare`) into two 
   index_select per layer gathers every KV head of every request straight into a contiguous
   head-major [G, Hkv, L, D] tensor (the pool viewed as rows of D elements; the row index of slot s,
   head h is s * Hkv + h, precomputed once per forward). Contiguous operands matter: bf16 matmul on
-  CPU is ~5x slower on strided views, and per-head gathers of strided pool views cost ~10x a
-  row gather. Scores and softmax are float32, padding is masked with an additive -inf bias.
+  CPU is several times slower on strided views, and per-head gathers of strided pool views cost many
+  times a row gather. Scores and softmax are float32, padding is masked with an additive -inf bias.
 - multi-token requests (prefill chunks): per request, query tiles of at most 128 rows, each two
   matmuls against the request's contiguous K/V (keys cut at the tile's last position) with an additive
-  causal bias built once per forward. Measured against SDPA with a mask (the prefix offset keeps it off
-  the causal fast path; is_causal without a prefix) on SmolLM2's heads in bf16: 2.1x faster for 8 requests
-  of 90 tokens on 450-token prefixes, 1.3x for 2048 tokens from scratch (`python scripts/bench_extend_attention.py`). Tiles shrink as the
+  causal bias built once per forward. Faster than SDPA with a mask (the prefix offset keeps it off
+  the causal fast path; is_causal without a prefix) on SmolLM2's heads in bf16, most for agent turns'
+  short extends on long prefixes (docs/performance.md, "Decode attention kernel, 8-bit KV cache, threads
+  on a shared box"; `python scripts/bench_extend_attention.py`). Tiles shrink as the
   context grows so that one tile's float32 scores stay around 4 MiB (cache-resident).
 
-On a CPU where oneDNN has no bf16 (AVX2 only), torch's bf16 matmul falls back to a kernel ~8x slower than
+On a CPU where oneDNN has no bf16 (AVX2 only), torch's bf16 matmul falls back to a kernel far slower than
 float32's, so there bf16 operands are widened to float32 for the matmuls (exactly) and the result rounded
-back once: a 1024-token bf16 prefill went from 76 to ~500 tokens/s on a 2-core AVX2 EPYC. The same holds,
-less steeply, where VDPBF16PS runs at half the rate of float32 FMAs (an Intel Xeon, family 6 model 207:
-oneDNN's bf16 matmuls ~165 GFLOP/s against MKL's float32 ~300 on 2 cores).
+back once, which makes a bf16 prefill several times faster (docs/performance.md, "On CPUs without AVX-512
+(AVX2 + FMA)"). The same holds, less steeply, where VDPBF16PS runs at half the rate of float32 FMAs
+(oneDNN's bf16 matmuls then reach about half the rate of MKL's float32 ones; docs/performance.md, "On
+CPUs whose float32 FMAs outrun VDPBF16PS").
 
 GQA never materializes repeated KV: queries are viewed as [G, Hkv, group, D], so each KV head is
 read once for its whole query group.

@@ -3,7 +3,7 @@ activations with a scale per row taken from the row itself at every call (dynami
 
 Unlike the weight-only methods, the products are integer ones, which is what makes it fast where bf16
 arithmetic is slow: csrc/w8a8_gemm.cpp multiplies 64 byte pairs per AVX512-VNNI instruction, so a prefill's
-matmuls run ~4x the bf16 kernel's rate on a CPU whose VDPBF16PS is the bottleneck, and a decode step
+matmuls run at a multiple of the bf16 kernel's rate on a CPU whose VDPBF16PS is the bottleneck, and a decode step
 streams half the weight bytes. It takes every call, prefill included, so no packed dense copy is made for
 it (the model's own parameter stays).
 

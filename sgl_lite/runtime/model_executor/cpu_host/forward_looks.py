@@ -55,9 +55,9 @@ class ForwardWatch:
     usual time (twice its size's median on this thread count, or _FIRST_LOOK_UNKNOWN_S for a size not yet
     timed) with its threads waiting for a CPU more than STARVED_WAIT of the time, and the starvation has
     lasted SUSTAINED_S (with the starved forwards just before it), the rest of it runs on one
-    thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for up to ~30x its
-    time (a 372-token prefill took 5.0 s instead of 0.15 s, 2026-11-26), and waiting for its end to
-    react lost most of a benchmark run. A look costs a clock read; past the first, a pread per thread
+    thread. Why: a neighbour that takes a core mid-run stalls a two-thread forward for many times its
+    usual time (docs/performance.md, "Threads in serving"), and waiting for its end to react lost most
+    of a benchmark run. A look costs a clock read; past the first, a pread per thread
     every LOOK_EVERY_S."""
 
     run_queue: RunQueueWait

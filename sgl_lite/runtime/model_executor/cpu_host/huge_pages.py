@@ -2,10 +2,10 @@
 
 Why: a decode step reads ~100 MB of weights and each request's KV rows scattered over a pool of gigabytes,
 one layer after another; on 4 KiB pages that is a page-table walk every 4 KiB, more pages than the TLB holds.
-On a 2-core EPYC (Zen 4) a batch-8 w8a8 decode step ran 1.02x faster on 2 MiB pages, every round of an
-in-process A/B (`python scripts/ab_huge_pages.py`, 2026-11-26 ~23:10 UTC; docs/performance.md).
+A batch-8 w8a8 decode step runs a little faster on 2 MiB pages, in every round of an in-process A/B
+(`python scripts/ab_huge_pages.py`; docs/performance.md, "Weights and KV pool on 2 MiB pages").
 
-Where THP is "madvise" (Debian's default, and this machine's) nothing is on huge pages unless asked:
+Where THP is "madvise" (Debian's default) nothing is on huge pages unless asked:
 `madvise(MADV_HUGEPAGE)` asks for a range's future faults, and `MADV_COLLAPSE` (Linux 6.1+) moves pages
 already written into huge pages at once (weights are written at load, before this runs). Only the whole
 2 MiB-aligned pages inside a tensor's storage are advised, so nothing outside it changes. Where either call

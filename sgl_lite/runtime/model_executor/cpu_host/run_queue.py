@@ -2,11 +2,11 @@
 
 Linux keeps, per thread, the time it spent runnable but not running (`/proc/self/task/<tid>/schedstat`,
 second field, nanoseconds). Over one forward, that time summed over the threads running it (the calling
-thread and torch's parallel-region workers) says whether a core was taken from it: on a free 2-core box
-a two-thread decode forward's threads waited 0-13% of its wall time, with a neighbour spinning on one
-core 45-89% (measured at batch 1 and 8, counting every thread of the process). The process's other
+thread and torch's parallel-region workers) says whether a core was taken from it: on a free box a
+two-thread decode forward's threads wait a small share of its wall time, with a neighbour spinning on one
+core most of it, at batch 1 and 8 alike (counting every thread of the process). The process's other
 threads are left out: with another thread of the process runnable (an in-process client decoding text,
-say) the process waited 30-36% of some forwards on a free box. CPU time is no such signal either: when
+say) the process waited about a third of some forwards on a free box. CPU time is no such signal either: when
 another Python thread holds the GIL the forward's threads idle too, which lowers it as a lost core does.
 
 Reading it costs a pread per watched thread on descriptors kept open; where schedstat does not exist

@@ -2,10 +2,11 @@
 
 On a small CPU box the best intra-op thread count is not fixed. A decode step is hundreds of short
 parallel regions (every matmul, norm and attention call of every layer): with all cores free, two
-threads beat one (measured on a 2-core EPYC, batch 8: 456 vs 368 tok/s), but when any other process
-holds a core - a neighbour, or this server's own HTTP front and its clients - the thread that lost its
-core stalls every region's barrier and two threads fall far below one (134-192 vs 348-364 tok/s; at
-batch 1, 11-33 vs 65-71; with some neighbours a two-thread forward took 50x its one-thread time). Which
+threads beat one, but when any other process holds a core - a neighbour, or this server's own HTTP
+front and its clients - the thread that lost its core stalls every region's barrier and two threads fall
+far below one, at every batch size (with some neighbours a two-thread forward takes many times its
+one-thread time; docs/performance.md, "Decode attention kernel, 8-bit KV cache, threads on a shared
+box"). Which
 side of that line a step is on changes with the load, so the governor measures instead of guessing:
 forwards are grouped by their token count (powers of two), each group runs on its current thread count
 and now and then on the other for a few probe forwards, and switches when the other count's median
@@ -14,7 +15,8 @@ forward time is clearly lower.
 What probing may cost is bounded: after a probe that lost, the next one waits until the time the lost
 probe wasted is at most `probe_budget` (2%) of the forward time in between, so a count that loses
 badly is tried rarely; a probe forward 1.5x the current median ends the probe at once (on a free box a
-prefill on one thread takes ~2x as long, so three probe forwards of a turn's 600-token prefills lose ~0.4 s).
+prefill on one thread takes about twice as long, so a higher bar would let all three probe forwards of a
+turn's prefills run; docs/performance.md, "Threads in serving: only contention that lasts").
 When the current count's forwards have been clearly slower than when it was chosen for SUSTAINED_S
 in a row (a neighbour took a core), the group probes at once, judging the current count by those slow
 forwards.
@@ -25,8 +27,8 @@ rare sizes - large prefills - would otherwise each pay for the discovery. A grou
 way, by another group's evidence and not by a probe of its own, keeps following every later verdict,
 up as well as down: a prefill size sees a handful of forwards per agent turn, so after a moment of
 contention it would otherwise wait minutes for its own probe and run on one thread, at half speed,
-long after the decode sizes found the core free again (measured in serving: 1103-1130 against 2250-2400
-prefill tok/s). A count a group chose by its own probe is not dragged up, so sizes that differ on a
+long after the decode sizes found the core free again (docs/performance.md, "Threads in serving"). A
+count a group chose by its own probe is not dragged up, so sizes that differ on a
 free box do not drag each other back and forth.
 
 A core taken shows at once in how long the forward's threads waited for a CPU (run_queue.py): on a free
@@ -35,12 +37,11 @@ and its clients take turns on the cores, mostly up to ~42%, and 54-56% when a tu
 (the front rendering and tokenizing them); with a neighbour spinning on one core 45-100% (91-100% in
 serving). Such a starved forward (waits over STARVED_WAIT x its wall time) on a group with no verdict
 yet, or slower than _SLOWDOWN x its verdict, moves every group to one thread without waiting for
-probes (once the starvation lasts: below): with a busy neighbour two-thread forwards in serving took up
-to 24x their one-thread time, and each group discovering that by itself cost a whole benchmark run's
+probes (once the starvation lasts: below): with a busy neighbour two-thread forwards in serving took
+many times their one-thread time, and each group discovering that by itself cost a whole benchmark run's
 worth of stalled forwards. The usual probes bring two threads back when they win again. STARVED_WAIT sits above a turn's arrivals: at
-0.5 they moved a served 8-session agent run to one thread once or twice a run, and 0.7 served it 6%
-faster (262 against 247 output tok/s, 8 interleaved pairs; with a neighbour spinning, 165-167 against
-120-140).
+0.5 they moved served agent runs to one thread, and 0.7 served them faster, with a neighbour spinning
+too (docs/performance.md, "Threads in serving").
 
 A forward need not end to be judged: the model calls the governor's ForwardWatch between layers, and a
 multi-threaded forward long past its usual time with starved threads runs the rest of its layers on one
@@ -49,9 +50,9 @@ thread (and falls as above).
 A fall ends early when the box is free again: each one-thread forward after it looks, once, between its
 layers (QuietLook), whether anything else on the machine is runnable (/proc/loadavg's count of runnable
 tasks); when nothing is, every size goes back to the count it had before the fall. Why: the front's burst
-at a turn's arrival - not a neighbour - caused the falls seen in serving without a neighbour (2 of ~30
-8-session runs, 2026-11-27), and until the probes brought two threads back (~1 s) the turn's prefills ran at half speed
-(583 tokens: 625 ms against ~290) and its decode steps ~40% slower. A spinning neighbour is always
+at a turn's arrival - not a neighbour - caused the falls seen in serving without a neighbour, and until
+the probes brought two threads back the turn's prefills ran at half speed and its decode steps markedly
+slower (docs/performance.md, "Threads in serving: a fall ends when the box is free again"). A spinning neighbour is always
 runnable, so it holds the fall; a fall within _RECOVERY_HOLD_S of an early end is left to the probes (a
 neighbour that comes and goes). The count is machine-wide: on a host shared with other tenants it is
 rarely zero, and falls end as before.
@@ -59,13 +60,12 @@ rarely zero, and falls end as before.
 Either way the governor acts only on contention that lasts: a fall needs starved forwards in a row
 (with the one under way) that add up to SUSTAINED_S of wall time, and an early probe slow forwards
 that do. The front's bursts are short - a turn's prompts rendered and tokenized, its clients' replies -
-and starved or slowed one decode step at a time (33-47 ms, 57-69% waits): when one such forward was
-enough, it moved every size to one thread (2 of 6 served 8-session runs, 22:07 UTC, 2026-11-26), or
-switched the decode sizes after a probe judged against that one forward (each of 4 servers' lives of 6
-runs, 22:11-22:17, once falls alone needed lasting starvation), for 0.5-5 s at a time. A neighbour's
+and starved or slowed one decode step at a time: when one such forward was enough, it moved every size
+to one thread in some served runs, or switched the decode sizes after a probe judged against that one
+forward (once falls alone needed lasting starvation), for up to seconds at a time. A neighbour's
 starvation does not end: a fall comes SUSTAINED_S later than it did, once. With 0.1 s, served
-8-session runs gained 1.09x and a busy neighbour's 1.03x (five interleaved pairs, docs/performance.md,
-"Threads in serving").
+8-session runs gained, and so did runs beside a busy neighbour (docs/performance.md, "Threads in
+serving: only contention that lasts").
 """
 
 from __future__ import annotations

