@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-
 from ab_matmul_builds import base_and_tree, in_turn  # noqa: E402
 from bench_decode_kernels import LAYERS, best_seconds  # noqa: E402
 

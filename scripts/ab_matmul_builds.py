@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
-
 from bench_decode_kernels import LAYERS, SHAPES, best_seconds  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.kernels.loader import load_cpu_ops  # noqa: E402

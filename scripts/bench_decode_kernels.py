@@ -45,9 +45,9 @@ from sgl_lite.runtime.kernels import ops  # noqa: E402
 from sgl_lite.runtime.kernels.loader import bf16_arithmetic  # noqa: E402
 from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
+    QuantizedLinear,
     cpu_packed_linear_supported,
     gemv_kernel,
-    QuantizedLinear,
     linear,
     quantize_linear,
 )

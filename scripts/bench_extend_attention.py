@@ -34,9 +34,9 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.runtime.kernels.loader import bf16_arithmetic  # noqa: E402
 from sgl_lite.runtime.layers.attention import AttentionMetadata, TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
-from sgl_lite.runtime.kernels.loader import bf16_arithmetic  # noqa: E402
 
 HQ, HKV, DIM = 9, 3, 64
 SHAPES = [  # (prefix, new tokens per request, requests)

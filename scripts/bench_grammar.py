@@ -24,8 +24,8 @@ import torch
 import xgrammar
 
 from sgl_lite.bench.artifacts import output_file
-from sgl_lite.runtime.sampling.grammar import GrammarBackend, apply_grammar_masks
 from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.sampling.grammar import GrammarBackend, apply_grammar_masks
 
 BENCH_SCHEMA = {
     "type": "object",

@@ -21,11 +21,10 @@ from pathlib import Path
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator  # noqa: E402
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch  # noqa: E402

@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from runner_bench import DTYPE_FLAGS, RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
@@ -57,14 +58,10 @@ from sgl_lite.runtime.layers.linear import (  # noqa: E402
     QuantizedLinear,
     linear,
 )
-from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, kv_cache_dtype  # noqa: E402
+from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
-
-from runner_bench import DTYPE_FLAGS, RunnerBench  # noqa: E402
-
-
 
 MATMUL_WEIGHTS = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
 

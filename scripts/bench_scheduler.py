@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fake_runner import FakeRunner  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.managers.scheduler import Scheduler  # noqa: E402
+from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 VOCAB = 32000

@@ -43,8 +43,8 @@ from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.runtime.model_executor import loader  # noqa: E402
-from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
+from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 PHASES = ("scheduler", "runner prep", "model", "LM head", "sampling")

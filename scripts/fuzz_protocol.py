@@ -30,9 +30,9 @@ import msgspec  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
+from sgl_lite.lang.launcher import Runtime  # noqa: E402
 from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
-from sgl_lite.lang.launcher import Runtime  # noqa: E402
 from sgl_lite.testing.fuzz import FuzzSession, frame_lists, payloads, request_dicts, run_fuzzed_request  # noqa: E402
 from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
 from sgl_lite.testing.tiny_model import make_tiny_model  # noqa: E402

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import chat, copy_prompts  # noqa: E402
 
-from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys  # noqa: E402
-from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match  # noqa: E402
 from sgl_lite.runtime.managers.request import Req  # noqa: E402
 from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
-from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
+from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
+from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys  # noqa: E402
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match  # noqa: E402
 
 MIN_WINDOW, MAX_WINDOW = 1, 12  # the server's defaults (--speculative-ngram-{min,max}-match-window-size)
 

@@ -34,13 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime import protocol  # noqa: E402
-from sgl_lite.runtime.server.engine import Engine  # noqa: E402
-from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
 from sgl_lite.lang.launcher import Runtime, _child_env  # noqa: E402
+from sgl_lite.runtime import protocol  # noqa: E402
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
+from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.testing.hostile_clients import HostileRun, hostile_server_args  # noqa: E402
-from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
+from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
     check_records,
     greedy_mismatches,

@@ -29,12 +29,12 @@ from sgl_lite.lang.api import (
     user_begin,
     user_end,
 )
-from sgl_lite.lang.global_config import global_config
 from sgl_lite.lang.choices import (
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from sgl_lite.lang.global_config import global_config
 
 __version__ = "0.1.0"
 

@@ -132,8 +132,8 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
     import os
     import signal
 
-    from sgl_lite.http.launch import HttpFront
     from sgl_lite.http.guards.limits import HttpLimits
+    from sgl_lite.http.launch import HttpFront
     from sgl_lite.runtime.free_port import connect_host, url_host
     from sgl_lite.runtime.model_executor.loader import LoaderError
     from sgl_lite.runtime.server.parent_watch import exit_with_parent
@@ -209,7 +209,6 @@ def generate(address: str, prompt: str, max_new_tokens: int, temperature: float,
              api_key: str | None, timeout: float) -> None:
     """Send one generate request to a running server and print the answer."""
     from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
-
     from sgl_lite.runtime.client.discovery import discover_zmq_address
 
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}

@@ -32,8 +32,7 @@ from types import FrameType
 from typing import Callable
 
 from sgl_lite.runtime.free_port import connect_host, free_port, url_host
-from sgl_lite.runtime.server_args import API_KEY_ENV
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import MARKERS, mark
 
 from sgl_lite.testing.tiny_model import make_tiny_model
-from tiers import MARKERS, mark
 
 # The box has 2 cores shared by the test process and any runtime subprocess it starts: two threads
 # use both without oversubscribing.

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
@@ -74,7 +74,6 @@ class FakeRunner(ModelRunnerBase):
             self.records.append(BatchRecord(batch.is_decode, [r.rid for r in batch.reqs], list(batch.prefix_lens), list(batch.extend_lens)))
         offset = 0
         next_ids: list[int | None] = []
-        logprobs: list[float | None] = []
         for i, req in enumerate(batch.reqs):
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             new_tokens = batch.input_ids(i)

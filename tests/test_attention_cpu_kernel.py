@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_attention import naive_attention, random_batch
 
-from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
 from sgl_lite.runtime.kernels import loader, ops
+from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner

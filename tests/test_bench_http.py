@@ -23,8 +23,8 @@ from sgl_lite.bench.report import throughput_ratios
 from sgl_lite.bench.workloads import Vocabulary
 from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
-from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.client import RuntimeClient
 
 pytestmark = pytest.mark.timeout(120)
 

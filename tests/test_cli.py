@@ -98,8 +98,9 @@ def test_fetch_model_names_a_missing_path(tmp_path):
 
 def test_serve_dp_router_args_reach_the_router_and_override_its_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("sglang_router")
-    import sgl_lite.cluster as cluster
     from sglang_router.launch_router import parse_router_args
+
+    import sgl_lite.cluster as cluster
 
     seen: dict = {}
 

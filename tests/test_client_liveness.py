@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import zmq
 
+from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, parse_slow_forward_spec
 from sgl_lite.runtime.server.zap import require_handshake
-from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(180)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model import Driver, make_runner, prompts
 
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata
 from sgl_lite.runtime.layers.linear import avx2_int4_preferred, gemv_supported
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner
-from test_model import Driver, make_runner, prompts
 
 # The fused layer runs in the dtypes whose small-row kernel this CPU has: bf16 on AVX512-BF16, float32 on
 # AVX2 + FMA (both on AVX-512 CPUs); KERNEL_DTYPE is the first of them.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_attention import CASES, naive_attention, random_batch
 
 from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
@@ -19,7 +19,6 @@ from sgl_lite.runtime.layers.attention.cpu_kernel import extend_kernel_available
 from sgl_lite.runtime.layers.linear import GemvLinear, cpu_packed_linear_supported, dense_forms, linear
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.server.engine import Engine
-from test_attention import CASES, naive_attention, random_batch
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 

@@ -16,7 +16,6 @@ from test_attention_cpu_kernel import bf16_arithmetic, extend_kernel, in_each_bf
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
-
 EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
     "prefill": ([0, 0], [9, 40], 9, 3, 64),
     "agent_turns": ([45, 90, 3], [17, 33, 2], 9, 3, 64),  # tiles of 16 tokens, blocks of 32 keys, ragged ends

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from sgl_lite.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.grammar import GrammarBackend, GrammarMatcher, apply_grammar_masks, grammar_key
 from sgl_lite.runtime.sampling.grammar_backend import json_schema_ebnf
-from sgl_lite.runtime.protocol import SamplingParams
 
 FORCE_EOS_AFTER = 48
 MAX_STEPS = 400
@@ -224,10 +224,10 @@ def test_smollm2_tokenizer_walks():
 def test_scheduler_and_sampler_honour_grammars(tiny_llama_dir):
     """End to end on the tiny random model: constrained requests (mixed with unconstrained ones, greedy
     and sampled) finish on EOS with a full match; the unconstrained ones are unaffected by batching."""
-    from sgl_lite.runtime.model_executor.loader import load_tokenizer
-    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
     from sgl_lite.runtime.managers.request import FinishKind, Req
     from sgl_lite.runtime.managers.scheduler import Scheduler
+    from sgl_lite.runtime.model_executor.loader import load_tokenizer
+    from sgl_lite.runtime.model_executor.model_runner import ModelRunner
     from sgl_lite.runtime.server_args import ServerArgs
 
     tokenizer = load_tokenizer(tiny_llama_dir)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from sgl_lite.runtime.sampling.grammar import GrammarBackend, GrammarMatcher, apply_grammar_masks, grammar_key
-from sgl_lite.runtime.protocol import SamplingParams
 from test_grammar import PERSON_SCHEMA
+
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.sampling.grammar import GrammarBackend, GrammarMatcher, apply_grammar_masks, grammar_key
 
 
 def allowed_by_matcher(matcher: GrammarMatcher, vocab_size: int) -> set[int]:

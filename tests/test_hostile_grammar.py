@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
 
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
@@ -24,7 +25,6 @@ from sgl_lite.runtime.sampling.grammar_backend import grammar_key
 from sgl_lite.runtime.server import core as core_module
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.tiny_model import make_tiny_model
-from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
 
 pytestmark = pytest.mark.timeout(240)
 

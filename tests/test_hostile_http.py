@@ -15,17 +15,17 @@ from collections.abc import Iterator
 
 import httpx2
 import pytest
+from test_hostile_grammar import raise_caps
+from test_hostile_wire import SERVER_ARGS, ServerThread
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.chat_template import ChatTemplate
-from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.http.guards.limits import HttpLimits
+from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import warn_if_exposed
 from sgl_lite.testing.tiny_model import make_tiny_model
-from test_hostile_grammar import raise_caps
-from test_hostile_wire import SERVER_ARGS, ServerThread
 
 pytestmark = pytest.mark.timeout(240)
 

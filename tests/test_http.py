@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
-from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,11 +9,11 @@ from typing import Any
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_client import FakeRouter
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime.client import RuntimeClient
-from test_client import FakeRouter
 
 pytestmark = pytest.mark.timeout(180)
 

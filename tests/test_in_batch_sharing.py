@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fake_runner import FakeRunner
-from sgl_lite.runtime.server.engine import Engine
+from test_scheduler import CharTokenizer, expected, make, prompt_of, req, run_to_end
+
 from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex
 from sgl_lite.runtime.managers.request import FinishKind
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
-from test_scheduler import CharTokenizer, expected, make, prompt_of, req, run_to_end
 
 
 def test_batch_prefix_index_names_the_earliest_holder_within_limits() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_lang_interpreter import backend  # noqa: F401 - a fixture
 
 import sgl_lite as sgl
-from test_lang_interpreter import backend  # noqa: F401 - a fixture
 
 
 def test_run_batch_order_errors_and_progress_bar(backend, capfd):

@@ -11,8 +11,8 @@ import pytest
 
 import sgl_lite as sgl
 from sgl_lite.lang.chat_template import CHATML, chat_template_from_jinja, chat_template_from_model_info
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, SglExprList, SglGen, SglSamplingParams
+from sgl_lite.runtime.protocol import SamplingParams
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

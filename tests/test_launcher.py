@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 import sgl_lite as sgl
-from sgl_lite.runtime.server_args import API_KEY_ENV
-from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.lang.launcher import RuntimeLaunchError, api_key_env, serve_command
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
+from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs
 
 pytestmark = pytest.mark.timeout(120)
 

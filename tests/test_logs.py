@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from sgl_lite.cluster import free_port
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.cluster import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from test_scheduler import expected, make, prompt_of, req, run_to_end
 
-from sgl_lite.runtime.model_executor.model_runner import ModelRunner
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.model_executor.model_runner import ModelRunner
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
-from test_scheduler import expected, make, prompt_of, req, run_to_end
 
 
 def mixed_batches(runner) -> list:

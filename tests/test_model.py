@@ -8,21 +8,20 @@ req_to_token row, run, append the sampled token.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 import pytest
 import torch
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner, choose_dtype, cpu_has_bf16_kernels
 from sgl_lite.runtime.models.llama import LlamaForCausalLM
 from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.testing.tiny_model import make_tiny_model
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
+from sgl_lite.testing.tiny_model import make_tiny_model
 
 LOGIT_ATOL = 1e-4  # fp32, same weights, different op order
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

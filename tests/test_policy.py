@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from sgl_lite.runtime.managers.policy import SchedulePolicy, prefix_match_key
-from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.req_factory import make_req
 

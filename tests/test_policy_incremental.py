@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sgl_lite.runtime.managers.policy import SchedulePolicy
-from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.sim.cost_model import VirtualClock
 
@@ -121,6 +121,7 @@ def test_fallback_threshold_still_applies_to_the_index() -> None:
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
 def test_scheduler_runs_the_same_batches_with_and_without_the_index(policy: str) -> None:
     from fake_runner import FakeRunner
+
     from sgl_lite.runtime.managers.scheduler import Scheduler
 
     def run(incremental: bool) -> list:

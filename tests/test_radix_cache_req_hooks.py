@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
-from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
-from sgl_lite.runtime.managers.request import Req
-from sgl_lite.testing.req_factory import make_req
 from test_radix_cache import CheckedAllocator, slots
+
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.testing.req_factory import make_req
 
 
 def admit(cache: RadixCache, pool: ReqToTokenPool, req: Req) -> None:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from fake_runner import FakeRunner, reference_output
+
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
-from sgl_lite.runtime.server.core import RuntimeCore
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
-from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, install_fault_injection, parse_fault_spec
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.managers.stop_checker import StopChecker, trim_stop
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR, install_fault_injection, parse_fault_spec
+from sgl_lite.runtime.server.core import RuntimeCore
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.managers.stop_checker import StopChecker, trim_stop
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 from sgl_lite.testing.tiny_model import build_tokenizer
 

@@ -7,13 +7,13 @@ import time
 from typing import Any
 
 import pytest
+from test_reliability import ScriptedRunner, make_core, serve, tokenizer  # noqa: F401 - serve, tokenizer are fixtures
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.runtime.server.core import RuntimeCore
 from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
-from test_reliability import ScriptedRunner, make_core, serve, tokenizer  # noqa: F401 - serve, tokenizer are fixtures
 
 pytestmark = pytest.mark.timeout(120)
 

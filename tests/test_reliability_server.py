@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
-from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR
 from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
+from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR
+from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(300)

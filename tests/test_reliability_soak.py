@@ -12,12 +12,12 @@ import threading
 
 import pytest
 
+from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
-from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.testing.hostile_clients import CASES, HostileRun, hostile_server_args
-from sgl_lite.testing.soak import SoakConfig, run_soak
 from sgl_lite.testing.kv_accounting import accounting_problems
+from sgl_lite.testing.soak import SoakConfig, run_soak
 from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
 
 pytestmark = pytest.mark.timeout(600)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_silu_and_mul_op import assert_same_bits
 
 from sgl_lite.runtime.kernels import loader
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope
-from test_silu_and_mul_op import assert_same_bits
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from fake_runner import FakeRunner, reference_output
-from sgl_lite.runtime.protocol import SamplingParams
+
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 
 VOCAB = 64

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from fake_runner import reference_output
+from test_scheduler import VOCAB, _invariant_after_each_test, make, prompt_of, req, run_to_end  # noqa: F401 (autouse fixture)
+
 from sgl_lite.runtime.managers.request import FinishKind
 from sgl_lite.runtime.managers.scheduler import QueueFullError
-from test_scheduler import VOCAB, _invariant_after_each_test, make, prompt_of, req, run_to_end  # noqa: F401 (autouse fixture)
 
 
 @pytest.mark.parametrize("low_first", [False, True])

@@ -126,8 +126,8 @@ def test_zmq_client_refuses_a_wrong_address_at_once(address, says):
 
 @pytest.mark.timeout(30)
 def test_runtime_endpoint_on_an_http_server_that_is_not_sgl_lite():
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Other(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name

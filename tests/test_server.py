@@ -21,9 +21,9 @@ import msgspec
 import pytest
 import zmq
 
+from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, use_api_key
-from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.server.event_loop import RuntimeServer
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks

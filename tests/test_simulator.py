@@ -7,12 +7,12 @@ import math
 
 import pytest
 from click.testing import CliRunner
-
 from fake_runner import FakeRunner
+
 from sgl_lite.bench.workloads import multiturn_agent, shared_prefix
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.sim.cli import simulate_command
 from sgl_lite.sim.cost_model import CostModel

@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.sampling.sampler import Sampler
+from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.speculative.ngram_proposer import (
     MAX_FAILED_DRAFTS,
     Acceptance,
@@ -16,12 +20,8 @@ from sgl_lite.runtime.speculative.ngram_proposer import (
     longest_suffix_match,
     worth_length,
 )
-from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.speculative.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, draft_token_cost
-from sgl_lite.runtime.protocol import SamplingParams
-from sgl_lite.runtime.sampling.sampler import Sampler
 from sgl_lite.runtime.speculative.verification import verify_drafts
-from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
 # Tests of verification, not of the draft-length policy (conftest.py).

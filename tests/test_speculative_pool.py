@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sgl_lite.runtime.speculative.ngram_pool import SEPARATOR, NgramPool
-from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.runtime.speculative.ngram_pool import SEPARATOR, NgramPool
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer, suffix_match
 
 # Tests of verification, not of the draft-length policy (conftest.py).
 pytestmark = pytest.mark.usefixtures("draft_lengths_from_the_prior")

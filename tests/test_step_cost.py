@@ -3,20 +3,18 @@ it, and the scheduler feeding it from its own decode forwards without changing g
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import itertools
-
-from sgl_lite.runtime.speculative.ngram_proposer import Acceptance, NgramProposer, NgramState, allocate_draft_tokens, worth_length
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.speculative.step_cost import (DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW,
-                                                 StepCost)
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.runtime.speculative.ngram_proposer import Acceptance, NgramProposer, NgramState, allocate_draft_tokens, worth_length
+from sgl_lite.runtime.speculative.step_cost import DECODE_ROW_STEP_COST, DRAFT_TOKEN_STEP_COST, MIN_SAMPLES, NUM_BUCKETS, WINDOW, StepCost
 
 
 def avx2_step(rows: float) -> float:

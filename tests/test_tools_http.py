@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import jsonschema
 import openai
 import pytest
+from test_http import API_KEY, Live
 from tokenizers import processors
 from transformers import AutoTokenizer
 
@@ -27,7 +28,6 @@ from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.chat_templates import load_chat_template
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
-from test_http import API_KEY, Live
 
 pytestmark = pytest.mark.timeout(300)
 

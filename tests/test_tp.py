@@ -18,9 +18,9 @@ import transformers
 from safetensors.torch import load_file
 
 from sgl_lite.lang.launcher import Runtime
+from sgl_lite.runtime.model_executor.tp import check_shardable
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
-from sgl_lite.runtime.model_executor.tp import check_shardable
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,18 +17,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_lite.http.guards.api_key import api_key_error, bearer_key_matches
-from sgl_lite.http.guards.disconnect import cancel_on_disconnect
 from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.generation import RequestRunner
+from sgl_lite.http.guards.api_key import api_key_error, bearer_key_matches
+from sgl_lite.http.guards.disconnect import cancel_on_disconnect
 from sgl_lite.http.guards.limits import HttpLimits, RequestGuard, parse_body
+from sgl_lite.http.guards.validation import validation_error
 from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
 from sgl_lite.http.model_context import ModelContextCache
-from sgl_lite.http.sglang_api.generate import flush_cache_response, generate
 from sgl_lite.http.openai_api.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from sgl_lite.http.openai_api.serving import OpenAIServing
+from sgl_lite.http.sglang_api.generate import flush_cache_response, generate
 from sgl_lite.http.sglang_api.tokenize import add_tokenize_routes
-from sgl_lite.http.guards.validation import validation_error
 from sgl_lite.http.sglang_api.worker_api import add_worker_routes
 from sgl_lite.runtime.client import RuntimeClient
 

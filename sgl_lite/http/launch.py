@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import click
 
-from sgl_lite.runtime.free_port import connect_host, url_host
-from sgl_lite.runtime.client.discovery import check_zmq_address
-from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
 from sgl_lite.http.guards.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
+from sgl_lite.runtime.client.discovery import check_zmq_address
+from sgl_lite.runtime.free_port import connect_host, url_host
+from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
 from sgl_lite.runtime.server_args import API_KEY_ENV, warn_if_exposed
 
 logger = logging.getLogger(__name__)

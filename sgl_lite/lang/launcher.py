@@ -25,10 +25,9 @@ from typing import Any, AsyncIterator
 
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.client.discovery import http_json
-from sgl_lite.runtime.server_args import API_KEY_ENV
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.parent_watch import stop_child
-from sgl_lite.runtime.server_args import ServerArgs, flag_of
+from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, flag_of
 
 STDERR_TAIL_LINES = 40
 DEFAULT_STARTUP_TIMEOUT = 600.0

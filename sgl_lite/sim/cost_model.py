@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 
 # The built-in calibration (CostModel.default): scripts/bench_model.py's figures for SmolLM2-135M in bfloat16
 # on 2 CPU cores, 2 threads - prompt tokens per second of a 1024-token prefill, output tokens per second of

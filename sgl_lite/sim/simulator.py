@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import FinishKind, Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.sim.cost_model import CostModel, CostModelRunner, VirtualClock
 from sgl_lite.sim.trace import SimSession

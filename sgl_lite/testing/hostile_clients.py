@@ -26,8 +26,8 @@ import msgspec
 import zmq
 
 from sgl_lite.http.app import create_app
-from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.http.guards.limits import HttpLimits
+from sgl_lite.http.launch import HttpServerThread
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, use_api_key
 from sgl_lite.testing.fuzz import NESTED_FIELDS, nested_message

@@ -26,8 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from sgl_lite.http.guards.api_key import OPEN_PATHS, api_key_error, bearer_key_matches
 from sgl_lite.http.errors import HttpError, bad_request
+from sgl_lite.http.guards.api_key import OPEN_PATHS, api_key_error, bearer_key_matches
 
 HEADER_READ_TIMEOUT_S = 10.0
 BODY_READ_TIMEOUT_S = 60.0

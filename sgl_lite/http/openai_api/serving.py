@@ -17,12 +17,12 @@ from sgl_lite.http.chat_template import ChatTemplateError, message_text, templat
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
 from sgl_lite.http.guards.limits import HttpLimits, off_loop_if
-from sgl_lite.http.openai_api.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
+from sgl_lite.http.openai_api.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from sgl_lite.http.sse import sse_response
 from sgl_lite.http.openai_api.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
 from sgl_lite.http.openai_api.tools import ToolRequest, tool_request
+from sgl_lite.http.sse import sse_response
 from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 
 # "abort": ended by /abort_request, with the text so far (SGLang's and vLLM's name for it)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 from fastapi.params import Depends
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from sgl_lite.http.chat_template import ChatTemplateError

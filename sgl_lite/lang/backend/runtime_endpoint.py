@@ -16,7 +16,6 @@ from sgl_lite.lang.ir import SglSamplingParams
 from sgl_lite.runtime.client import RuntimeClient, RuntimeUnavailableError
 from sgl_lite.runtime.client.discovery import discover_zmq_address
 
-
 _NAMED_TEMPLATES = {"chatml": CHATML, "llama-3-instruct": LLAMA3}
 _CONNECT_TIMEOUT_S = 10.0
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.column_groups import interleave_groups
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 from sgl_lite.runtime.layers.quantization.weight_only import (
     Int4Avx2,
     Int4Values,
@@ -47,7 +48,6 @@ from sgl_lite.runtime.layers.quantization.weight_only import (
     Int8WeightOnly,
     QuantizedWeight,
 )
-from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2

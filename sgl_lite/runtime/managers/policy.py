@@ -44,10 +44,10 @@ from typing import Sequence
 
 import torch
 
-from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.waiting_index import WaitingIndex
+from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
+from sgl_lite.runtime.server_args import ServerArgs
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 INDEXED_POLICIES = ("fcfs", *CACHE_AWARE_POLICIES)  # orders the WaitingIndex can read lazily

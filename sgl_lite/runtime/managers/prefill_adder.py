@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sgl_lite.runtime.managers.in_batch_sharing import Borrow
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache.memory_pool import SlotAllocator
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache
-from sgl_lite.runtime.managers.request import Req
 
 # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: reservations assume at most this many new tokens.
 CLIP_MAX_NEW_TOKENS = 4096

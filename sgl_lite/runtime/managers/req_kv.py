@@ -15,11 +15,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 from sgl_lite.runtime.managers.in_batch_sharing import Borrow
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache
-from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 
 
 class ReqKV:

@@ -30,18 +30,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
-from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys
-from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer
 from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
-from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling
 from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
-from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling
 from sgl_lite.runtime.managers.stop_checker import StopChecker
+from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
+from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys
+from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
 

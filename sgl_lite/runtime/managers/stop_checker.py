@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
+from sgl_lite.runtime.protocol import SamplingParams
 
 # Byte-level BPE can spend up to 4 tokens on one character; decode this many tokens per stop-string char.
 _TOKENS_PER_CHAR = 4

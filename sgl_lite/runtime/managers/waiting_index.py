@@ -29,8 +29,8 @@ import bisect
 from collections.abc import Iterator
 from typing import Any
 
-from sgl_lite.runtime.mem_cache.radix_cache import RadixCache, TreeNode, common_prefix_len
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.radix_cache import RadixCache, TreeNode, common_prefix_len
 
 
 class WaitingEntry:

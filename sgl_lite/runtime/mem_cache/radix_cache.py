@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 
 if TYPE_CHECKING:
     from sgl_lite.runtime.mem_cache.tree_observer import TreeObserver

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool
 
 
 @dataclass

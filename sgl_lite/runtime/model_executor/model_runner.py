@@ -17,14 +17,14 @@ import torch
 
 from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.linear import gemv_kernel
-from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
-from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
-from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.cpu_host.huge_pages import advise_huge_pages, tensors_of
 from sgl_lite.runtime.model_executor.cpu_host.thread_governor import ThreadGovernor
+from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.model_executor.tp import TensorParallel
+from sgl_lite.runtime.models import build_model
+from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

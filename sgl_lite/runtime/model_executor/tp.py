@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sgl_lite.runtime.layers.attention.base import AttentionMetadata
 from sgl_lite.runtime.free_port import free_port
+from sgl_lite.runtime.layers.attention.base import AttentionMetadata
 from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ import torch
 
 from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.loader import has_op
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.protocol import SamplingParams
 
 # Candidates kept by a partial sort when top-k/top-p/min-p allow it (see _largest_probs).
 _CANDIDATES = 256

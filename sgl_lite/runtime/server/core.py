@@ -22,13 +22,13 @@ import time
 from typing import Any
 
 from sgl_lite.runtime.chat_templates import load_chat_template
-from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
-from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
-from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_stop
+from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
+from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
+from sgl_lite.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from sgl_lite.runtime.server.core import RuntimeCore
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.server.core import RuntimeCore
 from sgl_lite.runtime.server_args import ServerArgs
 
 PROGRESS_BAR_MIN = 32

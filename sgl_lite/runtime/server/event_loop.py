@@ -46,12 +46,12 @@ import msgspec
 import zmq
 
 from sgl_lite.runtime import protocol
+from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
+from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
 from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
-from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
-from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:  # the core needs torch, which this module does not import at load time

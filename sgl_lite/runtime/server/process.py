@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from sgl_lite.runtime.protocol import READY_PREFIX
-from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server.event_loop import RuntimeServer
+from sgl_lite.runtime.server.ports import PortUnavailableError
 from sgl_lite.runtime.server_args import ServerArgs, warn_if_exposed
 
 if TYPE_CHECKING:

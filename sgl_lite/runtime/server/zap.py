@@ -24,7 +24,7 @@ import threading
 
 import zmq
 
-from sgl_lite.runtime.protocol import PLAIN_USER, KEYLESS_USER
+from sgl_lite.runtime.protocol import KEYLESS_USER, PLAIN_USER
 
 logger = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.speculative.ngram_layout import LayoutFreeView, grown
 from sgl_lite.runtime.speculative.ngram_pool import SEPARATOR, NgramPool
-from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.speculative.step_cost import StepCost, draft_token_cost
 
 # Back-off when acceptance is poor: after this many consecutive fully rejected drafts, skip drafting for

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from sgl_lite.http.openai_api.tool_parsers.base import (ArgumentsDelta, ContentDelta, Event, ParsedCall, ParsedOutput,
-                                             ToolCallParser, ToolCallStart, collect)
+from sgl_lite.http.openai_api.tool_parsers.base import (
+                                             ArgumentsDelta,
+                                             ContentDelta,
+                                             Event,
+                                             ParsedCall,
+                                             ParsedOutput,
+                                             ToolCallParser,
+                                             ToolCallStart,
+                                             collect,
+)
 from sgl_lite.http.openai_api.tool_parsers.llama3 import Llama3Parser
 from sgl_lite.http.openai_api.tool_parsers.qwen25 import Qwen25Parser
 

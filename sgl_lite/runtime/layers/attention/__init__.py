@@ -39,9 +39,9 @@ def create_backend(
 
 
 def _cpu_kernel_or_torch(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend, kernel_supports
     from sgl_lite.runtime.kernels import ops
     from sgl_lite.runtime.kernels.loader import has_op
+    from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend, kernel_supports
 
     if device.type != "cpu":
         raise ValueError(f"the cpu_kernel attention backend runs on CPU, not {device.type}")

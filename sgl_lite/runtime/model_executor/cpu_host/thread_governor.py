@@ -81,8 +81,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_lite.runtime.model_executor.cpu_host.forward_looks import (LOOK_EVERY_S, STARVED_WAIT, SUSTAINED_S, ForwardWatch,
-                                                          QuietLook, others_runnable)
+from sgl_lite.runtime.model_executor.cpu_host.forward_looks import (
+    LOOK_EVERY_S,
+    STARVED_WAIT,
+    SUSTAINED_S,
+    ForwardWatch,
+    QuietLook,
+    others_runnable,
+)
 from sgl_lite.runtime.model_executor.cpu_host.run_queue import RunQueueWait, forward_thread_ids
 
 logger = logging.getLogger(__name__)
