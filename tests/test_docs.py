@@ -169,3 +169,28 @@ def test_architecture_tree_matches_the_package() -> None:
     documented = documented_tree()
     assert sorted(actual - documented) == [], "modules missing from docs/architecture.md"
     assert sorted(documented - actual) == [], "docs/architecture.md lists modules that do not exist"
+
+
+# ---------------------------------------------------------------------------------- docs sections code cites
+
+CITATION = re.compile(r"docs/([\w-]+\.md),\s*\"([^\"]+)\"")
+
+
+def cited_sections() -> list[tuple[str, str, str]]:
+    """(source file, docs file, quoted section) for every `docs/X.md, "section"` a comment of the code names;
+    comment markers at line breaks are dropped so a citation may wrap."""
+    found = []
+    for path in sorted([*(ROOT / "sgl_lite").rglob("*.py"), *(ROOT / "sgl_lite").rglob("*.cpp"), *(ROOT / "sgl_lite").rglob("*.h"),
+                        *(ROOT / "scripts").rglob("*.py")]):
+        text = re.sub(r"\n\s*(?://|#)?\s*", " ", path.read_text())
+        found += [(path.relative_to(ROOT).as_posix(), doc, section) for doc, section in CITATION.findall(text)]
+    return found
+
+
+def test_every_docs_section_the_code_cites_exists() -> None:
+    cited = cited_sections()
+    assert cited, "the pattern finds no citation at all"
+    missing = [f"{source}: docs/{doc} has no {section!r}" for source, doc, section in cited
+               if not (ROOT / "docs" / doc).is_file()
+               or section.rstrip(".") not in re.sub(r"\s+", " ", (ROOT / "docs" / doc).read_text())]
+    assert missing == []

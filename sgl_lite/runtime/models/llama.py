@@ -111,7 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         four matmuls' weights and biases), (its K and V caches), (head counts) - or None when the layer runs
         op by op (fused_decode_weights). Kept from the last call while the rows, the packed forms and the pool
         are the same objects: gathering them anew for each layer of each step costs a decode step measurably
-        (docs/performance.md, "Glue around the kernels: a prefill's RoPE in one op, decode layers' operands
+        (docs/journal.md, "Glue around the kernels: a prefill's RoPE in one op, decode layers' operands
         kept")."""
         k_cache = kv_pool.k[self.layer_id]
         cached = self._decode_operands

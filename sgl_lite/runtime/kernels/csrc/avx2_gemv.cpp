@@ -36,7 +36,7 @@ namespace {
 using sgl_lite_avx2::kCols;
 constexpr int64_t kMaxTileRows = 6;  // rows of x held in registers at once
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
-constexpr int64_t kPrefetchBytes = 1024;  // into L1: prefetcht1 (as bf16_gemv.cpp) made 8+ rows slower (docs/performance.md, "Decode kernels prefetch into L2")
+constexpr int64_t kPrefetchBytes = 1024;  // into L1: prefetcht1 (as bf16_gemv.cpp) made 8+ rows slower (docs/journal.md, "Decode kernels prefetch into L2")
 
 bool has_avx2_fma() { return SGL_LITE_HAS_AVX2_FMA; }
 

@@ -60,7 +60,7 @@ constexpr int64_t kCols = 16;  // output columns per packed vector
 constexpr int64_t kGroup = 3;  // column blocks per group, interleaved pair by pair (the packing)
 // Rows of x a register tile holds: a group's 3 blocks x 8 rows of accumulators and the operands fit 32
 // registers. (Three blocks a tile, not two: each broadcast pair of x serves three products, which made
-// 8-row matmuls faster; docs/performance.md, "Matmul tiles of three column blocks".)
+// 8-row matmuls faster; docs/journal.md, "Matmul tiles of three column blocks".)
 constexpr int64_t kMaxTileRows = 8;
 constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from the shared counter
 // Weights are prefetched this many bytes per block of the group ahead of the loads (2 KB of each block's
@@ -68,7 +68,7 @@ constexpr int64_t kTilesPerRun = 8;  // most tiles a thread takes at once from t
 // prefetcher to reach full speed on its own (2 KB a block beat 1 and 4 KB, and as one stream 6 KB a group
 // beat 4, 5, 7, 8, 12 and 16). Into L2 (_MM_HINT_T1), leaving the last step to the hardware's L1
 // prefetcher: a software prefetch into L1 holds an L1 miss buffer for a whole memory latency, which slowed
-// the matmuls at every row count (docs/performance.md, "Decode kernels prefetch into L2").
+// the matmuls at every row count (docs/journal.md, "Decode kernels prefetch into L2").
 constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Arithmetic : int { kAuto = 0, kDpbf16 = 1, kFma = 2 };

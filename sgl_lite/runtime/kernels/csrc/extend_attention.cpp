@@ -17,7 +17,7 @@
 //
 // In bf16, on CPUs whose VDPBF16PS outruns their float32 FMAs (as bf16_gemv.cpp's probe finds), both
 // products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
-// interleaved by pairs of keys; half the instructions, no widening of K and V (docs/performance.md,
+// interleaved by pairs of keys; half the instructions, no widening of K and V (docs/journal.md,
 // "Extend attention in VDPBF16PS pairs").
 //
 // An 8-bit float pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) is read as it is stored and widened in

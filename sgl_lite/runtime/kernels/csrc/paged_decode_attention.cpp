@@ -71,7 +71,7 @@ constexpr int64_t kBlock = 32;  // tokens scored between two online-softmax upda
 // contexts of different lengths) gives the same bits.
 constexpr int64_t kChunk = 256;
 // Tokens: slots are scattered, so the hardware prefetcher cannot follow. Into L2 (see prefetch_row), 48,
-// 96 and 160 ran alike; 96 was a little ahead (docs/performance.md, "Decode kernels prefetch into L2").
+// 96 and 160 ran alike; 96 was a little ahead (docs/journal.md, "Decode kernels prefetch into L2").
 constexpr int64_t kPrefetchAhead = 96;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -254,7 +254,7 @@ inline vfloat exp_nonpositive(vfloat x) {
 
 // Into L2 (prefetcht1), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its
 // line arrives, and a whole look-ahead of rows (96 x 6 lines) queued behind them stalled the loads the
-// arithmetic waits on. The kernel reads K/V markedly faster this way than into L1 (docs/performance.md,
+// arithmetic waits on. The kernel reads K/V markedly faster this way than into L1 (docs/journal.md,
 // "Decode kernels prefetch into L2").
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);

@@ -3,7 +3,7 @@
 //
 // Why: in torch that expression is seven ops over the whole [n, H, D] (four products, a difference, a sum, a
 // cat), each a pass through memory and a parallel region: a visible share of an agent turn's prefill step
-// (docs/performance.md, "Glue around the kernels: a prefill's RoPE in one op"; scripts/profile_step.py
+// (docs/journal.md, "Glue around the kernels: a prefill's RoPE in one op"; scripts/profile_step.py
 // extend). Here each row's heads are rotated in one pass, rows
 // spread over the threads. x may be a view into the qkv matmul's output (rows strided, heads contiguous).
 // Other dtypes and layouts take torch's ops (layers/rotary_embedding.py checks before calling).

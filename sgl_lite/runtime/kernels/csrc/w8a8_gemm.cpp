@@ -57,7 +57,7 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kTilesPerRun = 8;
-// per block of a group, into L2, as in bf16_gemv.cpp (docs/performance.md, "Decode kernels prefetch into L2")
+// per block of a group, into L2, as in bf16_gemv.cpp (docs/journal.md, "Decode kernels prefetch into L2")
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kTrailer = 128;  // per block: 16 float32 scales, 16 int32 compensations
 
@@ -86,7 +86,7 @@ struct Activations {
   // A register tile holds kParts x rows x blocks sums, the blocks' weight vectors and a broadcast row (of 32
   // registers). Three blocks, not two: each broadcast of a row's 4 bytes then serves 3 products, which made
   // matmuls of 8 and 32 rows faster (1 row alike); 16-bit activations likewise ran faster as 4 rows x 3
-  // blocks than as 6 x 2 (docs/performance.md, "Matmul tiles of three column blocks").
+  // blocks than as 6 x 2 (docs/journal.md, "Matmul tiles of three column blocks").
   static constexpr int kMaxTileRows = kParts == 1 ? 8 : 4;
 };
 constexpr int kGroup = 3;  // blocks per tile: a group of the packing (W8A8Int8's _GROUP)
