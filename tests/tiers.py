@@ -18,7 +18,8 @@ import pytest
 MARKERS: dict[str, tuple[str, str]] = {
     "server": ("starts a process (a runtime, an HTTP front, a router, a CLI run) or a server thread",
                r"\bsubprocess\b|Popen|\bRuntime\(|HttpServerThread|run_http_server|multiprocessing|RuntimeServer\(|"
-               r"start_server|spawn_|launch_cluster|sys\.executable"),
+               r"start_server|spawn_|Cluster\(|tp_size=[2-9]|sys\.executable|\bRouter\(|RuntimeServer|health_timeout=|"
+               r"HttpFront|uvicorn|Engine\(.*tp_size=|open_system\(|run_benchmark\("),
     "default_model": ("loads the real default model (SmolLM2-135M)", r"default_model_dir|mark\.default_model|DEFAULT_MODEL"),
     "soak": ("runs a soak or a property-based fuzz", r"\bsoak\b|run_soak|hypothesis|@given"),
     "kernel_build": ("compiles C++ (a kernel build in a fresh cache, or every source for other targets)",
