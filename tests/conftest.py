@@ -19,6 +19,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def pytest_configure(config: pytest.Config) -> None:
     for marker, (meaning, _) in MARKERS.items():
         config.addinivalue_line("markers", f"{marker}: {meaning} (tiers.py; `scripts/test.sh --fast` leaves it out)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU, skipped without one (run by scripts/gpu/device_check.sh)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
