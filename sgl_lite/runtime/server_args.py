@@ -51,7 +51,7 @@ class ServerArgs:
     disable_tool_call_constraint: bool = field(default=False, metadata={"help": "sgl_lite: do not constrain tool calls with xgrammar (by default tool_choice required/named allows only schema-valid calls, and auto lets a started call be only schema-valid)."})
 
     # KV memory.
-    mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of free device memory (CPU: available RAM) given to the KV pool; default 0.1 on CPU (capped at 1 GiB unless given), 0.85 on CUDA."})
+    mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of the device memory left after the weights and a prefill chunk's activations (CPU: MemAvailable) given to the KV pool; default 0.5 on CPU, 0.85 on CUDA (model_executor/kv_budget.py)."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool storage: auto (the model's dtype) or an 8-bit float, fp8_e4m3 / fp8_e5m2 (scale 1.0): half the bytes per token, twice the slots.", "choices": KV_CACHE_DTYPES, "hints": {d: "the KV cache is kept in the model's dtype (auto) or in 8 bits (fp8_e4m3, fp8_e5m2)" for d in ("bf16", "bfloat16")}})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
@@ -61,6 +61,8 @@ class ServerArgs:
     max_queued_requests: int | None = field(default=None, metadata={"help": "Max waiting requests; new ones are rejected when full (None: unbounded)."})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new tokens in one prefill batch."})
     prefill_max_requests: int | None = field(default=None, metadata={"help": "Max requests in one prefill batch (None: unbounded)."})
+    max_prefill_tokens_per_request: int | None = field(default=None, metadata={"help": "sgl_lite: a request whose prompt holds more tokens than this is refused (bad_request) before it is queued (None: the context length is its only bound)."})
+    disable_fair_prefill: bool = field(default=False, metadata={"help": "sgl_lite: turn off prefill interleaving, as in SGLang: a prompt being chunked then takes every prefill round until it is done, and running requests decode only when no prefill is left (by default, while a prompt is chunked, every other prefill round admits the waiting requests whose whole prompt fits it first, and a decode step follows every chunk)."})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "Prompts longer than this are prefilled in chunks (None: 2048 on CPU, 8192 on CUDA; -1 disables)."})
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same forward as a prefill batch, so a prefill does not pause decoding (their tokens come out of the chunk and prefill budgets; a failed forward then aborts them too)."})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
@@ -154,7 +156,7 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                    "max_prefill_tokens", "prefill_max_requests", "lpm_fallback_threshold", "max_message_bytes",
+                    "max_prefill_tokens", "prefill_max_requests", "max_prefill_tokens_per_request", "lpm_fallback_threshold", "max_message_bytes",
                     "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
                     "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
         for name in positive:

@@ -22,6 +22,7 @@ from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_ca
 from sgl_lite.runtime.model_executor.cpu_host.huge_pages import advise_huge_pages, tensors_of
 from sgl_lite.runtime.model_executor.cpu_host.thread_governor import ThreadGovernor
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
+from sgl_lite.runtime.model_executor.kv_budget import available_memory_bytes, kv_budget
 from sgl_lite.runtime.model_executor.tp import TensorParallel
 from sgl_lite.runtime.models import build_model
 from sgl_lite.runtime.server_args import ServerArgs
@@ -29,12 +30,6 @@ from sgl_lite.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_MEM_FRACTION = 0.1
-_CUDA_MEM_FRACTION = 0.85
-_MAX_SLOTS_PER_CONTEXT = 64  # never size the pool beyond 64 full-context requests
-# Without --mem-fraction-static a CPU pool stays at 1 GiB (~46k tokens of SmolLM2-135M in bf16): CPU
-# throughput saturates far below that many concurrent tokens, and every test starts servers.
-_CPU_DEFAULT_POOL_BYTES = 1 << 30
 # glibc malloc tuning (see keep_freed_heap_memory): below this size allocations stay on the heap, and
 # freed heap memory is only returned to the OS beyond this much.
 _MALLOC_MMAP_THRESHOLD = 32 << 20
@@ -92,16 +87,6 @@ def keep_freed_heap_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     return bool(mallopt(m_mmap_threshold, _MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, _MALLOC_TRIM_THRESHOLD))
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --max-total-tokens")
 
 
 def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
@@ -189,19 +174,21 @@ class ModelRunner(ModelRunnerBase):
     def _pool_size(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
-        per_slot = KVPool.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype)
-        fraction = self.args.mem_fraction_static or (_CUDA_MEM_FRACTION if self.device.type == "cuda" else _CPU_MEM_FRACTION)
-        budget = int(available_memory_bytes(self.device) * fraction)
-        if self.device.type == "cpu" and self.args.mem_fraction_static is None:
-            budget = min(budget, _CPU_DEFAULT_POOL_BYTES)
-        if self.device.type == "cpu" and self.tp is not None:
-            budget //= self.tp.size  # the ranks share one machine's memory (on CUDA each has its own GPU)
-        slots = min(budget // per_slot, _MAX_SLOTS_PER_CONTEXT * self.context_length)
-        if slots < self.context_length:
-            logger.warning("KV pool holds %d tokens, less than one full context (%d)", slots, self.context_length)
-        if slots <= 0:
+        config = self.config
+        budget = kv_budget(
+            self.device, available_memory_bytes(self.device),
+            KVPool.bytes_per_slot(config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype),
+            self.context_length, config.hidden_size, config.intermediate_size, self.args.chunked_prefill_size or 8192,
+            self.args.mem_fraction_static,
+            # the ranks share one machine's memory (on CUDA each has its own GPU)
+            ranks_sharing_memory=self.tp.size if self.device.type == "cpu" and self.tp is not None else 1,
+        )
+        logger.info("%s", budget.describe())
+        if budget.slots < self.context_length:
+            logger.warning("KV pool holds %d tokens, less than one full context (%d)", budget.slots, self.context_length)
+        if budget.slots <= 0:
             raise ValueError("no memory left for the KV pool; pass --max-total-tokens or raise --mem-fraction-static")
-        return slots
+        return budget.slots
 
     def _make_sampler(self, eos_token_ids: Iterable[int] | None):
         from sgl_lite.runtime.sampling.sampler import Sampler
