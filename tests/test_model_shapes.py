@@ -1,4 +1,4 @@
-"""The random-weight model shapes of benchmarks and the GPU device check (sgl_lite/bench/model_shapes.py)."""
+"""The random-weight model shapes of benchmarks and the GPU device check (sgl_lite/runtime/model_executor/model_shapes.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from sgl_lite.bench.model_shapes import SHAPES, parameter_count, random_model_dir
+from sgl_lite.runtime.model_executor.model_shapes import SHAPES, parameter_count, random_model_dir
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -36,3 +36,18 @@ def test_a_random_model_serves_with_the_tokenizer_it_was_given(tiny_llama_dir, t
     assert len(result["output_ids"]) == 3
     with pytest.raises(ValueError, match="unknown model shape"):
         random_model_dir("7t", tiny_llama_dir, tmp_path / "nope")
+
+
+def test_random_shapes_are_model_paths(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    """`--model-path random-<shape>` writes the shape once into the cache with the default model's tokenizer."""
+    from sgl_lite.runtime.model_executor import loader
+
+    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "DEFAULT_MODEL", str(tiny_llama_dir))
+    monkeypatch.setitem(SHAPES, "test", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, tie_word_embeddings=True))
+    folder = loader.resolve_model_path("random-test")
+    assert folder == tmp_path / "models" / "random-test" and (folder / "model.safetensors").exists()
+    assert (folder / "tokenizer.json").read_text() == (tiny_llama_dir / "tokenizer.json").read_text()
+    with pytest.raises(loader.LoaderError, match="random-1.7b"):
+        loader.resolve_model_path("random-70t")

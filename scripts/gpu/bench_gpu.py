@@ -1,6 +1,6 @@
 """Decode speed on the GPU against its memory roofline, and against transformers' `generate` on the same weights.
 
-For each model shape (random weights, the default model's tokenizer: sgl_lite/bench/model_shapes.py) and
+For each model shape (random weights, the default model's tokenizer: sgl_lite/runtime/model_executor/model_shapes.py) and
 batch size: sgl_lite's decode tok/s from a ModelRunner driven directly (scripts/runner_bench.py, the
 steps a served decode batch runs), the bytes one step reads (weights + every request's KV), the device
 bandwidth measured in the same run (a device-to-device copy), and so the roofline tok/s = batch /
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from runner_bench import RunnerBench  # noqa: E402
 
-from sgl_lite.bench.model_shapes import SHAPES, parameter_count, random_model_dir  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
+from sgl_lite.runtime.model_executor.model_shapes import SHAPES, parameter_count, random_model_dir  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 CONTEXT = 512  # tokens of each request's prompt before the timed decode steps

@@ -33,7 +33,7 @@ PY
 cat "$OUT/env.txt"
 
 step "random-weight model of the default model's shape"
-model=$(timeout 120 python3 -m sgl_lite.bench.model_shapes --shape 135m --tokenizer-dir .gpu/tokenizer --out .gpu_cache/models/random-135m 2>"$OUT/model.log" | tail -1)
+model=$(timeout 120 python3 -m sgl_lite.runtime.model_executor.model_shapes --shape 135m --tokenizer-dir .gpu/tokenizer --out .gpu_cache/models/random-135m 2>"$OUT/model.log" | tail -1)
 echo "model: $model"
 
 step "CUDA tests"

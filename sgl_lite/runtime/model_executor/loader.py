@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_MODEL = "smollm2-135m"
+RANDOM_PREFIX = "random-"  # random-1.7b and the other shapes of model_shapes.py
 _INDEX_FILE = "model.safetensors.index.json"
 # Written last into every converted folder; records where the weights came from.
 _SOURCE_FILE = "sgl_lite_source.json"
@@ -70,6 +71,8 @@ def cache_root() -> Path:
 def resolve_model_path(path: str | os.PathLike[str]) -> Path:
     """Return an HF-style folder for `path` (an HF folder, a .gguf file, or an alias), converting once if needed."""
     text = str(path)
+    if text.lower().startswith(RANDOM_PREFIX):
+        return _resolve_random(text.lower().removeprefix(RANDOM_PREFIX))
     alias = MODEL_ALIASES.get(text.lower())
     if alias is not None:
         return _resolve_alias(text.lower(), alias)
@@ -88,6 +91,19 @@ def resolve_model_path(path: str | os.PathLike[str]) -> Path:
     check_model_folder(target)
     logger.info("model %s: HF folder used as is", target)
     return target
+
+
+def _resolve_random(shape: str) -> Path:
+    """`random-<shape>` (model_shapes.SHAPES): a Llama of that size with random bf16 weights and the default
+    model's tokenizer, written once into the cache; outputs are noise, timings are real."""
+    from sgl_lite.runtime.model_executor.model_shapes import SHAPES, random_model_dir
+
+    if shape not in SHAPES:
+        raise LoaderError(f"model path {RANDOM_PREFIX}{shape}: no such shape; expected one of {', '.join(RANDOM_PREFIX + s for s in SHAPES)}")
+    out = cache_root() / "models" / f"{RANDOM_PREFIX}{shape}"
+    if not out.exists():
+        logger.info("model %s%s: writing random weights with %s's tokenizer once into %s", RANDOM_PREFIX, shape, DEFAULT_MODEL, out)
+    return random_model_dir(shape, resolve_model_path(DEFAULT_MODEL), out)
 
 
 def check_model_folder(folder: Path) -> None:

@@ -5,7 +5,7 @@ need a model of the right shape, not of the right knowledge: outputs are noise, 
 shape copies the tokenizer (and chat template) of a given model folder, so prompts tokenize as they would
 for the real model; the weights are transformers' own initialization, seeded, in the dtype asked for.
 
-    python -m sgl_lite.bench.model_shapes --shape 1.7b --tokenizer-dir ~/.cache/sgl_lite/models/smollm2-135m-0.1.2
+    python -m sgl_lite.runtime.model_executor.model_shapes --shape 1.7b --tokenizer-dir ~/.cache/sgl_lite/models/smollm2-135m-0.1.2
 """
 
 from __future__ import annotations
