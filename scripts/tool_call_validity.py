@@ -67,7 +67,7 @@ def main() -> None:
 
     runtime = Runtime(model_path=args.model_path, chat_template="smollm2-tools", tool_call_parser="qwen25",
                       disable_tool_call_constraint=args.unconstrained, random_seed=0, startup_timeout=600)
-    http = HttpServerThread(create_app(RuntimeClient(runtime.address)))
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), served_model_name="default"))
     client = openai.OpenAI(base_url=http.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     good = total = 0
     start = time.perf_counter()

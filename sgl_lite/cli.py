@@ -18,12 +18,12 @@ from typing import Any, Callable
 import click
 
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only; the processes start when the command runs
-from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, field_base_type, flag_of
+from sgl_lite.runtime.server_args import ADMIN_API_KEY_ENV, API_KEY_ENV, ServerArgs, field_base_type, flag_of
 
 _FLAG_IN_MESSAGE = re.compile(r"(--[a-z0-9-]+)")
 _PARENT_DEATH_GRACE_S = 5.0
 # Flags read from the environment when not given: a secret on a command line is visible in `ps`.
-_ENV_VARS = {"api_key": API_KEY_ENV}
+_ENV_VARS = {"api_key": API_KEY_ENV, "admin_api_key": ADMIN_API_KEY_ENV}
 
 
 def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any], Any]:
@@ -32,7 +32,7 @@ def _server_arg_option(f: dataclasses.Field, annotation: Any) -> Callable[[Any],
     help_text = f.metadata.get("help", "")
     base = field_base_type(annotation)
     if base is bool:
-        decls = [f"{flag}/{flag_of(f.name, negated=True)}"] if f.default else [flag]
+        decls = [f"{flag}/{flag_of(f.name, negated=True)}"] if f.default else [flag, *aliases]
         return click.option(*decls, f.name, is_flag=True, default=f.default, show_default=True, help=help_text)
     choices = f.metadata.get("choices")
     click_type: Any = _HintedChoice(choices, f.metadata.get("hints", {})) if choices else base
@@ -152,8 +152,9 @@ def _serve_one(args: ServerArgs, served_model_name: str | None, parent_pid: int 
         raise click.ClickException(str(e)) from None
     zmq_address = args.host if args.host.startswith("ipc://") else f"tcp://{url_host(connect_host(args.host))}:{args.zmq_port}"
     limits = HttpLimits(args.max_request_body_bytes, args.max_chat_messages, args.max_request_fanout)
-    front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key,
-                      served_model_name=served_model_name, log_level=args.log_level, limits=limits)
+    front = HttpFront(zmq_address, claimed.http_socket, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                      served_model_name=served_model_name, log_level=args.log_level, limits=limits,
+                      log_requests=args.log_requests)
     claimed.http_socket.close()  # the front holds it now; a dead front must refuse connections, not queue them
 
     def after_bind(request_shutdown: Callable[[], None]) -> list[str]:

@@ -179,7 +179,7 @@ class Cluster:
         """A child's environment; the API key travels here, never on a command line (`ps` shows those)."""
         from sgl_lite.lang.launcher import api_key_env
 
-        return api_key_env(_child_env(threads), self.args.api_key)
+        return api_key_env(_child_env(threads), self.args.api_key, self.args.admin_api_key)
 
     def _wait_replica_ready(self, replica: _Child, deadline: float) -> str:
         """The replica's HTTP URL, once it has announced it."""

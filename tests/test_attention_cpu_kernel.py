@@ -295,39 +295,6 @@ def test_auto_picks_the_kernel_on_cpu_and_falls_back(op, monkeypatch, caplog):
     assert "does not support" in caplog.text
 
 
-def test_build_failure_falls_back_with_a_line_that_says_so(tmp_path, monkeypatch, caplog):
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(loader, "SOURCES", (broken,))
-    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING):
-        assert loader.load_cpu_ops.__wrapped__() is False
-    warnings = [r.getMessage() for r in caplog.records if r.name == loader.logger.name and r.levelno >= logging.WARNING]
-    assert any("broken did not compile" in w for w in warnings)
-    assert "using the torch path" in warnings[-1]
-    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
-
-
-def test_a_source_that_does_not_compile_disables_only_its_own_ops(tmp_path, monkeypatch, caplog):
-    """One broken source among good ones: the library is built from the rest, whose ops load, and the log
-    names the one left out. A source linking against the broken one is left out with it."""
-    good = tmp_path / "probe_good.cpp"
-    good.write_text('#include <torch/library.h>\n#include <ATen/ATen.h>\n'
-                    'at::Tensor probe_twice(const at::Tensor& x) { return x * 2; }\n'
-                    'TORCH_LIBRARY_FRAGMENT(sgl_lite, m) { m.def("probe_twice(Tensor x) -> Tensor", &probe_twice); }\n')
-    broken = tmp_path / "probe_broken.cpp"
-    broken.write_text("this is not C++\n")
-    dependent = tmp_path / "probe_dependent.cpp"
-    dependent.write_text("int probe_dependent() { return 1; }\n")
-    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(loader.SOURCE_NEEDS, "probe_dependent", {"probe_broken"})
-    with caplog.at_level(logging.WARNING):
-        built = loader._load_or_build((broken, dependent, good), ["-O1"])
-    assert built == (good,)
-    assert any("probe_broken did not compile" in r.getMessage() for r in caplog.records)
-    assert torch.equal(torch.ops.sgl_lite.probe_twice(torch.arange(3)), torch.arange(3) * 2)
-
-
 def test_kv_cache_dtype_flag():
     assert kv_cache_dtype("auto", torch.bfloat16) is torch.bfloat16
     assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2

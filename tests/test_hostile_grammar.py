@@ -10,6 +10,7 @@ with the caps raised.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 from sgl_lite.runtime.managers.validation import QueueFullError
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.grammar_backend import grammar_key
 from sgl_lite.runtime.server import core as core_module
 from sgl_lite.runtime.server.engine import Engine
@@ -58,6 +60,34 @@ def raise_caps(engine: Engine, monkeypatch, **more: object) -> None:
 
 def compile_threads() -> int:
     return sum(t.name == "grammar-compile" for t in threading.enumerate())
+
+
+def compiling_pids(engine: Engine) -> list[int]:
+    """The worker processes running a compile now."""
+    pool = engine.core.scheduler.validator._grammar_backend._pool
+    with pool._cond:
+        return [pid for _, runner in pool._running.values() if (pid := runner.pid) is not None]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time a process has used (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_gone(pid: int, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while cpu_seconds(pid) is not None:
+        assert time.monotonic() < deadline, f"worker {pid} still runs"
+        time.sleep(0.05)
+
+
+# The issue's runaway regex: 24 KB, under every size limit, and its compile runs for minutes.
+RUNAWAY_REGEX = "(a|aa|aaa|aaaa)*" * 1500 + "b<i>"
 
 
 # ---------------------------------------------------------------------------- caps at admission
@@ -171,10 +201,13 @@ def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_
     server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
     try:
         with RuntimeClient(server.address, timeout=120) as client:
+            # The compile workers' fork server starts with the first constrained request (seconds: it imports xgrammar).
+            client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
             slow = client.generate_stream("hi", rid="slow", sampling_params={
                 "max_new_tokens": 4, "json_schema": json.dumps(nested_schema(SLOW_LEVELS))})
             time.sleep(0.5)  # its compile has started
             assert engine.core.scheduler.stats()["num_grammar_pending"] == 1
+            [slow_worker] = compiling_pids(engine)
             # While it compiles the loop waits instead of spinning (old: thousands of steps a second).
             steps_before = steps
             time.sleep(1.0)
@@ -185,14 +218,15 @@ def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_
             assert time.monotonic() - start < 5.0, "a trivial request waited behind the slow compile"
             assert len(plain.output_ids) == 4 and regex.text in ("yes", "no")
             threads_before = compile_threads()
-            client.abort("slow")  # nobody waits for its compile any more
+            client.abort("slow")  # nobody waits for its compile any more: its worker process is killed
             ended = list(slow)  # with no output: it never ran
             assert [c.output_ids for c in ended] == [[]] and ended[0].meta_info["finish_reason"]["type"] == "abort"
             deadline = time.monotonic() + 10
             while engine.core.scheduler.stats()["num_grammar_pending"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert compile_threads() == threads_before + 1  # a replacement worker; the old one ends with its compile
+            wait_until_gone(slow_worker)
+            assert compile_threads() == threads_before  # the pool keeps its width: its threads start new workers
             regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
             assert regex.text in ("yes", "no")
     finally:
@@ -231,6 +265,56 @@ def test_a_compile_past_its_time_budget_is_refused(engine, tmp_path, monkeypatch
         server.stop()
 
 
+def test_a_refused_runaway_compile_stops_using_cpu_and_the_runtime_keeps_serving(engine, tmp_path, monkeypatch):
+    raise_caps(engine, monkeypatch, grammar_compile_timeout=3.0)
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=120) as client:
+            client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})  # workers ready
+            refused: list[BaseException] = []
+            waiter = threading.Thread(target=lambda: _expect_error(client, RUNAWAY_REGEX, refused))
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while not compiling_pids(engine):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            [worker] = compiling_pids(engine)
+            spent = cpu_seconds(worker)
+            waiter.join(60)
+            assert refused and "--grammar-compile-timeout 3 s" in str(refused[0])
+            assert refused[0].code == "bad_request"
+            wait_until_gone(worker)  # killed at the refusal: its CPU time stops there
+            assert spent is not None and not compiling_pids(engine)
+            regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
+            assert regex.text in ("yes", "no")
+        still_serving(server.address)
+    finally:
+        server.stop()
+
+
+def _expect_error(client: RuntimeClient, regex: str, errors: list[BaseException]) -> None:
+    try:
+        client.generate("hi", sampling_params={"max_new_tokens": 4, "regex": regex})
+    except RuntimeRequestError as e:
+        errors.append(e)
+
+
+def test_a_compile_past_its_cpu_time_limit_ends_its_worker(tiny_tokenizer):
+    """The worker's own backstop (RLIMIT_CPU), for when nobody kills it: the compile fails naming the
+    limit, and the next compile gets a new worker."""
+    from sgl_lite.runtime.sampling.grammar import GrammarBackend
+
+    backend = GrammarBackend(tiny_tokenizer, len(tiny_tokenizer), eos_token_ids=[tiny_tokenizer.eos_token_id],
+                             max_workers=1, cpu_seconds=1.0)
+    try:
+        with pytest.raises(ValueError, match="more than 1 s of CPU time"):
+            backend.request_matcher(SamplingParams(regex=RUNAWAY_REGEX)).result(120)
+        backend.request_matcher(SamplingParams(regex="(yes|no)")).result(60)
+        assert backend._pool._runners[0].starts == 2
+    finally:
+        backend.shutdown()
+
+
 def test_sigterm_exits_promptly_while_a_grammar_compiles(tiny_model):
     args = {**SERVER_ARGS, **RAISED_CAPS}
     with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=60, **args) as rt:
@@ -247,3 +331,23 @@ def test_sigterm_exits_promptly_while_a_grammar_compiles(tiny_model):
         assert time.monotonic() - start < 5.0, "SIGTERM waited for the compile"
         with pytest.raises(Exception):
             list(stream)
+
+
+def test_a_compile_worker_that_cannot_start_fails_its_request_not_the_scheduler(engine, monkeypatch):
+    from sgl_lite.runtime.sampling.compile_process import CompileProcess
+
+    def broken(self, kind, text, cpu_seconds):
+        raise RuntimeError("the grammar compile fork server failed: no processes left")
+
+    monkeypatch.setattr(CompileProcess, "compile", broken)
+    core = engine.core
+    req = core.make_req("fork-fails", "hi", None, {"max_new_tokens": 4, "regex": "(maybe|perhaps)+"})
+    core.submit(req)
+    deadline = time.monotonic() + 30
+    while not req.finished:
+        assert time.monotonic() < deadline
+        core.step()
+        time.sleep(0.01)
+    assert req.finished_reason.error_code == "internal" and "fork server failed" in req.finished_reason.message
+    monkeypatch.undo()
+    assert engine.generate("hi", {"max_new_tokens": 4, "regex": "(yes|no)"})["text"] in ("yes", "no")

@@ -139,7 +139,8 @@ def test_a_large_body_is_parsed_and_served(front):
 
 
 def test_tool_call_arguments_nested_past_the_parser_are_no_internal_error(front):
-    deep = "[" * 5000 + "]" * 5000  # JSON, nested past Python's recursion limit: sent on as the string it is
+    # JSON nested past Python's recursion limit (sent on as the string it is), within the context's characters
+    deep = "[" * 1500 + "]" * 1500
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}]},

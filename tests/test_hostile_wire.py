@@ -153,6 +153,25 @@ def test_nested_payloads_decode_to_a_decode_error():
                 protocol.decode_reply(nested_message(field, depth=5000, kind=kind))
 
 
+def test_strings_that_are_not_utf8_are_the_senders_fault(serve):
+    """A rid or a text whose bytes are not UTF-8 gets a bad_request naming the problem (it was an internal
+    error), and the rid is echoed only when it decodes."""
+    server = serve()
+    peer = Peer(server.address)
+    try:
+        good = msgspec.msgpack.encode({"type": "GenerateReq", "rid": "AAAA", "text": "hi there",
+                                       "sampling_params": GREEDY})
+        for payload, rid in ((good.replace(b"AAAA", b"\xff\xfe\xfd\xfc"), ""),
+                             (good.replace(b"hi there", b"hi \xc3\x28\xa0\xa1x"), "AAAA")):  # same length
+            reply, _ = peer.ask(payload)
+            assert isinstance(reply, protocol.ErrorReply), reply
+            assert reply.code == "bad_request" and "not valid UTF-8" in reply.message, reply
+            assert reply.rid == rid
+    finally:
+        peer.close()
+    still_serving(server.address)
+
+
 # ---------------------------------------------------------------------------- item 3: rid and send queue
 
 

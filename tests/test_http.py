@@ -58,7 +58,7 @@ class Live:
 def live(tiny_llama_dir: Path) -> Iterator[Live]:
     # float32: seeded sampling then gives the same tokens however requests happen to be batched.
     runtime = Runtime(model_path=str(tiny_llama_dir), startup_timeout=180, random_seed=0, dtype="float32")
-    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY))
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY, served_model_name="tiny"))
     try:
         yield Live(runtime, http, AutoTokenizer.from_pretrained(tiny_llama_dir))
     finally:
@@ -274,7 +274,7 @@ def test_wrong_or_missing_key_gets_401_but_health_stays_open(live: Live) -> None
     assert live.post("/v1/completions", {"prompt": "x"}, key=None).status_code == 401
     assert live.get("/metrics", key=None).status_code == 401
     assert live.get("/health", key=None).status_code == 200
-    assert [m.id for m in live.openai.models.list().data] == [live.client.server_info()["served_model_name"]]
+    assert [m.id for m in live.openai.models.list().data] == ["tiny"]  # the app's served_model_name
 
 
 def test_native_generate_plain_streamed_and_batched(live: Live) -> None:

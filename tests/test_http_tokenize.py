@@ -24,6 +24,7 @@ from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 pytestmark = pytest.mark.timeout(180)
 
 API_KEY = "tok-key"
+ADMIN_KEY = "tok-admin-key"  # abort_all needs it (--admin-api-key)
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 
 
@@ -39,8 +40,8 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tiny_llama_dir: Path) -> Iterator[Live]:
     runtime = Runtime(model_path=str(tiny_llama_dir), startup_timeout=180, dtype="float32")
-    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY,
-                                       limits=HttpLimits(max_chat_messages=4)))
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY, admin_api_key=ADMIN_KEY,
+                                       served_model_name="tiny", limits=HttpLimits(max_chat_messages=4)))
     try:
         yield Live(runtime, http, AutoTokenizer.from_pretrained(tiny_llama_dir))
     finally:
@@ -147,12 +148,14 @@ def _generate_in_background(live: Live, rid: str, results: dict[str, Any], strea
 
 
 def _abort_until(live: Live, body: dict[str, Any], expect: int) -> None:
-    """Post `body` until it has aborted `expect` requests in all (they start at their threads' pace)."""
+    """Post `body` until it has aborted `expect` requests in all (they start at their threads' pace); abort_all
+    with the admin key (a caller's own key aborts only its own requests: test_hostile_round3.py)."""
     deadline = time.monotonic() + 30
     total = 0
+    key = ADMIN_KEY if body.get("abort_all") else API_KEY
     while total < expect:
         assert time.monotonic() < deadline, f"aborted {total} of {expect}"
-        total += live.post("/abort_request", body).json()["aborted"]
+        total += live.post("/abort_request", body, key=key).json()["aborted"]
         time.sleep(0.02)
     assert total == expect
 
@@ -240,7 +243,7 @@ def test_an_aborted_batch_entry_leaves_the_others_running(live):
 
 def test_an_aborted_chat_completion_says_abort(live):
     results: dict[str, Any] = {}
-    body = {"model": "m", "messages": CHAT[:1] + [{"role": "user", "content": "Count forever."}],
+    body = {"model": "tiny", "messages": CHAT[:1] + [{"role": "user", "content": "Count forever."}],
             "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
     thread = _in_background(live, "/v1/chat/completions", body, results, "chat")
     _wait_for_output(live)

@@ -96,3 +96,20 @@ def test_bind_and_positional_batch(backend):
     assert [st.text() for st in states] == ["1B", "23"]
     with pytest.raises(TypeError):
         prog.run_batch([()], backend=backend)
+
+
+def test_tracing_the_batch_prefix_reports_no_failure(backend, caplog):
+    """An ordinary program whose argument is appended (`s += context + q`) traces its prefix without a
+    warning: the trace ends at the argument, and no program failed."""
+    long_context = "This is a long shared context that every program in the batch starts with. " * 2
+
+    @sgl.function
+    def prog(s, q):
+        s += long_context + q
+        s += sgl.gen("x", max_tokens=2)
+
+    with caplog.at_level("DEBUG", logger="sgl_lite"):
+        states = prog.run_batch([("a",), ("b",)], backend=backend)
+    assert all(state.error() is None for state in states)
+    assert backend.requests[0] == ("prefill", long_context)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir: Path) -> Iterator[tuple[Any, str]]:
     runtime = sgl.Runtime(model_path=str(tiny_llama_dir), dtype="float32", log_level="warning")
-    http = HttpServerThread(create_app(RuntimeClient(runtime.address)))
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), served_model_name="tiny"))
     try:
         yield runtime, http.url + "/v1"
     finally:

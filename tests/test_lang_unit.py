@@ -212,9 +212,7 @@ def test_choices_methods_math():
 
 
 def test_request_options_forward_logprobs_and_priority():
-    from sgl_lite.lang.backend.runtime_endpoint import RuntimeEndpoint
-
     params = sgl.gen("x", return_logprob=True, top_logprobs_num=2).sampling_params.resolve(
         SglSamplingParams(max_new_tokens=4, priority=7))
-    assert RuntimeEndpoint._options(params) == {"return_logprob": True, "top_logprobs_num": 2, "priority": 7}
-    assert RuntimeEndpoint._options(SglSamplingParams(logprob_start_len=3)) == {}
+    assert params.request_options() == {"return_logprob": True, "top_logprobs_num": 2, "priority": 7}
+    assert SglSamplingParams(logprob_start_len=3).request_options() == {}

@@ -84,4 +84,4 @@ def test_runtime_start_progress_and_http_access_lines(tiny_llama_dir: Path, capf
         front.wait(10)
         runtime.shutdown()
     access = front.stdout.read()  # type: ignore[union-attr]
-    assert '"GET /health HTTP/1.1" 200' in access and '"POST /generate HTTP/1.1" 200' in access, access
+    assert "sgl_lite.http.access: GET /health 200 " in access and "sgl_lite.http.access: POST /generate 200 " in access, access

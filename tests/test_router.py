@@ -139,13 +139,14 @@ def test_requests_through_the_router(cluster: Cluster) -> None:
     direct = generate(cluster.worker_urls[1], prompt)
     routed = generate(cluster.url, prompt)
     assert routed["output_ids"] == direct["output_ids"] and routed["text"] == direct["text"]
+    model = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]  # the served name
     chat = requests.post(cluster.url + "/v1/chat/completions", timeout=30, json={
-        "model": "anything", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 5, "temperature": 0})
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] >= 1
     completion = requests.post(cluster.url + "/v1/completions", timeout=30,
-                            json={"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+                            json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["text"] == direct["text"]
     # SGLang's extra /generate fields pass through the router: token texts in logprobs are honoured,

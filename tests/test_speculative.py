@@ -168,6 +168,25 @@ def test_sampled_verification_applies_top_k() -> None:
     assert seen <= {0, 1}  # the draft (rank 5) has probability 0 under top-k 2: always rejected
 
 
+def test_sampled_verification_draws_plain_samplings_tokens_from_the_same_generator() -> None:
+    # Seeded: verifying a draft emits the tokens plain sampling would, row by row, with the same seed,
+    # and leaves the generator where plain sampling would (the token after the draft matches too).
+    vocab, positions = 50, 5
+    logits = torch.randn(positions + 1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
+    sampler = Sampler(vocab, [])
+    plain = req_with([0], **params)
+    plain_ids = [int(sampler.sample(logits[j : j + 1], [plain], with_logprobs=False)[0]) for j in range(positions + 1)]
+    full = req_with([0], **params)
+    assert verify_drafts(sampler, logits[:positions], [full], [plain_ids[: positions - 1]]) == [plain_ids[:positions]]
+    assert int(sampler.sample(logits[positions:], [full], with_logprobs=False)[0]) == plain_ids[positions]
+    wrong = (plain_ids[2] + 1) % vocab  # a draft that leaves plain sampling's path at position 2
+    cut = req_with([0], **params)
+    draft = plain_ids[:2] + [wrong, plain_ids[3]]
+    assert verify_drafts(sampler, logits[:positions], [cut], [draft]) == [plain_ids[:3]]
+    assert [int(sampler.sample(logits[j : j + 1], [cut], with_logprobs=False)[0]) for j in (3, 4)] == plain_ids[3:5]
+
+
 # ---------------------------------------------------------------- the runtime end to end
 
 
@@ -288,6 +307,21 @@ def test_sampled_requests_and_logprob_requests_run_and_leak_nothing(engines) -> 
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 30, "seed": 5, "ignore_eos": True}
     outs = spec.generate(COPY_PROMPTS, params)
     assert all(len(o["output_ids"]) == 30 for o in outs)
+
+def test_seeded_sampling_gives_the_same_output_with_speculation_on_and_off(engines) -> None:
+    plain, spec = engines
+    for params in ({"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 40, "seed": 7, "ignore_eos": True},
+                   {"temperature": 1.0, "max_new_tokens": 40, "seed": 8, "ignore_eos": True}):
+        want = [o["output_ids"] for o in plain.generate(COPY_PROMPTS, params)]
+        accepted_before = spec.core.scheduler.stats()["spec_accepted_tokens"]
+        for _ in range(4):  # batched, as the same seeded batch sent again and again
+            got = spec.generate(COPY_PROMPTS, params)
+            assert [o["output_ids"] for o in got] == want, params
+        alone = spec.generate(COPY_PROMPTS[2], params)
+        assert alone["output_ids"] == want[2] and alone["meta_info"]["spec_verify_ct"] > 0
+        # Drafts were verified and accepted, so the equality is not that of plain decoding with itself.
+        assert spec.core.scheduler.stats()["spec_accepted_tokens"] > accepted_before
+
 
 def test_logprobs_of_verified_tokens_match_plain_decoding(engines) -> None:
     plain, spec = engines

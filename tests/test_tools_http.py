@@ -68,7 +68,7 @@ def tool_model_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def live(tool_model_dir: Path) -> Iterator[Live]:
     runtime = Runtime(model_path=str(tool_model_dir), startup_timeout=180, random_seed=0, dtype="float32",
                       chat_template=str(tool_model_dir / "tools.jinja"), tool_call_parser="qwen25")
-    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY))
+    http = HttpServerThread(create_app(RuntimeClient(runtime.address), api_key=API_KEY, served_model_name="tiny"))
     try:
         yield Live(runtime, http, AutoTokenizer.from_pretrained(tool_model_dir))
     finally:
@@ -238,7 +238,6 @@ for _ in range(40):
     ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [ADD], "response_format": {"type": "json_object"}}, "tools"),
 ])
 def test_malformed_tools_get_400_naming_the_field(live: Live, change: dict[str, Any], field: str) -> None:
     response = live.post("/v1/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 4, **change})

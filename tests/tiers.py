@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import re
 from pathlib import Path
 
@@ -36,6 +37,17 @@ def _module_functions(path: Path) -> dict[str, str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
+def _fixture_source(item: pytest.Function, name: str) -> str:
+    """The source of fixture `name` as this test resolves it (one imported from another test module too)."""
+    definitions = item._fixtureinfo.name2fixturedefs.get(name)
+    if not definitions:
+        return ""
+    try:
+        return inspect.getsource(definitions[-1].func)
+    except (OSError, TypeError):  # a builtin fixture of pytest's
+        return ""
+
+
 def _code_of(item: pytest.Function) -> str:
     """The test's source, and that of every module-level function or fixture it reaches by name."""
     module = Path(str(item.fspath))
@@ -45,10 +57,12 @@ def _code_of(item: pytest.Function) -> str:
     parts: list[str] = []
     while todo:
         name = todo.pop()
-        if name in seen or name not in functions:
+        if name in seen:
             continue
         seen.add(name)
-        source = functions[name]
+        source = functions.get(name) or _fixture_source(item, name)
+        if not source:
+            continue
         parts.append(source)
         todo.extend(re.findall(r"[A-Za-z_]\w*", source))
     # the module's pytestmark counts for every test of the module

@@ -2,52 +2,62 @@
 
 It talks to the runtime only through `RuntimeClient`. With an API key, every route but /health
 requires `Authorization: Bearer <key>` (/health stays open so that load balancers and sglang-router
-can probe liveness without the secret; it reveals nothing but up/down).
+can probe liveness without the secret; it reveals nothing but up, busy or down). /abort_request takes
+the admin key (--admin-api-key) too, which it needs for more than the caller's own requests.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_lite.http.errors import HttpError, from_runtime_error
+from sgl_lite.http.errors import HttpError, bad_request, from_runtime_error
 from sgl_lite.http.generation import RequestRunner
+from sgl_lite.http.guards.access_log import AccessLog
 from sgl_lite.http.guards.api_key import api_key_error, bearer_key_matches
 from sgl_lite.http.guards.disconnect import cancel_on_disconnect
 from sgl_lite.http.guards.limits import HttpLimits, RequestGuard, parse_body
+from sgl_lite.http.guards.request_owner import CURRENT_CALLER, rids_to_abort
 from sgl_lite.http.guards.validation import validation_error
 from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
 from sgl_lite.http.model_context import ModelContextCache
-from sgl_lite.http.openai_api.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from sgl_lite.http.openai_api.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest
+from sgl_lite.http.openai_api.response_store import ResponseStore
+from sgl_lite.http.openai_api.responses import add_responses_routes
 from sgl_lite.http.openai_api.serving import OpenAIServing
 from sgl_lite.http.sglang_api.generate import flush_cache_response, generate
+from sgl_lite.http.sglang_api.generate_request import GenerateRequest
 from sgl_lite.http.sglang_api.tokenize import add_tokenize_routes
 from sgl_lite.http.sglang_api.worker_api import add_worker_routes
 from sgl_lite.runtime.client import RuntimeClient
 
 logger = logging.getLogger(__name__)
 
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
+# How long /health waits for the scheduler loop's answer (it answers between steps) before it says "busy".
 HEALTH_TIMEOUT_S = 2.0
-# How long /health stays 200 for a runtime that is connected (answering ZMTP heartbeats) but whose
-# scheduler loop has not answered a readiness probe: one long step may take this long; a loop that
-# stays silent longer is taken as hung, so a router stops sending it work.
-STEP_GRACE_S = 60.0
 
 
 def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None,
-               limits: HttpLimits = HttpLimits()) -> FastAPI:
-    """Build the app over `client`; the caller owns the client (and closes it after the server stops)."""
+               limits: HttpLimits = HttpLimits(), response_store: ResponseStore | None = None,
+               admin_api_key: str | None = None, log_requests: bool = False) -> FastAPI:
+    """Build the app over `client`; the caller owns the client (and closes it after the server stops).
+    `response_store`: where /v1/responses keeps responses (default: a ResponseStore of the default bounds).
+    `admin_api_key`: the key of /abort_request beyond the caller's own requests (guards/request_owner.py).
+    `log_requests`: the access log (guards/access_log.py) also writes each request's body, bounded."""
+    if admin_api_key is not None and (admin_api_key == "" or admin_api_key == api_key):
+        raise ValueError("--admin-api-key must not be empty nor equal to --api-key (every caller would be admin)")
     # /openapi.json is served below, behind the API key like every route but /health.
     app = FastAPI(title="sgl_lite", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestGuard, max_body_bytes=limits.max_request_body_bytes, api_key=api_key)
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_request_body_bytes, api_key=api_key,
+                       admin_api_key=admin_api_key)
+    app.add_middleware(AccessLog, log_bodies=log_requests)  # added last: outermost, it sees refused requests too
     metrics = HttpMetrics()
     runner = RequestRunner(client, metrics)
     contexts = ModelContextCache(client.server_info, served_model_name)
@@ -62,6 +72,13 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
             raise api_key_error()
 
     protected = [Depends(require_api_key)]
+
+    def is_admin(request: Request) -> bool:
+        return admin_api_key is not None and bearer_key_matches(request.headers.get("authorization", ""), admin_api_key)
+
+    async def require_api_key_or_admin(request: Request) -> None:
+        if api_key is not None and not is_admin(request):
+            await require_api_key(request)
 
     @app.exception_handler(HttpError)
     async def _http_error(request: Request, exc: HttpError) -> Response:
@@ -88,25 +105,28 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         _count_failure(request, metrics, error)
         return error.response()
 
-    last_ready: list[float] = []  # when the scheduler loop last answered a readiness probe
-
     @app.get("/health")
     async def health() -> Response:
+        """SGLang's /health, answered by this front whatever the runtime's step length: 200 when the
+        scheduler loop answers (between steps); 200 {"status": "busy"} while it is inside a step that
+        outlasts HEALTH_TIMEOUT_S but its process is alive (its connection answers ZMTP heartbeats; a step
+        that never ends is --watchdog-timeout's to end, and the connection with it); 503 when the runtime
+        is gone, unreachable or not up yet."""
         if await anyio.to_thread.run_sync(lambda: _probe(client.health)):
-            last_ready[:] = [time.monotonic()]
             return Response(status_code=200)
-        # Busy in one long step: alive (heartbeats) and ready not long ago.
-        if client.is_connected() and last_ready and time.monotonic() - last_ready[0] < STEP_GRACE_S:
-            return Response(status_code=200)
+        if client.is_connected():
+            return JSONResponse({"status": "busy", "message": "the runtime is alive, inside a long scheduler step"})
         raise HttpError(503, "the runtime is not answering", code="runtime_unavailable")
 
     @app.get("/v1/models", dependencies=protected)
     async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [(await contexts.get()).model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    async def model(model_id: str) -> dict[str, Any]:
         context = await contexts.get()
-        return {"object": "list", "data": [{
-            "id": context.served_model_name, "object": "model", "created": 0, "owned_by": "sgl_lite",
-            "root": context.model_info.get("model_path"), "max_model_len": context.context_length,
-        }]}
+        context.check_model(model_id, required=True)
+        return context.model_card()
 
     # Bodies are parsed by parse_body (off the event loop when large); generations are cancelled,
     # and so aborted, when their client disconnects before the response starts.
@@ -128,19 +148,23 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     @app.post("/generate", dependencies=protected)
     async def native_generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
+        if body.no_logs and (log_requests or (await contexts.get()).logs_requests):
+            raise bad_request("no_logs: this server writes every request's text to its log (--log-requests)", "no_logs")
         token_texts = (await contexts.get()).token_texts if body.return_text_in_logprobs else None
         response = await cancel_on_disconnect(
             request, generate(runner, body, count("/generate"), token_texts, max_fanout=limits.max_request_fanout))
         _count_unless_streaming(metrics, "/generate", body.stream)
         return response
 
-    @app.post("/abort_request", dependencies=protected)
+    @app.post("/abort_request", dependencies=[Depends(require_api_key_or_admin)])
     async def abort_request(request: Request) -> dict[str, Any]:
         """SGLang's: abort a /generate request by the rid it was given, or every request this front is
         running with abort_all; each caller gets its output so far with finish_reason {"type": "abort"}
-        ("abort" on the OpenAI routes). Answers how many were running."""
+        ("abort" on the OpenAI routes). Answers how many were running. A caller aborts the requests it
+        started; abort_all and others' requests need the admin key (guards/request_owner.py)."""
         body = await parse_body(request, AbortRequest)
-        rids = client.in_flight() if body.abort_all else [body.rid]
+        rids = rids_to_abort(body.rid, body.abort_all, caller=CURRENT_CALLER.get(), admin=is_admin(request),
+                             owners=runner.owners, in_flight=client.in_flight(), admin_api_key=admin_api_key)
         return {"aborted": sum(client.abort_in_flight(rid) for rid in rids)}
 
     @app.get("/openapi.json", dependencies=protected, include_in_schema=False)
@@ -155,7 +179,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         body = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0})
         await generate(runner, body, lambda outcome: None, max_fanout=1)
 
-    add_tokenize_routes(app, contexts, limits, protected)
+    add_tokenize_routes(app, contexts, limits, protected, serving.prompt_work)
+    app.state.responses = add_responses_routes(app, serving, runner, limits, metrics, protected, response_store)
     add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
                       health_generate=health_generate, protected=protected, runtime_address=client.address)
 

@@ -17,13 +17,28 @@ from typing import Any, Callable
 
 from sgl_lite.lang.template_renderer import ChatTemplateError, TemplateRenderer
 
-__all__ = ["ChatPrompt", "ChatTemplate", "ChatTemplateError", "message_text", "template_message"]
+__all__ = ["ChatPrompt", "ChatTemplate", "ChatTemplateError", "RenderOptions", "message_text", "template_message"]
 
 
 @dataclass
 class ChatPrompt:
     text: str | None  # exactly one of text / input_ids is set
     input_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """A chat request's say in how its template renders (apply_chat_template's arguments of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the model continues
+    template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+
+
+# The template variables the renderer sets itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+# transformers marks the end of the final message with this, renders, and cuts the text there.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplate:
@@ -33,18 +48,50 @@ class ChatTemplate:
         self._eos_token = eos_token or ""
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True) -> str:
-        return self._renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._bos_token, eos_token=self._eos_token)
+               add_generation_prompt: bool = True, options: RenderOptions | None = None) -> str:
+        """`options`, when given, decides add_generation_prompt (and continue_final_message, template_kwargs)."""
+        if options is None:
+            options = RenderOptions(add_generation_prompt=add_generation_prompt)
+        return self._render(messages, tools, options, self._bos_token)
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               encode: Callable[[str], list[int]] | None) -> ChatPrompt:
+               encode: Callable[[str], list[int]] | None, options: RenderOptions | None = None) -> ChatPrompt:
         """The prompt to send: token ids when `encode` (no special tokens added) is available, else text."""
+        options = options or RenderOptions()
         if encode is not None:
-            return ChatPrompt(None, encode(self.render(messages, tools)))
-        text = self._renderer.render(messages, tools=tools, add_generation_prompt=True, bos_token="",
-                                     eos_token=self._eos_token)
-        return ChatPrompt(text, None)
+            return ChatPrompt(None, encode(self._render(messages, tools, options, self._bos_token)))
+        return ChatPrompt(self._render(messages, tools, options, ""), None)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, options: RenderOptions,
+                bos_token: str) -> str:
+        """apply_chat_template(tokenize=False)'s text; with continue_final_message, as transformers: the final
+        message's content gets a tag, the chat renders without a generation prompt, and the text ends where
+        the tag began (ChatTemplateError when the template drops the message or the options conflict)."""
+        variables = dict(options.template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if not options.continue_final_message:
+            return self._renderer.render(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
+                                         bos_token=bos_token, eos_token=self._eos_token, variables=variables)
+        if options.add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible: the first "
+                                    "continues the final message, the second starts a new assistant message")
+        if not messages:
+            raise ChatTemplateError("continue_final_message is set but the conversation is empty")
+        final = messages[-1].get("content")
+        if not isinstance(final, str):
+            raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+        tagged = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+        text = self._renderer.render(tagged, tools=tools, add_generation_prompt=False, bos_token=bos_token,
+                                     eos_token=self._eos_token, variables=variables)
+        if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+            raise ChatTemplateError("continue_final_message is set but the chat template does not write the final "
+                                    "message as given, so it cannot be continued")
+        end = text.rindex(_CONTINUE_TAG.strip())
+        if text[end:end + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+            return text[:end]
+        return text[:end].rstrip()  # the template trimmed the trailing space: so does the continuation
 
     @cached_property
     def renders_tools(self) -> bool:

@@ -17,6 +17,7 @@ from sgl_lite.runtime.client import RuntimeRequestError, RuntimeUnavailableError
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",

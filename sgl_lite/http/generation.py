@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 import anyio
 
 from sgl_lite.http.errors import HttpError, from_runtime_error
+from sgl_lite.http.guards.request_owner import CURRENT_CALLER, RequestOwners
 from sgl_lite.http.metrics import HttpMetrics
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.protocol import SamplingParams
@@ -60,6 +61,7 @@ class RequestRunner:
     def __init__(self, client: RuntimeClient, metrics: HttpMetrics) -> None:
         self._client = client
         self._metrics = metrics
+        self.owners = RequestOwners()  # the caller of each running generation, by rid
 
     async def stream(self, request: GenerationInput) -> AsyncIterator[Delta]:
         """Deltas of one request; the last has finish_reason. Raises HttpError (an abort other than by
@@ -70,39 +72,41 @@ class RequestRunner:
         label = self._metrics.priority_label(request.priority)
         start = time.perf_counter()
         last_token_time: float | None = None
-        chunks = self._client.async_generate_stream(
-            text=request.text,
-            input_ids=request.input_ids,
-            sampling_params=request.sampling_params,
-            return_logprob=request.return_logprob,
-            logprob_start_len=request.logprob_start_len,
-            top_logprobs_num=request.top_logprobs_num,
-            priority=request.priority,
-            rid=request.rid,
-        )
-        try:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    now = time.perf_counter()
-                    num_new = len(chunk.output_ids)
-                    if num_new and last_token_time is None:
-                        self._metrics.observe_first_token(label, now - start)
-                    elif num_new:
-                        # A chunk may carry several tokens (the detokenizer holds back incomplete
-                        # characters and possible stop strings); spread the gap over them.
-                        self._metrics.observe_inter_token(label, (now - last_token_time) / num_new, num_new)
-                    if num_new:
-                        last_token_time = now
-                    # {"type": "abort"} too, when /abort_request ended it: the output so far is its answer
-                    finish_reason = chunk.meta_info.get("finish_reason")
-                    if finish_reason:
-                        self._metrics.observe_finished(chunk.meta_info, label, now - start)
-                    # After the final chunk the client's stream ends by itself (on the Finished reply).
-                    yield Delta(chunk.text, list(chunk.output_ids), chunk.meta_info, finish_reason or None)
-        except HttpError:
-            raise
-        except Exception as e:
-            raise from_runtime_error(e) from e
+        # whose request this is while it runs, for /abort_request (guards/request_owner.py)
+        with self.owners.running(request.rid, CURRENT_CALLER.get()):
+            chunks = self._client.async_generate_stream(
+                text=request.text,
+                input_ids=request.input_ids,
+                sampling_params=request.sampling_params,
+                return_logprob=request.return_logprob,
+                logprob_start_len=request.logprob_start_len,
+                top_logprobs_num=request.top_logprobs_num,
+                priority=request.priority,
+                rid=request.rid,
+            )
+            try:
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        now = time.perf_counter()
+                        num_new = len(chunk.output_ids)
+                        if num_new and last_token_time is None:
+                            self._metrics.observe_first_token(label, now - start)
+                        elif num_new:
+                            # A chunk may carry several tokens (the detokenizer holds back incomplete
+                            # characters and possible stop strings); spread the gap over them.
+                            self._metrics.observe_inter_token(label, (now - last_token_time) / num_new, num_new)
+                        if num_new:
+                            last_token_time = now
+                        # {"type": "abort"} too, when /abort_request ended it: the output so far is its answer
+                        finish_reason = chunk.meta_info.get("finish_reason")
+                        if finish_reason:
+                            self._metrics.observe_finished(chunk.meta_info, label, now - start)
+                        # After the final chunk the client's stream ends by itself (on the Finished reply).
+                        yield Delta(chunk.text, list(chunk.output_ids), chunk.meta_info, finish_reason or None)
+            except HttpError:
+                raise
+            except Exception as e:
+                raise from_runtime_error(e) from e
 
     async def collect(self, request: GenerationInput) -> Generation:
         """Run one request to its end and return its whole output."""

@@ -2,8 +2,8 @@
 of this process (`HttpServerThread`, for tests and notebooks), or as a child process beside a
 runtime server (`HttpFront`, for `sgl-lite serve`, on the socket that serve bound on --host/--port).
 
-The API key travels to a child process in the environment (SGL_LITE_API_KEY), not on its command
-line, where any local user could read it with `ps`.
+The API keys travel to a child process in the environment (SGL_LITE_API_KEY, SGL_LITE_ADMIN_API_KEY),
+not on its command line, where any local user could read them with `ps`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 import click
 
+from sgl_lite.http.guards.access_log import LOGGED_BODY_CHARS
 from sgl_lite.http.guards.limits import HEADER_READ_TIMEOUT_S, HttpLimits, guarded_h11_protocol
 from sgl_lite.runtime.client.discovery import check_zmq_address
 from sgl_lite.runtime.free_port import connect_host, url_host
 from sgl_lite.runtime.server.parent_watch import exit_with_parent, stop_child
-from sgl_lite.runtime.server_args import API_KEY_ENV, warn_if_exposed
+from sgl_lite.runtime.server_args import ADMIN_API_KEY_ENV, API_KEY_ENV, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,12 @@ HTTP_STARTUP_TIMEOUT_S = 120.0
 def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = DEFAULT_HTTP_PORT,
                     api_key: str | None = None, served_model_name: str | None = None, *,
                     runtime_api_key: str | None = None, log_level: str = "info", fd: int | None = None,
-                    limits: HttpLimits = HttpLimits()) -> None:
+                    limits: HttpLimits = HttpLimits(), admin_api_key: str | None = None,
+                    log_requests: bool = False) -> None:
     """Serve the HTTP API for the runtime at `runtime_address` until interrupted.
 
-    `api_key` guards the HTTP routes; the runtime is called with `runtime_api_key` (default: the
-    same key, as when `sgl-lite serve --api-key K` starts both). With `fd`, serve on that listening
+    `api_key` guards the HTTP routes (`admin_api_key` the administrative ones); the runtime is called
+    with `runtime_api_key` (default: the same key, as when `sgl-lite serve --api-key K` starts both). With `fd`, serve on that listening
     socket (inherited from `sgl-lite serve`, which bound --host/--port) and print HTTP_READY_PREFIX
     on stdout once serving.
     """
@@ -52,12 +54,14 @@ def run_http_server(runtime_address: str, host: str = "127.0.0.1", port: int = D
 
     client = RuntimeClient(runtime_address, api_key=runtime_api_key or api_key)
     try:
-        app = create_app(client, api_key=api_key, served_model_name=served_model_name, limits=limits)
+        app = create_app(client, api_key=api_key, served_model_name=served_model_name, limits=limits,
+                         admin_api_key=admin_api_key, log_requests=log_requests)
         logger.info("HTTP API for runtime %s on http://%s:%d%s", runtime_address, host, port,
                     " (API key required)" if api_key else "")
         warn_if_exposed(host, api_key, "the HTTP API")
-        # access_log: uvicorn's line per HTTP request (client, method, path, status), as SGLang prints.
-        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=True,
+        # The app writes the access line of every request itself (guards/access_log.py), to the log on
+        # stderr; uvicorn's own would go to stdout, which `serve` reads only for the ready line.
+        config = uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level, access_log=False,
                                 http=guarded_h11_protocol())
         server = uvicorn.Server(config)
         if fd is not None:
@@ -110,7 +114,8 @@ class HttpFront:
 
     def __init__(self, runtime_address: str, listening: socket.socket, api_key: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info",
-                 limits: HttpLimits = HttpLimits()) -> None:
+                 limits: HttpLimits = HttpLimits(), admin_api_key: str | None = None,
+                 log_requests: bool = False) -> None:
         host, port = listening.getsockname()[:2]
         self.url = f"http://{url_host(connect_host(host))}:{port}"
         fd = listening.fileno()
@@ -118,13 +123,17 @@ class HttpFront:
                "--port", str(port), "--fd", str(fd), "--log-level", log_level, "--parent-pid", str(os.getpid())]
         if served_model_name:
             cmd += ["--served-model-name", served_model_name]
+        if log_requests:
+            cmd.append("--log-requests")
         for name, value in dataclasses.asdict(limits).items():
             cmd += ["--" + name.replace("_", "-"), str(value)]
         env = dict(os.environ)
-        env.pop(API_KEY_ENV, None)
-        if api_key:
-            env[API_KEY_ENV] = api_key
-        # The child's stdout carries only its ready line; its logs go to stderr (ours). Its own session: a
+        for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)):
+            env.pop(name, None)
+            if key:
+                env[name] = key
+        # The child's stdout carries its ready line (anything else on it is passed on to our stderr); its
+        # logs, the access lines among them, go to stderr (ours). Its own session: a
         # terminal's Ctrl-C (sent to the whole foreground process group) reaches serve alone, which stops the
         # front after the runtime (stop); a front that took it too exited first and was logged as having died.
         self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, pass_fds=(fd,),
@@ -162,6 +171,8 @@ class HttpFront:
         for line in self.process.stdout:
             if line.strip() == HTTP_READY_PREFIX:
                 self._ready.set()
+            else:
+                sys.stderr.write(line)
 
 
 @click.command("http")
@@ -173,8 +184,13 @@ class HttpFront:
               help=f"Require 'Authorization: Bearer <key>' on every route but /health (env {API_KEY_ENV}); "
                    "also sent to the runtime unless --runtime-api-key is given.")
 @click.option("--runtime-api-key", default=None, help="Key of the runtime server, when it differs from --api-key.")
+@click.option("--admin-api-key", envvar=ADMIN_API_KEY_ENV, default=None,
+              help=f"The key of administrative requests (env {ADMIN_API_KEY_ENV}): /abort_request with abort_all, or "
+                   "for a request another caller started.")
 @click.option("--served-model-name", default=None, help="Model name reported by /v1/models (default: the runtime's).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--log-requests", is_flag=True, default=False,
+              help=f"The access line of each request also holds its body (the first {LOGGED_BODY_CHARS} characters).")
 @click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=HttpLimits.max_request_body_bytes,
               show_default=True, help="HTTP request bodies larger than this get 413.")
 @click.option("--max-chat-messages", type=click.IntRange(min=1), default=HttpLimits.max_chat_messages,
@@ -184,8 +200,9 @@ class HttpFront:
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @click.option("--fd", type=int, default=None, hidden=True)
 def http_command(runtime_address: str, host: str, port: int, api_key: str | None, runtime_api_key: str | None,
-                 served_model_name: str | None, log_level: str, max_request_body_bytes: int, max_chat_messages: int,
-                 max_request_fanout: int, parent_pid: int | None, fd: int | None) -> None:
+                 admin_api_key: str | None, served_model_name: str | None, log_level: str, max_request_body_bytes: int,
+                 max_chat_messages: int, max_request_fanout: int, parent_pid: int | None, fd: int | None,
+                 log_requests: bool) -> None:
     """Serve the OpenAI-compatible and SGLang-native HTTP API in front of a running runtime."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -197,7 +214,8 @@ def http_command(runtime_address: str, host: str, port: int, api_key: str | None
         raise click.BadParameter(str(e), param_hint="--runtime") from None
     limits = HttpLimits(max_request_body_bytes, max_chat_messages, max_request_fanout)
     run_http_server(runtime_address, host, port, api_key, served_model_name,
-                    runtime_api_key=runtime_api_key, log_level=log_level, fd=fd, limits=limits)
+                    runtime_api_key=runtime_api_key, log_level=log_level, fd=fd, limits=limits,
+                    admin_api_key=admin_api_key, log_requests=log_requests)
 
 
 if __name__ == "__main__":

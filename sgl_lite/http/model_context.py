@@ -15,6 +15,7 @@ import anyio
 
 from sgl_lite.http.chat_template import ChatTemplate, ChatTemplateError
 from sgl_lite.http.errors import HttpError, from_runtime_error
+from sgl_lite.http.guards.prompt_budget import PromptBudget
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.lang.chat_template import token_text
 
@@ -29,6 +30,9 @@ class ModelContext:
     model_info: dict[str, Any]
     tool_call_parser: str | None = None  # the runtime's --tool-call-parser
     constrain_tool_calls: bool = True  # not --disable-tool-call-constraint
+    # The runtime's bound on a token's characters (it refuses longer texts before tokenizing them).
+    max_token_chars: int | None = None
+    split_special_tokens_in_messages: bool = True  # --split-special-tokens-in-messages
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any], served_model_name: str | None) -> ModelContext:
@@ -51,7 +55,31 @@ class ModelContext:
             model_info=info,
             tool_call_parser=server_args.get("tool_call_parser"),
             constrain_tool_calls=not server_args.get("disable_tool_call_constraint", False),
+            max_token_chars=info.get("max_token_chars"),
+            split_special_tokens_in_messages=server_args.get("split_special_tokens_in_messages", True),
         )
+
+    @property
+    def budget(self) -> PromptBudget:
+        """The prompt budget of this model (guards/prompt_budget.py): the runtime's own bound on a token's
+        characters, else this front's tokenizer's."""
+        return PromptBudget(self.context_length, self.max_token_chars or self.token_texts.max_token_chars)
+
+    @property
+    def logs_requests(self) -> bool:
+        """The runtime writes each finished request's text to its log (its --log-requests)."""
+        return bool((self.model_info.get("server_args") or {}).get("log_requests"))
+
+    def check_model(self, name: str | None, *, required: bool = False) -> None:
+        """vLLM's rule: a request that names a model must name the served one (none named: the served one,
+        unless `required`); HttpError 404 with vLLM's message otherwise."""
+        if (name or required) and name != self.served_model_name:
+            raise HttpError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model as /v1/models lists it."""
+        return {"id": self.served_model_name, "object": "model", "created": 0, "owned_by": "sgl_lite",
+                "root": self.model_info.get("model_path"), "max_model_len": self.context_length}
 
     def require_chat_template(self) -> ChatTemplate:
         if self.chat_template is None:

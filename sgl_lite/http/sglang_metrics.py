@@ -51,6 +51,8 @@ _RUNTIME_COUNTERS = {
     "num_finished_requests": ("num_requests", "Number of requests processed."),
     "num_aborted_requests": ("num_aborted_requests", "Number of requests aborted."),
     "num_retractions": ("num_retracted_requests", "Total number of retracted requests."),
+    # sgl_lite's own, in SGLang's style: grammar-forced output tokens appended without a forward each.
+    "jump_forward_tokens_total": ("jump_forward_tokens", "Number of output tokens written by jump-forward decoding."),
 }
 
 

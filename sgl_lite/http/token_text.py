@@ -15,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from sgl_lite.http.content_specials import HiddenSpecials, SpecialTokenText
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +47,10 @@ class TokenTexts:
         self._tokenizer = None
         self._byte_level = False
         self._cache: dict[int, bytes] = {}
+        self._special_text: SpecialTokenText | None = None
+        # The most characters a token decodes to (the longest vocabulary entry; byte-level: one per byte), as
+        # the runtime bounds a prompt text by before tokenizing it; None without a tokenizer file.
+        self.max_token_chars: int | None = None
         tokenizer_file = Path(model_path) / "tokenizer.json" if model_path else None
         if tokenizer_file is None or not tokenizer_file.is_file():
             logger.info("no tokenizer.json next to the model; logprob tokens are named by id")
@@ -54,9 +60,13 @@ class TokenTexts:
 
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
             self._byte_level = _has_byte_level_decoder(json.loads(tokenizer_file.read_text(encoding="utf-8")).get("decoder"))
+            # Built here, once (this runs off the event loop, when the model context is fetched).
+            self._special_text = SpecialTokenText(self._tokenizer)
+            self.max_token_chars = max((len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True)),
+                                       default=1)
         except Exception as e:  # a corrupt or unknown tokenizer file must not take the API down
             logger.warning("could not load %s (%s); logprob tokens are named by id", tokenizer_file, e)
-            self._tokenizer = None
+            self._tokenizer = self._special_text = self.max_token_chars = None
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._cache.get(token_id)
@@ -89,8 +99,13 @@ class TokenTexts:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Text -> ids (the tokenizer's special tokens added when asked); needs `available`."""
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Each text's ids. The tokenizer's batch call releases the GIL while it works (its one-text
+        call does not), so a long text does not stall the event loop's thread meanwhile."""
         assert self._tokenizer is not None, "no tokenizer file"
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids (below vocab_size) -> text, special tokens written out unless skipped; needs `available`."""
@@ -102,13 +117,23 @@ class TokenTexts:
         piece = self._tokenizer.id_to_token(token_id) if self._tokenizer is not None else None
         return piece if piece is not None else f"token_id:{token_id}"
 
-    def encoder(self) -> Callable[[str], list[int]] | None:
-        """Text -> ids without the tokenizer's special tokens (how a rendered chat template is tokenized),
-        or None without a tokenizer file."""
-        tokenizer = self._tokenizer
-        if tokenizer is None:
+    def hidden_specials(self) -> HiddenSpecials | None:
+        """A table for one chat's messages whose special-token strings are to stay plain text
+        (content_specials.py); None without a tokenizer file or without special tokens."""
+        special = self._special_text
+        return special.hidden() if special is not None else None
+
+    def chat_encoder(self, hidden: HiddenSpecials | None = None,
+                     add_special_tokens: bool = False) -> Callable[[str], list[int]] | None:
+        """Rendered chat text -> ids (how a rendered chat template is tokenized: by default without the
+        tokenizer's special tokens, which the template writes), the special-token strings that messages
+        passed through `hidden.hide` wrote as plain text; None without a tokenizer file."""
+        special = self._special_text
+        if special is None:
             return None
-        return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+        if hidden is None:
+            return lambda text: self.encode(text, add_special_tokens)
+        return lambda text: special.encode(text, hidden, add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

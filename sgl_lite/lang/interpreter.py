@@ -115,6 +115,18 @@ class _TracingBackend(BaseBackend):
         return self.real.get_server_info()
 
 
+class _TracingExecutor(StreamExecutor):
+    """The executor of a traced body: an expression it cannot run (a _TracedArgument appended, or one
+    holding it) ends the trace, as a model call does, instead of failing the program with a warning:
+    the trace is a hint, and the program's real runs report their own errors."""
+
+    def _run_one(self, expr: SglExpr) -> None:
+        try:
+            self._execute(expr)
+        except Exception as e:
+            raise _StopTracing from e
+
+
 class _TracedArgument(SglExpr):
     """An argument of the batch while its prefix is traced: the text before it is every item's. Appended,
     it ends the trace (the executor cannot run it); used as a value (str, f-string, len, iteration,
@@ -142,7 +154,7 @@ class _TracedArgument(SglExpr):
 
 def trace_prefix(program: SglFunction, backend: BaseBackend, arg_names: set[str]) -> str:
     """The text a program builds before its first model call or the first use of one of `arg_names`."""
-    executor = StreamExecutor(_TracingBackend(backend), SglSamplingParams(), use_thread=False)
+    executor = _TracingExecutor(_TracingBackend(backend), SglSamplingParams(), use_thread=False)
     state = ProgramState(executor)
     token = running_state.set(state)
     try:

@@ -105,6 +105,20 @@ class SglSamplingParams:
         }
         return SamplingParams(**{k: v for k, v in params.items() if v is not None})
 
+    def request_options(self) -> dict[str, Any]:
+        """The request's own fields beside its sampling params (logprobs, priority), under the names both
+        the wire's GenerateReq and SGLang's /generate body give them; only those that were set."""
+        options: dict[str, Any] = {}
+        if self.return_logprob:
+            options["return_logprob"] = True
+            if self.logprob_start_len is not None:
+                options["logprob_start_len"] = self.logprob_start_len
+            if self.top_logprobs_num is not None:
+                options["top_logprobs_num"] = self.top_logprobs_num
+        if self.priority is not None:
+            options["priority"] = self.priority
+        return options
+
 
 def dtype_to_regex(dtype: Union[type, str]) -> tuple[str, list[str]]:
     """(regex, extra stop strings) for gen(dtype=...), exactly as SGLang's runtime endpoint maps them."""

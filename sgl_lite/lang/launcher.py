@@ -27,7 +27,7 @@ from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.client.discovery import http_json
 from sgl_lite.runtime.protocol import READY_PREFIX
 from sgl_lite.runtime.server.parent_watch import stop_child
-from sgl_lite.runtime.server_args import API_KEY_ENV, ServerArgs, flag_of
+from sgl_lite.runtime.server_args import ADMIN_API_KEY_ENV, API_KEY_ENV, ServerArgs, flag_of
 
 STDERR_TAIL_LINES = 40
 DEFAULT_STARTUP_TIMEOUT = 600.0
@@ -54,18 +54,19 @@ def server_flags(args: ServerArgs) -> list[str]:
 
 
 def serve_command(args: ServerArgs) -> list[str]:
-    """The `sgl-lite serve` command line for `args`, without the API key: a child gets the key
+    """The `sgl-lite serve` command line for `args`, without the API keys: a child gets them
     through its environment (`api_key_env`), since any local user can read a command line (`ps`)."""
-    return [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(args.replace(api_key=None))]
+    return [sys.executable, "-m", "sgl_lite.cli", "serve", *server_flags(args.replace(api_key=None, admin_api_key=None))]
 
 
-def api_key_env(env: dict[str, str], api_key: str | None) -> dict[str, str]:
-    """`env` for a child `serve` (or `http`) that must use exactly `api_key`: set, or removed when None
-    so that a key in our own environment does not leak into a child started without one."""
+def api_key_env(env: dict[str, str], api_key: str | None, admin_api_key: str | None = None) -> dict[str, str]:
+    """`env` for a child `serve` (or `http`) that must use exactly `api_key` (and `admin_api_key`): set,
+    or removed when None so that a key in our own environment does not leak into a child started without one."""
     env = dict(env)
-    env.pop(API_KEY_ENV, None)
-    if api_key:
-        env[API_KEY_ENV] = api_key
+    for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)):
+        env.pop(name, None)
+        if key:
+            env[name] = key
     return env
 
 
@@ -98,7 +99,7 @@ class Runtime:
         self._started = time.monotonic()
         _say(f"sgl.Runtime: starting `sgl-lite serve` for model {model_path} (its start-up log follows)")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env=api_key_env(_child_env(), self.api_key),
+                                        text=True, env=api_key_env(_child_env(), self.api_key, self.args.admin_api_key),
                                         start_new_session=True)
         _live_runtimes.add(self)
         threading.Thread(target=self._read_stdout, daemon=True).start()

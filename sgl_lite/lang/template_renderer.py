@@ -63,12 +63,19 @@ class TemplateRenderer:
         self.source = source
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, bos_token: str = "",
-               eos_token: str = "", tools: list[dict[str, Any]] | None = None) -> str:
+               eos_token: str = "", tools: list[dict[str, Any]] | None = None,
+               variables: dict[str, Any] | None = None) -> str:
+        """`variables`: more template variables (apply_chat_template's **kwargs); the named ones win over them."""
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token)
+            return self._template.render({**(variables or {}), "messages": messages, "tools": tools,
+                                          "add_generation_prompt": add_generation_prompt, "bos_token": bos_token,
+                                          "eos_token": eos_token})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # A template that meets a value of a type it does not expect (a caller's chat_template_kwargs, say)
+            # fails in Python: the request is at fault, as with the template's own raise_exception.
+            raise ChatTemplateError(f"the chat template could not render this request: {type(e).__name__}: {e}") from None
 
     def renders_tools(self) -> bool:
         """True when the template shows the model its tools, the calls it made and their results.

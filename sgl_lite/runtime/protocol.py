@@ -29,6 +29,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from sgl_lite.runtime.sampling_dict import sglang_sampling_dict
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # The line a `serve` child prints on stdout once it accepts requests: READY_PREFIX <address>.
 READY_PREFIX = "SGL_LITE_READY"
@@ -77,6 +79,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     stop_token_ids: Union[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)], None] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Passed to the tokenizer's decode beside skip_special_tokens, as SGLang does (the fast tokenizers
+    # transformers loads for text models ignore it, so with them the text is the same either way).
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: Union[int, None] = None
     # Constrained decoding (at most one): a regex, a JSON Schema (string or object), an EBNF grammar,
@@ -140,14 +145,26 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def decode_options(self) -> dict[str, bool]:
+        """tokenizer.decode's keyword arguments for this request's text (spaces_between_special_tokens only
+        when it is off: on is SGLang's default and what decode does without it)."""
+        if self.spaces_between_special_tokens:
+            return {"skip_special_tokens": self.skip_special_tokens}
+        return {"skip_special_tokens": self.skip_special_tokens, "spaces_between_special_tokens": False}
+
+
 
 def to_sampling_params(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
     """Convert a user dict (Engine, HTTP) into SamplingParams, checking only keys and types (ValueError
-    names an unknown or mistyped key); the runtime checks the values once, when it queues the request."""
+    names an unknown or mistyped key); the runtime checks the values once, when it queues the request.
+
+    The dict is read as SGLang reads one (runtime/sampling_dict.py): null means the default,
+    `sampling_seed` is the seed, and SGLang's fields that are not on this wire are refused unless off
+    or, where they cannot change a result, dropped."""
     if isinstance(params, SamplingParams):
         return params
     try:
-        return msgspec.convert(params or {}, SamplingParams)
+        return msgspec.convert(sglang_sampling_dict(params or {}), SamplingParams)
     except msgspec.ValidationError as e:
         raise ValueError(f"invalid sampling_params: {e}") from None
 

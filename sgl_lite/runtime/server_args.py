@@ -29,6 +29,7 @@ TOOL_CALL_PARSERS = ("qwen25", "llama3")
 QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
+ADMIN_API_KEY_ENV = "SGL_LITE_ADMIN_API_KEY"
 
 
 @dataclass
@@ -62,7 +63,7 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new tokens in one prefill batch."})
     prefill_max_requests: int | None = field(default=None, metadata={"help": "Max requests in one prefill batch (None: unbounded)."})
     max_prefill_tokens_per_request: int | None = field(default=None, metadata={"help": "sgl_lite: a request whose prompt holds more tokens than this is refused (bad_request) before it is queued (None: the context length is its only bound)."})
-    disable_fair_prefill: bool = field(default=False, metadata={"help": "sgl_lite: turn off prefill interleaving, as in SGLang: a prompt being chunked then takes every prefill round until it is done, and running requests decode only when no prefill is left (by default, while a prompt is chunked, every other prefill round admits the waiting requests whose whole prompt fits it first, and a decode step follows every chunk)."})
+    disable_fair_prefill: bool = field(default=False, metadata={"help": "sgl_lite: turn off prefill interleaving, as in SGLang: a prompt being chunked then takes every prefill round until it is done, and running requests decode only when no prefill is left (by default, while a prompt is chunked, every other prefill round first admits the waiting requests whose whole prompt fits it, and the running requests decode between the rounds of a prompt longer than a chunk; docs/scheduling.md)."})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "Prompts longer than this are prefilled in chunks (None: 2048 on CPU, 8192 on CUDA; -1 disables)."})
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same forward as a prefill batch, so a prefill does not pause decoding (their tokens come out of the chunk and prefill budgets; a failed forward then aborts them too)."})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Larger reserves more room for future output tokens (fewer retractions, smaller batches)."})
@@ -86,8 +87,9 @@ class ServerArgs:
     # Constrained decoding (grammar compiles run on daemon worker threads, never on the scheduler's).
     max_grammar_chars: int = field(default=65536, metadata={"help": "sgl_lite: a regex, EBNF, JSON schema or structural tag longer than this many characters is refused (compile time and memory grow with it)."})
     max_json_schema_depth: int = field(default=64, metadata={"help": "sgl_lite: a JSON schema or structural tag nested deeper than this (JSON levels) is refused (its conversion grows super-linearly with depth)."})
-    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: threads compiling grammars; the smallest waiting spec is compiled first."})
-    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and the compile abandoned)."})
+    grammar_compile_workers: int = field(default=2, metadata={"help": "sgl_lite: worker processes compiling grammars (at most this many compiles at once); the smallest waiting spec is compiled first, and a free worker goes to the client with the fewest compiles running."})
+    grammar_compile_timeout: float = field(default=60.0, metadata={"help": "sgl_lite: a request whose grammar is not compiled after this many seconds is refused (and its compile's worker process killed); a worker also stops a compile past this much CPU time."})
+    disable_regex_jump_forward: bool = field(default=False, metadata={"help": "Turn jump-forward decoding off: by default text a request's grammar forces (fixed JSON keys, enum tails, a tool call's frame) is appended in one step, retokenized with the output's last tokens, instead of decoded token by token (docs/jump-forward.md).", "aliases": ("--disable-jump-forward",)})
 
     # Speculative decoding (SGLang's flag names; only the n-gram drafter, which needs no draft model).
     speculative_algorithm: str | None = field(default=None, metadata={"help": "ngram: draft tokens by looking the last tokens up in the request's own prompt and output, and verify every draft in the decode forward (greedy output unchanged, sampled output keeps its distribution). Default: off."})
@@ -101,12 +103,14 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "HTTP port: the OpenAI-compatible and SGLang-native API (0 picks a free one)."})
     zmq_port: int | None = field(default=None, metadata={"help": "sgl_lite: port of the ZeroMQ endpoint that DSL programs use; clients find it from the HTTP server (/server_info names it), so sgl.RuntimeEndpoint('http://host:PORT') is enough. Default: --port + 1 (a free port when --port is 0); 0 picks a free one."})
     api_key: str | None = field(default=None, metadata={"help": "Refuse requests that do not carry this key."})
+    admin_api_key: str | None = field(default=None, metadata={"help": "The key of administrative requests on the HTTP API: /abort_request with abort_all, or for a request another caller started, needs 'Authorization: Bearer <admin key>' (without this flag nobody may make those)."})
     max_message_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "sgl_lite: incoming messages larger than this are refused."})
     max_queued_replies_per_client: int = field(default=65536, metadata={"help": "sgl_lite: replies queued for one ZeroMQ client that does not read them (the socket's SNDHWM); past it the client is dropped and its requests aborted."})
     # HTTP front (`serve`, `sgl-lite http`).
     max_request_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"help": "sgl_lite: HTTP request bodies larger than this get 413."})
     max_chat_messages: int = field(default=4096, metadata={"help": "sgl_lite: a chat request with more messages than this gets 400."})
     max_request_fanout: int = field(default=256, metadata={"help": "sgl_lite: one HTTP request may ask for at most this many generations (prompts x n); more get 400 before anything runs."})
+    split_special_tokens_in_messages: bool = field(default=True, metadata={"help": "sgl_lite: a special-token string (e.g. <|im_start|>) that a chat message's text, name or tool call holds is tokenized as plain text, so a message cannot forge a turn; off, it becomes that control token, as transformers' apply_chat_template (and vLLM and SGLang) tokenize it. transformers calls the plain-text way split_special_tokens. Needs the HTTP front to read the model's tokenizer.json."})
     log_level: str = field(default="info", metadata={"help": "Logging level.", "choices": ("debug", "info", "warning", "error")})
 
     # SGLang flags its users type: implemented, or accepted saying what they mean on this build.
@@ -119,7 +123,7 @@ class ServerArgs:
 
     # Logs, metrics and reproducibility (SGLang's flags).
     decode_log_interval: int = field(default=40, metadata={"help": "Log a 'Decode batch' line (running, tokens, usage, gen throughput, queue) every this many decode steps."})
-    log_requests: bool = field(default=False, metadata={"help": "Log every finished request: its id, finish reason, token counts, and its input and output text (each cut to 512 tokens)."})
+    log_requests: bool = field(default=False, metadata={"help": "Log every finished request: its id, finish reason, token counts, and its input and output text (each cut to 512 tokens); the HTTP front's access line of each request then holds its body too (the first 2048 characters)."})
     enable_deterministic_inference: bool = field(default=False, metadata={"help": "Greedy results independent of the prefix cache and of batching (attention computes every row in fixed-size tiles and chunks, in float32, in a fixed order); slower, see README."})
 
     def __post_init__(self) -> None:
@@ -132,6 +136,8 @@ class ServerArgs:
         if self.api_key is not None and len(self.api_key.encode()) > MAX_API_KEY_BYTES:
             raise ValueError(f"--api-key is {len(self.api_key.encode())} bytes long; at most {MAX_API_KEY_BYTES} "
                              "(the ZeroMQ handshake carries it with a one-byte length)")
+        if self.admin_api_key is not None and (self.admin_api_key == "" or self.admin_api_key == self.api_key):
+            raise ValueError("--admin-api-key must not be empty nor equal to --api-key (every caller would be admin)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
         for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):

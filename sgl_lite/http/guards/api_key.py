@@ -9,6 +9,7 @@ import hmac
 from sgl_lite.http.errors import HttpError
 
 OPEN_PATHS = frozenset({"/health"})  # routes that need no key
+ADMIN_PATHS = frozenset({"/abort_request"})  # routes that take the admin key (--admin-api-key) too
 
 
 def bearer_key_matches(authorization: str, api_key: str) -> bool:

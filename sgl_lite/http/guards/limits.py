@@ -3,7 +3,8 @@
 - `RequestGuard` (ASGI middleware) refuses a missing or wrong API key (401) before anything else, then
   reads each request body itself, up to `max_request_body_bytes` (413 past it, at once when
   Content-Length says so) and within BODY_READ_TIMEOUT_S (408), and hands it to the app. Reading the
-  body here, once, is what FastAPI would do anyway.
+  body here, once, is what FastAPI would do anyway. On /abort_request the admin key passes too, and
+  every request it lets through carries its caller (request_owner.CURRENT_CALLER).
 - `guarded_h11_protocol` closes a connection whose request headers are not complete within
   HEADER_READ_TIMEOUT_S of its opening (or of its previous response): uvicorn itself only times out
   idle keep-alive connections, and a header sent a byte at a time (slowloris) would hold a
@@ -27,7 +28,8 @@ from pydantic import BaseModel, ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from sgl_lite.http.errors import HttpError, bad_request
-from sgl_lite.http.guards.api_key import OPEN_PATHS, api_key_error, bearer_key_matches
+from sgl_lite.http.guards.api_key import ADMIN_PATHS, OPEN_PATHS, api_key_error, bearer_key_matches
+from sgl_lite.http.guards.request_owner import CURRENT_CALLER, caller_of
 
 HEADER_READ_TIMEOUT_S = 10.0
 BODY_READ_TIMEOUT_S = 60.0
@@ -54,22 +56,28 @@ class RequestGuard:
     """ASGI middleware: a bounded, timed read of the request body (see the module docstring)."""
 
     def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = BODY_READ_TIMEOUT_S,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, admin_api_key: str | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.api_key = api_key
+        self.admin_api_key = admin_api_key  # also accepted on ADMIN_PATHS
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
+        authorization = headers.get(b"authorization", b"")
         if self.api_key is not None and scope.get("path") not in OPEN_PATHS:  # before any body is read
-            if not bearer_key_matches(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
+            keys = [self.api_key]
+            if self.admin_api_key is not None and scope.get("path") in ADMIN_PATHS:
+                keys.append(self.admin_api_key)
+            if not any(bearer_key_matches(authorization.decode("latin-1"), key) for key in keys):
                 error = api_key_error()
                 await self._refuse(send, error.status, error.message, error.code)
                 return
+        CURRENT_CALLER.set(caller_of(scope, authorization))  # whose generations this request starts
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._refuse(send, 413, f"request body of {int(declared)} bytes exceeds --max-request-body-bytes "

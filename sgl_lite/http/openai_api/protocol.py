@@ -2,9 +2,11 @@
 
 Field names, types and defaults follow OpenAI's API; SGLang's extra sampling fields (priority,
 ignore_eos, min_tokens, regex, ebnf, top_k, min_p, repetition_penalty, stop_token_ids, ...) are
-accepted as well, as SGLang's own server does. Unknown fields are ignored (OpenAI clients and SDKs
-send optional fields this server has no use for); fields whose value cannot be honoured are
-rejected by `unsupported_field` with a message naming them.
+accepted as well, as SGLang's own server does. Types are strict ("1" is not a token id, "yes" not a
+bool). Every top-level field is honoured, or accepted and ignored where it cannot change the result
+(request_fields.py), or accepted only at its off value (refused with the reason otherwise); any
+other field is refused. Nested objects (messages, tools) ignore keys this server
+does not read, as clients echo back fields of earlier responses. docs/http.md has the lists.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sgl_lite.http.chat_template import RESERVED_TEMPLATE_VARIABLES, RenderOptions
+from sgl_lite.http.openai_api.request_fields import OpenAIRequest
 from sgl_lite.runtime.protocol import MAX_RID_CHARS, MAX_STOP_TOKEN_IDS
 
 # The largest n (choices per prompt) one request may ask for: each choice is one runtime request.
@@ -23,7 +27,7 @@ MAX_TOOLS = 128
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class JsonSchemaFormat(_Lenient):
@@ -42,7 +46,7 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(OpenAIRequest):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's, then SGLang's extras)."""
 
     model: str | None = None
@@ -71,6 +75,12 @@ class SamplingFields(_Lenient):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Refused unless off (request_fields.UNSERVED_FIELDS).
+    stop_regex: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: Any = False
 
     @field_validator("top_k")
     @classmethod
@@ -126,9 +136,8 @@ class SamplingFields(_Lenient):
         return fmt.json_schema.schema_
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, message) for a field given a value this server cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported by this server"
+        """(field, message) for a field given a value this server cannot honour, else None (UNSERVED_FIELDS
+        are refused while the body is parsed)."""
         return None
 
 
@@ -174,12 +183,49 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)  # a chat completion writes at least one token
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    # How the chat template renders (transformers' apply_chat_template arguments; vLLM's and SGLang's fields).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as the variable reasoning_effort, as SGLang does (templates that read it).
+    reasoning_effort: Union[str, float, None] = None
+    # Accepted and ignored (request_fields.IGNORED_FIELDS).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # Refused unless off (request_fields.UNSERVED_FIELDS).
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+
+    def render_options(self) -> RenderOptions:
+        """How the chat template renders this request: continue_final_message without an explicit
+        add_generation_prompt turns the generation prompt off (giving both true is refused)."""
+        add_generation_prompt = self.add_generation_prompt
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            add_generation_prompt = False
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return RenderOptions(add_generation_prompt, self.continue_final_message, variables or None)
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens in favour of max_completion_tokens; the newer one wins.
@@ -188,6 +234,12 @@ class ChatCompletionRequest(SamplingFields):
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            return "continue_final_message", ("continue_final_message and add_generation_prompt are not compatible: the "
+                                              "first continues the final message, the second starts a new one")
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES & (self.chat_template_kwargs or {}).keys())
+        if clash:
+            return "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)} (the request's own fields do)"
         return super().unsupported_field()
 
     def top_logprobs_num(self) -> int:
@@ -228,55 +280,6 @@ class CompletionRequest(SamplingFields):
 
     def prompt_texts_known(self) -> bool:
         return isinstance(self.prompt, str) or all(isinstance(p, str) for p in self.prompt)
-
-
-class GenerateRequest(BaseModel):
-    """SGLang's native /generate body."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
-    rid: Union[str, list[str], None] = None
-    priority: int | None = None
-    # SGLang's GenerateReqInput fields that sglang-router forwards on every request (it serializes its
-    # whole request struct). Logging switches have no effect here; features this server lacks are
-    # accepted only at their off value, so a request that needs them gets a 400 naming the field.
-    model: str | None = None
-    return_text_in_logprobs: bool = False
-    log_metrics: bool = True
-    no_logs: bool = False
-    return_hidden_states: bool = False
-    return_entropy: bool = False
-    return_bytes: bool = False
-    background: bool = False
-    data_parallel_rank: int | None = None
-
-    @field_validator("logprob_start_len", "top_logprobs_num", mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any, info: Any) -> Any:
-        # SGLang's clients (its Runtime.generate among them) send null for "not given".
-        return cls.model_fields[info.field_name].default if value is None else value
-
-    @field_validator("return_hidden_states", "return_entropy", "return_bytes", "background")
-    @classmethod
-    def _unsupported_feature(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("not supported by sgl_lite; leave it false")
-        return value
-
-    @field_validator("data_parallel_rank")
-    @classmethod
-    def _single_rank(cls, value: int | None) -> int | None:
-        # Each sgl_lite worker is a single DP rank; data parallelism is the router's, across workers.
-        if value not in (None, 0):
-            raise ValueError("this worker has one data-parallel rank (0)")
-        return value
 
 
 class AbortRequest(BaseModel):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.chat_template import ChatTemplateError, message_text, template_message
+from sgl_lite.http.content_specials import HiddenSpecials
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
-from sgl_lite.http.guards.limits import HttpLimits, off_loop_if
+from sgl_lite.http.guards.limits import HttpLimits
+from sgl_lite.http.guards.prompt_budget import PromptWork, chat_characters
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_api.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -55,14 +58,16 @@ def check_message_count(messages: list[ChatMessage], limits: HttpLimits) -> None
                           "messages")
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """A request's messages as its chat template takes them; HttpError 400 naming what is wrong."""
+def template_messages(messages: list[ChatMessage], hidden: HiddenSpecials | None = None) -> list[dict[str, Any]]:
+    """A request's messages as its chat template takes them (with `hidden`, the special-token strings they
+    write behind placeholders: content_specials.py); HttpError 400 naming what is wrong."""
     try:
-        return [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
-                                 [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
-                for i, m in enumerate(messages)]
+        out = [template_message(m.role, message_text(m.content, f"messages[{i}].content"), m.name,
+                                [c.model_dump() for c in m.tool_calls or ()], m.tool_call_id)
+               for i, m in enumerate(messages)]
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
+    return out if hidden is None else [hidden.hide_message(m) for m in out]
 
 
 def _choice_params(body: SamplingFields, num_prompts: int, max_fanout: int,
@@ -81,11 +86,19 @@ def _choice_params(body: SamplingFields, num_prompts: int, max_fanout: int,
         try:
             params_dict = body.sampling_params(choice)
             if structural_tag is not None:
+                params_dict.pop("json_schema", None)  # response_format's schema is inside the tag (tools.py)
                 params_dict["structural_tag"] = structural_tag
             choices.append(sampling_params_from_dict(params_dict))
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
     return choices
+
+
+@dataclass
+class PreparedChat:
+    context: ModelContext
+    tools: ToolRequest | None
+    inputs: list[GenerationInput]  # one per choice, validated, not yet sent
 
 
 def _runtime_inputs(prompts: list[tuple[str | None, list[int] | None]], choices: list[SamplingParams],
@@ -116,10 +129,12 @@ def _with_openai_param(error: HttpError) -> HttpError:
 
 
 class OpenAIServing:
-    def __init__(self, runner: RequestRunner, contexts: ModelContextCache, limits: HttpLimits) -> None:
+    def __init__(self, runner: RequestRunner, contexts: ModelContextCache, limits: HttpLimits,
+                 work: PromptWork | None = None) -> None:
         self._runner = runner
         self._contexts = contexts
         self._limits = limits
+        self.prompt_work = work or PromptWork()  # large renders and tokenizations, bounded (prompt_budget.py)
 
     async def chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
         """`body_bytes`: the size of the request's body, which decides whether its chat template is rendered
@@ -135,22 +150,36 @@ class OpenAIServing:
         except HttpError as e:
             raise _with_openai_param(e) from None
 
-    async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
+    async def prepare_chat(self, body: ChatCompletionRequest, body_bytes: int) -> PreparedChat:
+        """A chat request checked, rendered and tokenized into its runtime requests, nothing sent yet (the
+        Responses API runs its conversations through this too). HttpError 400 names the field at fault."""
         context = await self._contexts.get()
+        context.check_model(body.model)
         template = context.require_chat_template()
         check_message_count(body.messages, self._limits)
         tools = tool_request(body, context.tool_call_parser, not body.tools or template.renders_tools,
                              context.constrain_tool_calls)
         choice_params = _choice_params(body, 1, self._limits.max_request_fanout, tools.structural_tag() if tools else None)
-        messages = template_messages(body.messages)
+        budget = context.budget
+        budget.check_chars(chat_characters(body.messages, body.tools), "messages")  # before any rendering
+        hidden = context.token_texts.hidden_specials() if context.split_special_tokens_in_messages else None
+        messages = template_messages(body.messages, hidden)
         try:
-            args = (messages, tools.tools if tools else None, context.token_texts.encoder())
-            # the body bounds all the template renders (contents, tool calls, tools)
-            prompt = await off_loop_if(body_bytes > RENDER_INLINE_BYTES, template.prompt, *args)
+            args = (messages, tools.tools if tools else None, context.token_texts.chat_encoder(hidden),
+                    body.render_options())
+            # the budget bounds all the template renders (contents, tool calls, tools) by the context
+            prompt = await self.prompt_work.run(body_bytes > RENDER_INLINE_BYTES, template.prompt, *args)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        if prompt.input_ids is not None:  # a text prompt is measured by the runtime, before it tokenizes
+            budget.check_tokens(len(prompt.input_ids), "messages")
         inputs = _runtime_inputs([(prompt.text, prompt.input_ids)], choice_params, body.logprobs, body.top_logprobs_num(),
                                  body.priority)
+        return PreparedChat(context, tools, inputs)
+
+    async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
+        prepared = await self.prepare_chat(body, body_bytes)
+        context, tools, inputs = prepared.context, prepared.tools, prepared.inputs
         response_id = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -173,6 +202,7 @@ class OpenAIServing:
 
     async def _completions(self, body: CompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
         context = await self._contexts.get()
+        context.check_model(body.model)
         try:
             prompts = body.prompts()
         except ValueError as e:

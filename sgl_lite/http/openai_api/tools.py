@@ -5,6 +5,10 @@ tool_choice (OpenAI's): "none" (no calls; with the constraint on, the model cann
 "auto" (text, calls, or both; a started call can only be a declared function with schema-valid
 arguments), "required" (one or more calls and nothing else), or a named function (exactly that call).
 parallel_tool_calls=false allows one call at most.
+
+With response_format too (pydantic-ai's NativeOutput with tools, for one), the answer schema
+joins the grammar: "auto" allows either one or more calls or the schema's JSON, "none" only the
+schema's JSON, "required" and a named function only calls (as vLLM and SGLang accept both).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ToolRequest:
     parallel: bool
     parser_class: type[ToolCallParser]
     constrained: bool
+    answer_schema: dict[str, Any] | None = None  # response_format's JSON Schema, when the request has one
 
     @property
     def parses_calls(self) -> bool:
@@ -49,8 +54,11 @@ class ToolRequest:
         if not self.constrained:
             return None
         fmt = self.parser_class
+        answer = None
+        if self.answer_schema is not None:
+            answer = {"type": "json_schema", "json_schema": self.answer_schema, "max_whitespace_cnt": _MAX_JSON_WHITESPACE}
         if self.choice == "none":
-            return _structural({"type": "any_text", "excludes": [fmt.call_trigger]})
+            return _structural(answer or {"type": "any_text", "excludes": [fmt.call_trigger]})
         tools = [t for t in self.tools if self.named is None or t["function"]["name"] == self.named]
         tags = [{"type": "tag", "begin": fmt.call_begin(t["function"]["name"]),
                  "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or _EMPTY_PARAMETERS,
@@ -58,9 +66,12 @@ class ToolRequest:
                  "end": fmt.call_end} for t in tools]
         if self.choice == "named":
             return _structural(tags[0])
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": fmt.call_separator, "at_least_one": True,
+                 "stop_after_first": not self.parallel}
         if self.choice == "required":
-            return _structural({"type": "tags_with_separator", "tags": tags, "separator": fmt.call_separator,
-                                "at_least_one": True, "stop_after_first": not self.parallel})
+            return _structural(calls)
+        if answer is not None:  # auto: the calls, or the answer the schema describes
+            return _structural({"type": "or", "elements": [calls, answer]})
         return _structural({"type": "triggered_tags", "triggers": [fmt.call_trigger], "tags": tags,
                             "stop_after_first": not self.parallel})
 
@@ -91,11 +102,13 @@ def tool_request(body: ChatCompletionRequest, parser_name: str | None, renders_t
         if named not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice: function {named!r} is not among the request's tools", "tool_choice")
     mode = "named" if named else (choice or "auto")
-    if constrain and (body.response_format is not None and body.response_format.type != "text"
-                      or body.regex is not None or body.ebnf is not None):
-        raise bad_request("tools: constrained tool calls cannot be combined with response_format, regex or ebnf",
-                          "tools")
-    return ToolRequest(tools, mode, named, body.parallel_tool_calls, PARSERS[parser_name], constrain)
+    if constrain and (body.regex is not None or body.ebnf is not None):
+        raise bad_request("tools: constrained tool calls cannot be combined with regex or ebnf", "tools")
+    try:
+        answer_schema = body.json_schema() if constrain else None
+    except ValueError as e:
+        raise bad_request(str(e), "response_format") from None
+    return ToolRequest(tools, mode, named, body.parallel_tool_calls, PARSERS[parser_name], constrain, answer_schema)
 
 
 def check_tools(tools: list[dict[str, Any]]) -> None:

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.errors import bad_request
 from sgl_lite.http.generation import GenerationInput, RequestRunner
-from sgl_lite.http.openai_api.protocol import MAX_CHOICES, GenerateRequest
+from sgl_lite.http.openai_api.protocol import MAX_CHOICES
+from sgl_lite.http.sglang_api.generate_request import GenerateRequest
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.runtime.protocol import MAX_RID_CHARS, sampling_params_from_dict
@@ -49,13 +50,17 @@ def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[Gene
     if len(prompts) > max_fanout:  # before anything is sent: one request must not flood the runtime
         raise bad_request(f"the batch has {len(prompts)} prompts; at most --max-request-fanout {max_fanout}", field)
     params_list = _per_item(body.sampling_params, len(prompts), "sampling_params")
+    return_logprobs = _per_item(body.return_logprob, len(prompts), "return_logprob")
+    start_lens = _per_item(body.logprob_start_len, len(prompts), "logprob_start_len")
+    top_nums = _per_item(body.top_logprobs_num, len(prompts), "top_logprobs_num")
     rids = _per_item(body.rid, len(prompts), "rid") if isinstance(body.rid, list) else [None] * len(prompts)
     if isinstance(body.rid, str):
         if is_batch:
             raise bad_request("rid must be a list with one id per prompt for a batch", "rid")
         rids = [body.rid]
     inputs = []
-    for (text, input_ids), params, rid in zip(prompts, params_list, rids):
+    for (text, input_ids), params, rid, return_logprob, start_len, top_num in zip(
+            prompts, params_list, rids, return_logprobs, start_lens, top_nums):
         params, n = _split_n(params)
         if rid and len(rid) > MAX_RID_CHARS:  # it comes back in every reply: bounded like on the wire
             raise bad_request(f"rid of {len(rid)} characters is longer than {MAX_RID_CHARS}", "rid")
@@ -67,9 +72,9 @@ def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[Gene
             except ValueError as e:
                 raise bad_request(str(e), "sampling_params") from None
             extra = {"rid": rid} if rid else {}
-            inputs.append(GenerationInput(text, input_ids, sampling, return_logprob=body.return_logprob,
-                                          top_logprobs_num=body.top_logprobs_num,
-                                          logprob_start_len=body.logprob_start_len, priority=body.priority, **extra))
+            inputs.append(GenerationInput(text, input_ids, sampling, return_logprob=return_logprob,
+                                          top_logprobs_num=top_num, logprob_start_len=start_len,
+                                          priority=body.priority, **extra))
         is_batch = is_batch or n > 1  # SGLang answers a list of n results, each prompt's samples together
     if len(inputs) > max_fanout:  # prompts x n, still before anything is sent
         raise bad_request(f"the batch asks for {len(inputs)} generations; at most --max-request-fanout {max_fanout}",
@@ -83,6 +88,8 @@ def _split_n(params: dict[str, Any] | None) -> tuple[dict[str, Any] | None, int]
         return params, 1
     params = dict(params)
     n = params.pop("n")
+    if n is None:  # null is SGLang's default, one sample
+        return params, 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"sampling_params.n must be an integer in 1..{MAX_CHOICES}; got {n!r}", "sampling_params")
     return params, n

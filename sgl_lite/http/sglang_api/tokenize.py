@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sgl_lite.http.chat_template import ChatTemplateError
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.guards.limits import HttpLimits, off_loop_if, parse_body
+from sgl_lite.http.guards.prompt_budget import PromptWork, chat_characters
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_api.protocol import MAX_TOOLS, ChatMessage, Tool
 from sgl_lite.http.openai_api.serving import RENDER_INLINE_BYTES, check_message_count, template_messages
@@ -53,7 +54,9 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpLimits,
-                        protected: list[Depends]) -> None:
+                        protected: list[Depends], work: PromptWork) -> None:
+    """`work`: where large renders and tokenizations run (shared with the chat routes: one bound per front)."""
+
     @app.post("/tokenize", dependencies=protected)
     @app.post("/v1/tokenize", dependencies=protected, include_in_schema=False)
     async def tokenize(request: Request) -> Response:
@@ -64,10 +67,12 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         if body.prompt is not None:
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            encoded = await off_loop_if(sum(map(len, prompts)) > RENDER_INLINE_BYTES,
-                                         lambda: [context.token_texts.encode(text, special) for text in prompts])
+            # One context's worth of text in all (the cost of a request, whatever its prompts' count).
+            context.budget.check_chars(sum(map(len, prompts)), "prompt")
+            encoded = await work.run(sum(map(len, prompts)) > RENDER_INLINE_BYTES,
+                                     context.token_texts.encode_many, prompts, special)
         else:
-            encoded = [await _chat_ids(context, body, limits, len(await request.body()))]
+            encoded = [await _chat_ids(context, body, limits, len(await request.body()), work)]
         one = not isinstance(body.prompt, list)
 
         def answer() -> Response:  # rendered here: a long answer's JSON is built off the event loop too
@@ -95,24 +100,29 @@ def add_tokenize_routes(app: FastAPI, contexts: ModelContextCache, limits: HttpL
         return {"prompt": text}
 
 
-async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLimits, body_bytes: int) -> list[int]:
+async def _chat_ids(context: ModelContext, body: TokenizeRequest, limits: HttpLimits, body_bytes: int,
+                    work: PromptWork) -> list[int]:
+    """The chat's ids as /v1/chat/completions would send them; the same budget (its characters before it is
+    rendered), without the refusal of a prompt over the context (the answer's count says by how much)."""
     assert body.messages is not None
     template = context.require_chat_template()
     check_message_count(body.messages, limits)
+    context.budget.check_chars(chat_characters(body.messages, body.tools), "messages")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     if tools:
         check_tools(tools)  # the limits a chat completion's tools get
         if not template.renders_tools:
             raise bad_request("tools: the model's chat template does not render tools", "tools")
-    messages = template_messages(body.messages)
-    add_special_tokens = bool(body.add_special_tokens)
+    hidden = context.token_texts.hidden_specials() if context.split_special_tokens_in_messages else None
+    messages = template_messages(body.messages, hidden)
+    encode = context.token_texts.chat_encoder(hidden, add_special_tokens=bool(body.add_special_tokens))
+    assert encode is not None  # _with_tokenizer
 
     def render_and_encode() -> list[int]:
-        text = template.render(messages, tools, add_generation_prompt=body.add_generation_prompt)
-        return context.token_texts.encode(text, add_special_tokens)
+        return encode(template.render(messages, tools, add_generation_prompt=body.add_generation_prompt))
 
     try:
-        return await off_loop_if(body_bytes > RENDER_INLINE_BYTES, render_and_encode)
+        return await work.run(body_bytes > RENDER_INLINE_BYTES, render_and_encode)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
 

@@ -1,7 +1,7 @@
 """The interface between the interpreter and whatever serves the model.
 
-RuntimeEndpoint (lang/backend/runtime_endpoint.py) implements it over the ZeroMQ RuntimeClient; tests may
-implement it in-process. `select` is implemented here once, on top of `prefill`, so every backend
+RuntimeEndpoint (lang/backend/runtime_endpoint.py) implements it over ZeroMQ or SGLang's HTTP protocol;
+tests may implement it in-process. `select` is implemented here once, on top of `prefill`, so every backend
 scores choices the same way (see lang/backend/runtime_select.py).
 """
 

@@ -53,7 +53,7 @@ def remaining_output(req: Req) -> int:
     return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
 
 
-def _computed_tokens(req: Req, match: MatchResult, borrow: Borrow | None) -> int:
+def computed_tokens(req: Req, match: MatchResult, borrow: Borrow | None) -> int:
     """The prompt tokens an admission computes: neither cached (`match`) nor borrowed in the batch."""
     return req.seq_len - match.length - (borrow.length if borrow is not None else 0)
 
@@ -139,7 +139,7 @@ class PrefillAdder:
         Borrowed tokens cost no slot and no compute: only the computed ones count against the budgets.
         """
         borrowed = borrow.length if borrow is not None else 0
-        extend_len = _computed_tokens(req, match, borrow)
+        extend_len = computed_tokens(req, match, borrow)
         total_tokens = extend_len + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
         if not alone and total_tokens >= self.rem_total_tokens:
             return False, AddResult.NO_TOKEN
@@ -168,10 +168,10 @@ class PrefillAdder:
 
     def over_input_budget(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> bool:
         """Whether add_one_req refuses `req` this round for its input budget (OTHER), whatever is freed."""
-        return bool(self.plans) and _computed_tokens(req, match, borrow) >= self.rem_input_tokens
+        return bool(self.plans) and computed_tokens(req, match, borrow) >= self.rem_input_tokens
 
     def tokens_short(self, req: Req, match: MatchResult, borrow: Borrow | None = None) -> float:
         """How many more budget tokens `req` needs to pass add_one_req's NO_TOKEN checks (<= 0: none):
         the second one, after its match is locked, when the match no longer counts as evictable."""
-        total_tokens = _computed_tokens(req, match, borrow) + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
+        total_tokens = computed_tokens(req, match, borrow) + min(remaining_output(req), CLIP_MAX_NEW_TOKENS)
         return total_tokens - (self.rem_total_tokens - self.tree_cache.unlocked_length(match.last_node)) + 1

@@ -76,9 +76,10 @@ class Req:
     num_retractions: int = 0
     num_preemptions: int = 0
 
-    # Logprobs, filled by the model runner when return_logprob is set.
+    # Logprobs, filled by the model runner when return_logprob is set (None, and no top logprobs, for a
+    # token a jump-forward wrote: the model never scored it).
     input_token_logprobs: list[float] = field(default_factory=list)
-    output_token_logprobs: list[float] = field(default_factory=list)
+    output_token_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     # Constrained decoding matcher (runtime/grammar.py), None when unconstrained.
@@ -94,6 +95,12 @@ class Req:
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+
+    # Jump-forward decoding (sampling/jump_forward.py): output tokens written by jumps rather than sampled
+    # (net of the sampled tokens their retokenization replaced), and how many leading output tokens no
+    # later jump may retokenize (a stream may have sent them).
+    jump_forward_tokens: int = 0
+    jump_settled: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

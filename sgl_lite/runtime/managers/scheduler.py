@@ -35,10 +35,11 @@ from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
 from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
-from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling
+from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling, PrefillTurns
 from sgl_lite.runtime.managers.stop_checker import StopChecker
 from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
+from sgl_lite.runtime.sampling.jump_forward import JumpForward
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.runtime.speculative.ngram_layout import layout_free_keys
 from sgl_lite.runtime.speculative.ngram_proposer import NgramProposer
@@ -80,6 +81,9 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                                       args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
                                       layout_free_keys(tokenizer, runner.vocab_size)) \
             if args.speculative_algorithm == "ngram" else None
+        # Jump-forward decoding of grammar-forced text (scheduler_decode.py); it needs the tokenizer.
+        self.jump_forward = JumpForward(tokenizer) \
+            if tokenizer is not None and not args.disable_regex_jump_forward else None
         self.validator = RequestValidator(args, tokenizer, runner.vocab_size, context_length, self.num_slots, eos_token_ids)
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
@@ -90,6 +94,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         self._waiting: dict[Req, None] = {}
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.prefill_turns = None if args.disable_fair_prefill else PrefillTurns()
         self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
         self.batch_is_full = False  # set when admission hit the KV budget or the running limit
         self._reports: list[Req] = []  # finished outside a forward (aborts, evictions), reported next step
@@ -253,6 +258,10 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                 self._finish(req, FinishReason(FinishKind.ABORT, message=str(e), error_code="bad_request"))
                 changed.append(req)
                 continue
+            except Exception as e:  # the compile machinery failed (a worker process could not start): this request only
+                self._finish(req, FinishReason(FinishKind.ABORT, message=f"grammar compile failed: {e}", error_code="internal"))
+                changed.append(req)
+                continue
             self._enqueue(req)
         self.grammar_pending = still_pending
 
@@ -270,7 +279,11 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         if req.first_token_time is None:
             req.first_token_time = self.clock()
         if req.grammar is not None and not req.grammar.accept_token(int(token)):
-            # The sampler applies the grammar mask, so this means a masking bug; SGLang aborts too.
+            if req.grammar.admits_nothing():  # a dead end of the request's own grammar: its fault (400)
+                return FinishReason(FinishKind.ABORT, error_code="bad_request", message=(
+                    f"{req.grammar.key[0]} cannot be satisfied: after {len(req.output_ids) - 1} output tokens it "
+                    "allows no next token, not even the end of the output (e.g. a $ref that refers only to itself)"))
+            # Else the sampler did not apply the grammar mask: a bug; SGLang aborts too.
             return FinishReason(FinishKind.ABORT, message=f"the grammar rejected sampled token {token}")
         return self.stop_checker.check(req)
 
@@ -354,6 +367,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             "token_usage": usage,
             "gen_throughput": self.metrics.gen_throughput,
             "generated_tokens_total": self.metrics.generated_tokens_total,
+            "jump_forward_tokens_total": self.metrics.jump_forward_tokens_total,
             "num_finished_requests": self.metrics.finished_requests_total,
             "num_aborted_requests": self.metrics.aborted_requests_total,
             "new_token_ratio": self.new_token_ratio,

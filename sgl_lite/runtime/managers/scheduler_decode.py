@@ -7,6 +7,14 @@ with `--speculative-algorithm ngram`, attaches n-gram drafts (ngram_proposer.py)
 sized together as what pays in the step (`NgramProposer.propose_step`).
 `_process_decode` appends each row's token, or a verified draft's accepted tokens up to a stop, freeing
 the slots of the draft positions it rejected.
+
+Jump-forward (sampling/jump_forward.py): before the batch is built, each constrained request whose
+grammar forces text appends it (`_jump_forward`), its retokenized tail replacing the last output
+tokens that differ; the KV of replaced tokens is freed at once, and the request's row in this step's
+forward extends by every token without KV (its last sampled one, the jumped ones), sampling after the
+last. Stop checks run after each jumped token, so a jump that reaches max_new_tokens, the context or
+a stop string ends the request exactly there, before the forward. A request jumps only when the free
+slots (after eviction) hold its extra tokens, and it does not draft in the step it jumps.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import TYPE_CHECKING
 from sgl_lite.runtime.managers.preemption import new_token_ratio_after_retraction, retraction_order
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
+from sgl_lite.runtime.sampling.jump_forward import RETOKENIZE_TAIL_TOKENS, Jump, move_matcher
 
 if TYPE_CHECKING:
     from sgl_lite.runtime.managers.scheduler import Scheduler
@@ -40,10 +49,74 @@ class DecodeScheduling(_Base):
                 return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
+        if self.jump_forward is not None:
+            self._jump_forward(changed)
+            if not self.running:
+                return None
         drafts = self._drafts() if self.proposer is not None else None
+        # Tokens without KV: 1 per request, more for one that jumped this step.
+        own = [r.seq_len - r.kv_len for r in self.running]
         if drafts is None or not any(drafts):
-            return self.kv.build_batch([(r, 1) for r in self.running], is_decode=True)
-        return self.kv.build_batch([(r, 1 + len(d)) for r, d in zip(self.running, drafts)], is_decode=False, drafts=drafts)
+            return self.kv.build_batch(list(zip(self.running, own)), is_decode=all(n == 1 for n in own))
+        return self.kv.build_batch([(r, n + len(d)) for r, n, d in zip(self.running, own, drafts)], is_decode=False, drafts=drafts)
+
+    def _jump_forward(self, changed: list[Req]) -> None:
+        """Append what each constrained running request's grammar forces (module docstring)."""
+        assert self.jump_forward is not None
+        needed = len(self.running)  # slots this step needs so far (ensure_free found them)
+        for req in list(self.running):
+            if req.grammar is None or len(req.output_ids) < req.sampling_params.min_new_tokens:
+                continue  # under min_new_tokens, a stop string seen again on retokenized text must not end it
+            # Tokens in the radix tree (a retracted request's, re-prefilled) or sent to a stream stay.
+            floor = max(req.jump_settled, req.prefix_len - len(req.input_ids))
+            jump = self.jump_forward.find(req.grammar, req.input_ids, req.output_ids, floor)
+            if jump is None:
+                continue
+            grown = jump.keep + len(jump.tokens) - len(req.output_ids)
+            if not self.kv.ensure_free(needed + max(grown, 0)):
+                continue
+            if not move_matcher(req.grammar, req.output_ids[jump.keep:], jump.tokens):
+                continue
+            reason = self._apply_jump(req, jump)
+            if reason is None:
+                needed += grown
+                continue
+            self._finish(req, reason)
+            changed.append(req)
+            self.running.remove(req)
+            self.batch_is_full = False
+            needed -= 1
+
+    def _apply_jump(self, req: Req, jump: Jump) -> FinishReason | None:
+        """Replace the request's output from `jump.keep` on with the jump's tokens (the matcher has
+        accepted them), one at a time through the stop checks; the reason it must finish, if any."""
+        before = len(req.output_ids)
+        start = len(req.input_ids) + jump.keep
+        if start < req.kv_len:  # the replaced tokens' KV: private slots (floor), recomputed in the extend
+            row = self.req_to_token.table[req.req_pool_idx]
+            self.kv.allocator.free(row[start : req.kv_len].clone())
+            req.kv_len = start
+        del req.output_ids[jump.keep:]
+        if req.return_logprob:
+            del req.output_token_logprobs[jump.keep:]
+            del req.output_top_logprobs[jump.keep:]
+        if req.spec_state is not None:
+            req.spec_state.truncate(start)
+        reason = None
+        for i, token in enumerate(jump.tokens):
+            req.output_ids.append(token)
+            if req.return_logprob:
+                req.output_token_logprobs.append(None)
+                req.output_top_logprobs.append([])
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                req.grammar.rollback(len(jump.tokens) - i - 1)
+                break
+        added = len(req.output_ids) - before
+        req.jump_forward_tokens += added
+        req.jump_settled = max(req.jump_settled, max(before, len(req.output_ids)) - RETOKENIZE_TAIL_TOKENS)
+        self.metrics.on_jump_forward(added)
+        return reason
 
     def _drafts(self) -> list[list[int]] | None:
         """N-gram drafts for the running requests ([] where a request does not draft), or None when
@@ -55,14 +128,15 @@ class DecodeScheduling(_Base):
             # Requests whose next-token distribution depends on the tokens before it in ways the
             # verifier does not replay (penalties, min_new_tokens) decode one token a step; a grammar's
             # state it does replay (speculative/verification.py).
-            plain = (len(req.output_ids) >= params.min_new_tokens
+            plain = (len(req.output_ids) >= params.min_new_tokens and req.kv_len == req.seq_len - 1  # not jumped
                      and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
                      and params.repetition_penalty == 1.0)
             # Room for every accepted token plus the one after: within max_new_tokens and the context.
             limit = min(params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
             drafting.append((req, limit if plain else 0))
         drafts = self.proposer.propose_step(drafting)
-        if len(self.running) + sum(map(len, drafts)) > self.kv.allocator.available_size:
+        own = sum(r.seq_len - r.kv_len for r in self.running)
+        if own + sum(map(len, drafts)) > self.kv.allocator.available_size:
             return None
         return drafts
 
@@ -102,7 +176,7 @@ class DecodeScheduling(_Base):
             req = batch.reqs[i]
             accepted = output.accepted_ids[i] if batch.draft_ids and batch.draft_ids[i] else None
             if accepted is None:
-                req.kv_len += 1
+                req.kv_len += batch.extend_lens[i]  # 1, or more for a request that jumped
                 self._append_token(req, output.next_token_ids[i])
             else:
                 self._append_verified(req, accepted, batch.extend_lens[i])

@@ -37,6 +37,7 @@ class SchedulerMetrics:
         self.tokenizer = tokenizer
         self.clock = clock
         self.generated_tokens_total = 0
+        self.jump_forward_tokens_total = 0  # output tokens written by jump-forward (part of the generated ones)
         self.finished_requests_total = 0
         self.aborted_requests_total = 0
         self.gen_throughput = 0.0  # token/s over the last completed decode-log interval
@@ -49,7 +50,7 @@ class SchedulerMetrics:
         tokens = sum(batch.sample)
         self.generated_tokens_total += tokens
         self._interval_tokens += tokens
-        if not batch.is_decode and not batch.draft_ids:  # a speculative verification step is a decode step
+        if num_prefill:  # a speculative verification step, or one extending jumped requests, is a decode step
             if logger.isEnabledFor(logging.INFO):
                 logger.info(self._prefill_line(scheduler, batch, num_prefill))
             return
@@ -78,6 +79,12 @@ class SchedulerMetrics:
 
     def on_accepted_drafts(self, num_tokens: int) -> None:
         """Draft tokens a verification step added beyond its one token per row (counted by on_batch)."""
+        self.generated_tokens_total += num_tokens
+        self._interval_tokens += num_tokens
+
+    def on_jump_forward(self, num_tokens: int) -> None:
+        """Output tokens a jump-forward wrote (net of the sampled ones its retokenization replaced)."""
+        self.jump_forward_tokens_total += num_tokens
         self.generated_tokens_total += num_tokens
         self._interval_tokens += num_tokens
 

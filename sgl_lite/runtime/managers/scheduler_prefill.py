@@ -6,17 +6,28 @@ policy for candidates, admits them through `PrefillAdder` within the KV / prefil
 (preempting less urgent running requests under priority scheduling, and letting a request borrow a
 prefix computed earlier in the same batch), then allocates their slots. After the forward,
 `_process_prefill` advances each row, puts prefilled prompts into the radix tree and starts decoding.
+
+Fair prefill (sgl_lite's, off with --disable-fair-prefill): while a long prompt is chunked, it no
+longer holds every step. Its prefill rounds alternate between SGLang's (the chunk first, with the
+whole chunk budget) and shared rounds, where the waiting requests whose whole remaining prompt fits
+the chunk budget go first, in policy order, skipping those that would need chunking themselves (only
+one prompt is chunked at a time), and the chunk takes what is left. And a decode step of the running
+requests follows every prefill round that leaves a prompt longer than a chunk still chunked (unless
+--enable-mixed-chunk runs their decode inside it). So a short request that arrives behind any number
+of long prompts is prefilled within two prefill rounds, and running requests keep decoding, while the
+long prompt still gets at least every other round (docs/scheduling.md, section 6).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex, Borrow
 from sgl_lite.runtime.managers.policy import prefix_match_key
 from sgl_lite.runtime.managers.preemption import preemption_victims
-from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, reserved_output
+from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, computed_tokens, reserved_output
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
@@ -30,25 +41,57 @@ else:
 
 logger = logging.getLogger("sgl_lite.runtime.managers.scheduler")
 
+# How deep a shared round looks into the waiting queue for requests that fit whole: each look is one
+# radix match, and two full-fanout HTTP batches (--max-request-fanout 256) of long prompts fit in it.
+SHARED_ROUND_SCAN = 512
+
+
+@dataclass
+class PrefillTurns:
+    """Fair prefill's turns while a prompt is chunked (module docstring)."""
+
+    shared_next: bool = False  # the next prefill round with a chunk in flight is a shared round
+    decode_next: bool = False  # the next step decodes the running requests
+
+    def take_shared_round(self) -> bool:
+        shared, self.shared_next = self.shared_next, not self.shared_next
+        return shared
+
 
 class PrefillScheduling(_Base):
     def _prefill_batch(self) -> tuple[ForwardBatch | None, int]:
         """The next prefill batch (None: decode instead) and how many of its rows are prefill rows
         (with --enable-mixed-chunk, the running requests' decode rows follow them)."""
+        turns = self.prefill_turns
+        if turns is not None and turns.decode_next:
+            turns.decode_next = False
+            if self.running:
+                return None, 0
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None, 0
         mixed = len(self.running) if self.args.enable_mixed_chunk else 0
         adder = PrefillAdder(self.kv.tree_cache, self.kv.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
-        if self.chunked_req is not None:
+        shared = turns is not None and self.chunked_req is not None and bool(self._waiting) and turns.take_shared_round()
+        if self.chunked_req is not None and not shared:
             adder.add_chunked_req(self.chunked_req)
-        admitted = self._admit(adder)
+        admitted = self._admit(adder, whole_only=shared)
+        if shared:
+            adder.add_chunked_req(self.chunked_req)  # after the waiting requests: it takes what they left
         if not adder.plans:
             return None, 0
+        if turns is not None:
+            # A prompt longer than a chunk holds several rounds: the running requests decode between them.
+            chunked = adder.new_chunked_req
+            turns.decode_next = chunked is not None and chunked.seq_len > (self.chunk_size or 0) and not mixed
         return self._commit(adder, admitted, mixed), len(adder.plans)
 
-    def _admit(self, adder: PrefillAdder) -> list[Req]:
-        """Plan the waiting requests that join this prefill (in `adder`); return them, still queued."""
+    def _admit(self, adder: PrefillAdder, whole_only: bool = False) -> list[Req]:
+        """Plan the waiting requests that join this prefill (in `adder`); return them, still queued.
+
+        `whole_only` (a shared round, a prompt is being chunked): only requests whose whole remaining
+        prompt fits the budgets join, looked for up to SHARED_ROUND_SCAN deep in policy order.
+        """
         sharing = None
         if not self.kv.tree_cache.disable and not self.args.disable_in_batch_prefix_sharing:
             sharing = BatchPrefixIndex()
@@ -59,14 +102,26 @@ class PrefillScheduling(_Base):
         # Admission stops at the first request it cannot take (or one past the row limit, when no
         # preemption can make room), so the policy need not order more than this.
         limit = max(min(rows_left, max_new if max_new is not None else rows_left), 0) + 1
+        if whole_only:
+            limit = max(limit, SHARED_ROUND_SCAN)
         candidates, matches = self.policy.candidates(self._waiting, limit) if self._waiting else ([], {})
+        if whole_only and self.args.enable_priority_scheduling:
+            # The queue is in urgency order: only requests as urgent as the chunked one share its rounds.
+            now = self.policy.clock()
+            chunk_urgency = self.policy.urgency(self.chunked_req, now)
+            candidates = [r for r in candidates[:limit] if self.policy.urgency(r, now) <= chunk_urgency]
         admitted: list[Req] = []
-        for req in candidates:
+        for req in candidates[:limit] if whole_only else candidates:
             if adder.new_chunked_req is not None or (max_new is not None and len(adder.plans) >= max_new):
                 break
             key = prefix_match_key(req)
+            if whole_only and req not in matches and not self._may_fit_whole(req, key, adder):
+                continue
             match = matches.get(req) or self.kv.tree_cache.match_prefix(key)
             borrow = sharing.borrow(req.fill_ids, match.length, len(key)) if sharing else None
+            if whole_only and (computed_tokens(req, match, borrow) > (adder.rem_chunk_tokens or 0)
+                               or adder.over_input_budget(req, match, borrow)):
+                continue  # it would need chunking, or more than this round's input budget: a later round
             ok, result, freed = self._add_preempting(req, match, borrow, adder, need_row=len(admitted) >= rows_left)
             rows_left += freed
             if ok:
@@ -78,6 +133,13 @@ class PrefillScheduling(_Base):
                     self.batch_is_full = True
                 break
         return admitted
+
+    def _may_fit_whole(self, req: Req, key: list[int], adder: PrefillAdder) -> bool:
+        """False when `req` cannot fit the chunk budget whole, known without a radix match: its prompt is
+        longer than the budget and the tree holds nothing that starts like it (one dict lookup)."""
+        if req.seq_len - req.kv_len <= (adder.rem_chunk_tokens or 0) or not key:
+            return True
+        return key[0] in self.kv.tree_cache.root_node.children
 
     def _add_preempting(self, req: Req, match: MatchResult, borrow: Borrow | None, adder: PrefillAdder,
                         need_row: bool) -> tuple[bool, AddResult, int]:

@@ -53,9 +53,9 @@ class StopChecker:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer")
             window_ids = req.output_ids[-(_TOKENS_PER_CHAR * stops.max_length + 1):]
-            skip = params.skip_special_tokens
-            tail = self.tokenizer.decode(window_ids, skip_special_tokens=skip)
-            before = self.tokenizer.decode(window_ids[:-1], skip_special_tokens=skip)
+            options = params.decode_options()
+            tail = self.tokenizer.decode(window_ids, **options)
+            before = self.tokenizer.decode(window_ids[:-1], **options)
             matched = stops.first_ending_in(tail, _new_text_start(tail, before))
             if matched is not None:
                 return FinishReason(FinishKind.STOP, matched=matched)

@@ -28,6 +28,13 @@ class QueueFullError(ValueError):
     """The waiting queue holds --max-queued-requests requests."""
 
 
+def client_of(rid: str) -> str:
+    """The client a request came from, for what is shared fairly between clients (grammar compiles):
+    the server keys a request as "<client identity hex>/<its rid>" (server/event_loop.py); "" in process."""
+    client, slash, _ = rid.partition("/")
+    return client if slash else ""
+
+
 class RequestValidator:
     def __init__(
         self,
@@ -68,6 +75,10 @@ class RequestValidator:
             if len(text) > self.context_length * self.max_token_chars:
                 raise ValueError(f"the prompt text ({len(text)} characters) is longer than the context length "
                                  f"{self.context_length} tokens can hold")
+            cap = self.args.max_prefill_tokens_per_request
+            if cap is not None and len(text) > cap * self.max_token_chars:
+                raise ValueError(f"the prompt text ({len(text)} characters) is longer than "
+                                 f"--max-prefill-tokens-per-request {cap} tokens can hold")
             return
         if not isinstance(input_ids, list):
             raise ValueError("input_ids must be a list of integers")
@@ -97,9 +108,13 @@ class RequestValidator:
         check_grammar_limits(params, self.args.max_grammar_chars, self.args.max_json_schema_depth)
         backend = self._grammar()
         backend.validate(params)
-        return backend.request_matcher(params)
+        return backend.request_matcher(params, owner=client_of(req.rid))
 
     def _check_length(self, n: int, params: SamplingParams) -> None:
+        cap = self.args.max_prefill_tokens_per_request
+        if cap is not None and n > cap:
+            raise ValueError(f"prompt ({n} tokens) exceeds --max-prefill-tokens-per-request {cap}: "
+                             "one request may prefill at most that many tokens on this server")
         if n + params.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context length "
@@ -134,6 +149,11 @@ class RequestValidator:
     def is_compiling(self) -> bool:
         return self._grammar_backend is not None and self._grammar_backend.is_compiling()
 
+    def close(self) -> None:
+        """Stop the grammar compile workers (their processes) and cancel what they had queued."""
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()
+
     def _grammar(self) -> Any:
         if self._grammar_backend is None:
             if self.tokenizer is None:
@@ -141,5 +161,6 @@ class RequestValidator:
             from sgl_lite.runtime.sampling.grammar import GrammarBackend
 
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.args.grammar_compile_workers,
+                                                   cpu_seconds=self.args.grammar_compile_timeout,
                                                    eos_token_ids=self.eos_token_ids)
         return self._grammar_backend

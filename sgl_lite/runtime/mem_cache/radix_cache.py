@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import torch
 
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache import tree_checks
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 
 if TYPE_CHECKING:
@@ -305,46 +306,10 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant (see the module docstring)."""
-        evictable = protected = count = 0
-        seen: list[torch.Tensor] = []
-        for node in self._iter_nodes():
-            count += 1
-            assert node.lock_ref >= 0, f"{node!r} has negative lock_ref"
-            assert not node.evicted, f"{node!r} is in the tree but marked evicted"
-            for first, child in node.children.items():
-                assert child.parent is node, f"{child!r} has a wrong parent pointer"
-                assert child.key and child.key[0] == first, f"{child!r} stored under {first}, key starts {child.key[:1]}"
-                if node is not self.root_node:
-                    assert node.lock_ref >= child.lock_ref, f"{node!r} has a smaller lock_ref than child {child!r}"
-            if node is self.root_node:
-                continue
-            assert len(node.value) == len(node.key), f"{node!r} has {len(node.value)} slots for {len(node.key)} tokens"
-            assert node.parent is not None and node.depth == node.parent.depth + len(node.key), f"{node!r} has a wrong depth"
-            if node.lock_ref:
-                protected += len(node.key)
-            else:
-                evictable += len(node.key)
-            seen.append(node.value)
-        assert count == self._num_nodes, f"node count {self._num_nodes} but the tree has {count}"
-        assert evictable == self._evictable_size, f"evictable_size {self._evictable_size} but recount {evictable}"
-        assert protected == self._protected_size, f"protected_size {self._protected_size} but recount {protected}"
-        if self.allocator is not None and seen:
-            slots = torch.cat(seen)
-            unique = torch.unique(slots)
-            assert unique.numel() == slots.numel(), f"{slots.numel() - unique.numel()} slot(s) appear on two nodes"
-            assert int(slots.min()) >= 1 and int(slots.max()) <= self.allocator.num_slots, "tree holds an invalid slot"
+        tree_checks.check_integrity(self)
 
     def pretty_print(self) -> str:
-        lines = [f"RadixCache(nodes={self._num_nodes}, evictable={self._evictable_size}, protected={self._protected_size})"]
-        stack = [(child, 1) for child in reversed(list(self.root_node.children.values()))]
-        while stack:
-            node, depth = stack.pop()
-            shown = list(node.key[:8]) + (["..."] if len(node.key) > 8 else [])
-            lines.append(
-                f"{'  ' * depth}#{node.id} {shown} len={len(node.key)} lock={node.lock_ref} t={node.last_access_time}"
-            )
-            stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
-        return "\n".join(lines)
+        return tree_checks.pretty_print(self)
 
     # ---------------------------------------------------------------- internals
 

@@ -7,7 +7,8 @@ whitespace allowed, small models and random logits can loop on spaces and newlin
 xgrammar 0.2.8 lets raw control characters (U+0000-U+001F, e.g. a tab) into strings that carry a
 minLength/maxLength, which makes the output invalid JSON (RFC 8259; json.loads rejects it). We
 convert the schema to EBNF ourselves and tighten that character class before compiling
-(see json_schema_ebnf); tests/test_grammar.py checks both the upstream behaviour and our fix.
+(json_schema_ebnf in compile_worker.py, which runs every conversion and compile in a worker process);
+tests/test_grammar.py checks both the upstream behaviour and our fix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -26,6 +26,10 @@ import xgrammar
 
 from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.sampling.compile_pool import CompilePool
+from sgl_lite.runtime.sampling.compile_process import CompileProcess, ForkServer
+from sgl_lite.runtime.sampling.compile_worker import first_line
+from sgl_lite.runtime.sampling.compile_worker import json_schema_ebnf as json_schema_ebnf  # re-exported
+from sgl_lite.runtime.sampling.compile_worker import structural_tag_ebnf as structural_tag_ebnf  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -57,32 +61,6 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
                 return (kind, getattr(params, kind))
         return (kind, json.dumps(spec, separators=(",", ":")))
     return None
-
-
-# The character class xgrammar uses for length-bounded JSON strings, and the RFC 8259 one.
-_LENIENT_JSON_STRING_CHAR = r'[^\"\\\r\n]'
-_STRICT_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
-
-
-def json_schema_ebnf(schema_text: str) -> str:
-    """The EBNF of a JSON schema (compact separators), with strings free of raw control characters."""
-    ebnf = str(xgrammar.Grammar.from_json_schema(schema_text, any_whitespace=False))
-    return ebnf.replace(_LENIENT_JSON_STRING_CHAR, _STRICT_JSON_STRING_CHAR)
-
-
-def structural_tag_ebnf(tag_text: str) -> str:
-    """The EBNF of an xgrammar structural tag, its JSON parts' strings free of raw control characters."""
-    ebnf = str(xgrammar.Grammar.from_structural_tag(tag_text))
-    return ebnf.replace(_LENIENT_JSON_STRING_CHAR, _STRICT_JSON_STRING_CHAR)
-
-
-def _ebnf_of(kind: str, text: str) -> str | None:
-    """The EBNF we compile for a JSON-based constraint (None for regex, which compiles directly)."""
-    if kind == "json_schema":
-        return json_schema_ebnf(text)
-    if kind == "structural_tag":
-        return structural_tag_ebnf(text)
-    return text if kind == "ebnf" else None
 
 
 class GrammarMatcher:
@@ -147,12 +125,24 @@ class GrammarMatcher:
             bitmask[len(draft)].fill_(-1)
         self.rollback(len(draft))
 
+    def jump_forward_string(self) -> str:
+        """The text the grammar forces next (xgrammar's find_jump_forward_string; state unchanged): ""
+        when the next character is the model's choice, or when the forced bytes are not whole UTF-8
+        characters (they then stay the model's to decode)."""
+        if self._matcher.is_terminated():
+            return ""
+        try:
+            return self._matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            return ""
+
     def reset(self) -> None:
         """Back to the start of the grammar (for a request whose output is recomputed from scratch)."""
         self._matcher.reset()
 
     def admits_nothing(self) -> bool:
-        """True for a grammar whose language is empty: not even a first token (or EOS) is allowed."""
+        """True when no next token (not even EOS) is allowed from the current state: at the start, a grammar
+        whose language is empty; later, a dead end the output cannot be completed from."""
         bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         self._matcher.fill_next_token_bitmask(bitmask, 0)
         return not bool(bitmask.any())
@@ -173,8 +163,9 @@ class GrammarMatcher:
 
 
 class GrammarBackend:
-    """Compiles constraints for one tokenizer/model, once per distinct spec, on worker threads
-    (compile_pool.py: daemon threads, smallest spec first, abandoned compiles cancelled).
+    """Compiles constraints for one tokenizer/model, once per distinct spec, in worker processes
+    (compile_pool.py: smallest spec first, fair between clients; compile_worker.py: a compile nobody
+    waits for any more is killed, and none runs past `cpu_seconds` of CPU time).
 
     `vocab_size` is the MODEL's vocabulary (the logits width), which may exceed len(tokenizer):
     the extra ids are never allowed by a grammar.
@@ -187,15 +178,19 @@ class GrammarBackend:
         max_workers: int = 2,
         *,
         eos_token_ids: Iterable[int] | None = None,
+        cpu_seconds: float = 60.0,
     ) -> None:
         stop_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else None
         self.vocab_size = vocab_size
+        self.cpu_seconds = cpu_seconds
         self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
         )
-        # One compile thread per worker: the box is shared with the model's forward pass.
-        self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=max_workers, cache_enabled=True)
-        self._pool = CompilePool(max_workers)
+        self._info_lock = threading.Lock()
+        self._info_json: str | None = None
+        # One single-threaded worker process each: the box is shared with the model's forward pass.
+        self._fork_server = ForkServer(self._tokenizer_info_json)
+        self._pool = CompilePool(max_workers, lambda: CompileProcess(self._fork_server))
         self._compiled: OrderedDict[GrammarKey, concurrent.futures.Future[xgrammar.CompiledGrammar]] = OrderedDict()
         self._waiters: Counter[GrammarKey] = Counter()  # requests waiting for each key's compile
         self._lock = threading.Lock()
@@ -221,10 +216,10 @@ class GrammarBackend:
             elif kind == "ebnf":
                 xgrammar.Grammar.from_ebnf(text)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
+            raise ValueError(f"invalid {kind}: {first_line(e)}") from None
 
-    def request_matcher(self, params: SamplingParams) -> concurrent.futures.Future[GrammarMatcher]:
-        """A Future of a fresh matcher for the request's constraint.
+    def request_matcher(self, params: SamplingParams, owner: str = "") -> concurrent.futures.Future[GrammarMatcher]:
+        """A Future of a fresh matcher for the request's constraint (`owner`: the client asking).
 
         The compile of each distinct spec runs once on the executor and is shared; every call gets
         its own matcher. The Future raises ValueError("invalid <kind>: ...") when compiling fails.
@@ -232,7 +227,7 @@ class GrammarBackend:
         key = grammar_key(params)
         if key is None:
             raise ValueError("request_matcher called for a request without regex, json_schema, ebnf or structural_tag")
-        compiled_future = self.compiled_future(key)
+        compiled_future = self.compiled_future(key, owner)
         with self._lock:
             self._waiters[key] += 1
         matcher_future: concurrent.futures.Future[GrammarMatcher] = concurrent.futures.Future()
@@ -251,14 +246,14 @@ class GrammarBackend:
         compiled_future.add_done_callback(build_matcher)
         return matcher_future
 
-    def compiled_future(self, key: GrammarKey) -> concurrent.futures.Future[xgrammar.CompiledGrammar]:
+    def compiled_future(self, key: GrammarKey, owner: str = "") -> concurrent.futures.Future[xgrammar.CompiledGrammar]:
         """The (cached) compile of `key`; the same Future object for the same key while it is cached."""
         with self._lock:
             future = self._compiled.get(key)
             if future is not None:
                 self._compiled.move_to_end(key)
                 return future
-            future = self._pool.submit(len(key[1]), lambda: self._compile(key))
+            future = self._pool.submit(len(key[1]), lambda process: self._compile(process, key), owner)
             self._compiled[key] = future
             if len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -282,33 +277,21 @@ class GrammarBackend:
             del self._compiled[key]
         self._pool.write_off(future)
 
-    def _compile(self, key: GrammarKey) -> xgrammar.CompiledGrammar:
-        kind, text = key
-        try:
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            return self._compiler.compile_grammar(_ebnf_of(kind, text))
-        except (RuntimeError, ValueError, TypeError, xgrammar.InvalidStructuralTagError, xgrammar.InvalidJSONError) as e:
-            raise ValueError(f"invalid {kind}: {_first_line(e)}") from None
+    def _compile(self, process: CompileProcess, key: GrammarKey) -> xgrammar.CompiledGrammar:
+        """On a pool thread: compile in its worker process, and rebuild the result against our TokenizerInfo."""
+        serialized = process.compile(key[0], key[1], self.cpu_seconds)
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+
+    def _tokenizer_info_json(self) -> str:
+        """What a worker process starts from (serialized once, on the first worker's start, off the scheduler thread)."""
+        with self._info_lock:
+            if self._info_json is None:
+                self._info_json = self.tokenizer_info.serialize_json()
+            return self._info_json
 
     def is_compiling(self) -> bool:
         return self._pool.busy()
 
     def shutdown(self) -> None:
+        self._fork_server.close()  # first: a worker start waiting for it ends at once
         self._pool.shutdown()
-
-
-# xgrammar messages look like "[18:28:53] /project/cpp/regex_converter.cc:83: Check failed: (x) is false: <message>".
-_XGRAMMAR_ERROR_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|h):\d+:\s*)?(Check failed: .*? is false:\s*)?")
-
-
-# xgrammar echoes the whole input in some messages; an error reply needs only the start of it.
-_MAX_ERROR_CHARS = 300
-
-
-def _first_line(error: BaseException) -> str:
-    """The human part of an xgrammar error: its first line without the C++ location prefix."""
-    lines = str(error).strip().splitlines()
-    text = _XGRAMMAR_ERROR_PREFIX.sub("", lines[0]) if lines else ""
-    text = text or type(error).__name__
-    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."

@@ -91,35 +91,49 @@ class Sampler:
         self._apply_penalties(out, reqs)
         return out
 
-    def target_probs(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-        """[B, V] float32: the distribution `sample` draws row i from, for requests that need no
-        logit processing but their grammar mask, already applied by the caller (speculative
-        verification: no penalties or pending min_new_tokens).
+    def peek_uniforms(self, req: Req, count: int, device: torch.device) -> torch.Tensor:
+        """The next `count` uniforms of the request's generator [count], left unconsumed.
 
-        softmax(logits / temperature) with top-k, top-p and min-p applied and renormalized; a greedy
-        row is one-hot on its argmax.
+        Drawn one at a time, as `_choose` draws them (one per sampled token), so the i-th value is the
+        uniform plain decoding would use for the request's i-th next token; `skip_uniforms` then consumes
+        as many as were used.
         """
-        if any(_has_penalty(r) or len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
-            raise ValueError("target_probs takes only requests without penalties or pending min_new_tokens")
-        raw = logits.float()
-        probs = torch.zeros_like(raw)
-        greedy = torch.tensor([r.sampling_params.is_greedy for r in reqs], device=raw.device)
-        probs[greedy] = torch.nn.functional.one_hot(raw[greedy].argmax(dim=-1), raw.shape[1]).float()
-        rows = (~greedy).nonzero().squeeze(1).tolist()
-        if rows:
-            index = torch.tensor(rows, device=raw.device)
-            params = [reqs[i].sampling_params for i in rows]
-            temperature = torch.tensor([p.temperature for p in params], device=raw.device).unsqueeze(1)
-            sub = torch.softmax(raw[index] / temperature, dim=-1)
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                sorted_probs, order = sub.sort(dim=-1, descending=True)
-                sub = torch.zeros_like(sub).scatter_(1, order, _filter_sorted_probs(sorted_probs, params))
-            probs[index] = sub / sub.sum(dim=-1, keepdim=True)
-        return probs
+        generator = self._generator(req, device)
+        state = generator.get_state()
+        values = torch.cat([torch.rand(1, generator=generator, device=device) for _ in range(count)])
+        generator.set_state(state)
+        return values
 
-    def uniform(self, req: Req, device: torch.device) -> float:
-        """One uniform draw from the request's own generator (seeded requests stay reproducible)."""
-        return float(torch.rand(1, generator=self._generator(req, device), device=device))
+    def skip_uniforms(self, req: Req, count: int, device: torch.device) -> None:
+        """Consume `count` uniforms of the request's generator, as `count` sampled tokens would."""
+        generator = self._generator(req, device)
+        for _ in range(count):
+            torch.rand(1, generator=generator, device=device)
+
+    def sampled_ids(self, logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+        """The token each row of processed `logits` [R, V] samples with its uniform [R] (sampled rows only):
+        softmax(logits / temperature), top-k/top-p/min-p on the sorted probabilities, one inverse-CDF draw.
+
+        The one choice rule of plain decoding and of speculative verification: given the same row and
+        uniform, both pick the same token.
+        """
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        picked = torch.empty(len(params), dtype=torch.long, device=device)
+        filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+        plain = [row for row, f in enumerate(filtered) if not f]
+        if plain:
+            plain_index = torch.tensor(plain, device=device)
+            picked[plain_index] = _inverse_cdf(probs[plain_index], uniforms[plain_index])
+        rows = [row for row, f in enumerate(filtered) if f]
+        if rows:
+            index = torch.tensor(rows, device=device)
+            row_params = [params[row] for row in rows]
+            sorted_probs, order = _largest_probs(probs[index], row_params)
+            choice = _inverse_cdf(_filter_sorted_probs(sorted_probs, row_params), uniforms[index])
+            picked[index] = order.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return picked
 
     # ---------------------------------------------------------------- processing
 
@@ -173,27 +187,11 @@ class Sampler:
         device = logits.device
         row_index = torch.tensor(sampled_rows, device=device)
         params = [reqs[i].sampling_params for i in sampled_rows]
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        probs = torch.softmax(logits[row_index] / temperature, dim=-1)
         # Inverse-CDF sampling: one uniform per row, drawn from that request's own generator.
         uniforms = torch.cat(
             [torch.rand(1, generator=self._generator(reqs[i], device), device=device) for i in sampled_rows]
         )
-
-        picked = torch.empty(len(sampled_rows), dtype=torch.long, device=device)
-        filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-        plain = [row for row, f in enumerate(filtered) if not f]
-        if plain:
-            plain_index = torch.tensor(plain, device=device)
-            picked[plain_index] = _inverse_cdf(probs[plain_index], uniforms[plain_index])
-        rows = [row for row, f in enumerate(filtered) if f]
-        if rows:
-            index = torch.tensor(rows, device=device)
-            row_params = [params[row] for row in rows]
-            sorted_probs, order = _largest_probs(probs[index], row_params)
-            choice = _inverse_cdf(_filter_sorted_probs(sorted_probs, row_params), uniforms[index])
-            picked[index] = order.gather(1, choice.unsqueeze(1)).squeeze(1)
-        next_ids[row_index] = picked
+        next_ids[row_index] = self.sampled_ids(logits[row_index], params, uniforms)
         return next_ids
 
     def _generator(self, req: Req, device: torch.device) -> torch.Generator:

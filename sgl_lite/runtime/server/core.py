@@ -8,7 +8,8 @@ ValueError naming the field at fault), `step` runs one scheduler step, `abort`, 
 `has_work` and `take_reports` do what they say, and `stream_state` gives a request's incremental
 detokenizer with the stop-string hold-back. Finished requests come out in SGLang's output shape:
 text with the stop marker trimmed (`output_text`), and `meta_info`
-{prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, logprob lists]}.
+{prompt_tokens, completion_tokens, cached_tokens, finish_reason, e2e_latency[, queue_time][, jump_forward_tokens]
+[, logprob lists]}.
 
 Test hook: `from_args` honours SGL_LITE_FAULT_INJECT (model_executor/fault_injection.py), which makes forward
 passes fail on purpose; unset, it changes nothing.
@@ -27,6 +28,7 @@ from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_stop
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
 from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
+from sgl_lite.runtime.sampling.jump_forward import RETOKENIZE_TAIL_TOKENS, is_constrained
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -84,10 +86,11 @@ class RuntimeCore:
 
     def close(self) -> None:
         """Stop the processes and threads this runtime started: the tensor-parallel ranks, the
-        tokenizer thread (idempotent)."""
+        tokenizer thread, the grammar compile workers (idempotent)."""
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_pool = None
+        self.scheduler.validator.close()
         tp = getattr(self.runner, "tp", None)  # test runners have no TP group
         if tp is not None:
             tp.close()
@@ -113,7 +116,7 @@ class RuntimeCore:
         return self.scheduler.has_ready_work()
 
     def is_compiling_grammar(self) -> bool:
-        """A grammar compile is running (xgrammar cannot interrupt it; exit need not wait for it)."""
+        """A grammar compile is running (in a worker process, killed by close(); exit need not wait for it)."""
         return self.scheduler.validator.is_compiling()
 
     def step(self) -> list[Req]:
@@ -139,7 +142,10 @@ class RuntimeCore:
         """The streaming state of `req`: incremental text deltas that never include a prefix of a
         stop string the final text may cut."""
         params = req.sampling_params
-        return IncrementalDetokenizer(lambda ids: self.decode(ids, params), stop_hold_back_chars(params.stop_strings()))
+        # A jump-forward may retokenize a constrained request's last output ids (sampling/jump_forward.py).
+        hold_ids = RETOKENIZE_TAIL_TOKENS if self.scheduler.jump_forward is not None and is_constrained(params) else 0
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, params), stop_hold_back_chars(params.stop_strings()),
+                                      hold_ids)
 
     # ------------------------------------------------------------------ requests
 
@@ -184,8 +190,8 @@ class RuntimeCore:
         )
 
     def decode(self, ids: list[int], params: SamplingParams | None = None) -> str:
-        skip = params.skip_special_tokens if params is not None else True
-        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        options = params.decode_options() if params is not None else {"skip_special_tokens": True}
+        return self.tokenizer.decode(ids, **options)
 
     def output_text(self, req: Req) -> str:
         """The final text: stop token left out and stop string cut (unless no_stop_trim)."""
@@ -211,6 +217,8 @@ class RuntimeCore:
         admitted, entered = req.admission_time, req.queue_enter_time
         if admitted is not None and admitted >= entered:
             meta["queue_time"] = admitted - entered
+        if req.grammar is not None:  # output tokens jump-forward wrote instead of sampling them
+            meta["jump_forward_tokens"] = req.jump_forward_tokens
         if req.spec_verify_ct:
             # SGLang's meta_info names: verification forwards, and accepted draft tokens per forward.
             meta["spec_verify_ct"] = req.spec_verify_ct
@@ -234,6 +242,8 @@ class RuntimeCore:
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "eos_token": getattr(tok, "eos_token", None),
             "eos_token_ids": list(self.eos_token_ids),
+            # a prompt text longer than context_length x this is refused before tokenizing (validation.py)
+            "max_token_chars": self.scheduler.validator.max_token_chars,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "kv_cache": self.runner.kv_cache_summary(),
         }
@@ -242,7 +252,8 @@ class RuntimeCore:
         from dataclasses import asdict
 
         args = asdict(self.args)
-        args.pop("api_key", None)  # never echo the secret
+        args.pop("api_key", None)  # never echo the secrets
+        args.pop("admin_api_key", None)
         return {**self.model_info(), **self.scheduler.stats(), "server_args": args}
 
 

@@ -15,6 +15,11 @@ before a waiting window's trailing U+FFFD run) and (b) the last `hold_back_chars
 withheld while the request runs: a stop string can only be trimmed from the final text starting
 inside that withheld tail (the scheduler ends the request on the token that completes the stop
 string, so before that at most len(stop) - 1 of its characters were in the text).
+
+A constrained request's last output ids can still change while it runs: jump-forward retokenizes at
+most its last RETOKENIZE_TAIL_TOKENS (sampling/jump_forward.py, never below what it may have sent).
+Its stream state is made with `hold_back_ids` = that many, and reads (text and ids) only the ids before
+them until `finish`, so the ids of its chunks also add up to the final output ids.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Per-request streaming state. `decode` maps token ids to text (the runtime's decode rule)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], hold_back_chars: int = 0) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], hold_back_chars: int = 0, hold_back_ids: int = 0) -> None:
         self._decode = decode
         self._hold_back_chars = max(hold_back_chars, 0)
+        self._hold_back_ids = max(hold_back_ids, 0)  # trailing ids that may still be replaced (until finish)
         self._prefix_offset = 0  # window start: ids before it are fully reflected in _confirmed
         self._read_offset = 0  # ids before it are decoded into _confirmed
         self._confirmed = ""  # decoded text of ids[:read_offset] (ends with a whole character)
@@ -40,14 +46,22 @@ class IncrementalDetokenizer:
         self._sent_chars = 0  # how much of _confirmed has been handed out
         self._sent_ids = 0  # how many output ids have been reported through `new_ids`
 
+    def settled(self, output_ids: Sequence[int]) -> Sequence[int]:
+        """The ids that can no longer change: all after `finish`, else all but the held-back ones."""
+        if self._hold_back_ids == 0:
+            return output_ids
+        return output_ids[: max(len(output_ids) - self._hold_back_ids, 0)]
+
     def new_ids(self, output_ids: Sequence[int]) -> list[int]:
         """The ids produced since the previous call (reported with each chunk)."""
+        output_ids = self.settled(output_ids)
         fresh = list(output_ids[self._sent_ids :])
-        self._sent_ids = len(output_ids)
+        self._sent_ids = max(self._sent_ids, len(output_ids))
         return fresh
 
     def update(self, output_ids: Sequence[int]) -> str:
         """Take the full output ids so far; return the text that is safe to stream now (maybe "")."""
+        output_ids = self.settled(output_ids)
         if len(output_ids) > self._read_offset:
             # only the window is copied: a long output's whole id list once per streamed token adds up
             settled_text = self._decode(list(output_ids[self._prefix_offset : self._read_offset]))
@@ -71,7 +85,8 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self, final_text: str) -> str:
-        """The last delta: whatever of `final_text` has not been streamed yet."""
+        """The last delta: whatever of `final_text` has not been streamed yet (every id is settled now)."""
+        self._hold_back_ids = 0
         sent = (self._confirmed + self._tentative)[: self._sent_chars]
         if not final_text.startswith(sent):
             # Cannot be retracted any more; only a tokenizer whose windowed decoding disagrees with

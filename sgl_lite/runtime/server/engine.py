@@ -142,7 +142,7 @@ class Engine:
                 text += delta
                 meta_info = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.input_ids),
                              "completion_tokens": len(req.output_ids)}
-                yield {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info}
+                yield {"text": text, "output_ids": list(state.settled(req.output_ids)), "meta_info": meta_info}
         finally:
             if not req.finished:
                 self.core.abort(req.rid)

@@ -23,10 +23,15 @@ class Envelope(msgspec.Struct):
     rid: Any = None
 
 
+# What decoding a hostile message may raise: besides msgspec's own errors, RecursionError (nested too
+# deeply) and UnicodeDecodeError (a string that is not UTF-8). Each is the sender's fault (bad_request).
+DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+
+
 def read_envelope(payload: bytes) -> Envelope | None:
     try:
         return msgspec.msgpack.decode(payload, type=Envelope)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
+    except DECODE_ERRORS:
         return None
 
 
@@ -38,7 +43,11 @@ def echoable_rid(envelope: Envelope | None) -> str:
 
 def describe_invalid(envelope: Envelope | None, error: Exception) -> str:
     if envelope is None:
+        if isinstance(error, UnicodeDecodeError):  # its type or rid is not UTF-8, so none is echoed
+            return f"undecodable request: a string is not valid UTF-8 ({error.reason} at byte {error.start} of it)"
         return f"undecodable request (expected a msgpack map with a 'type' field): {error}"
     if isinstance(envelope.type, str) and envelope.type not in REQUEST_TYPES:
         return f"unknown message type {envelope.type!r}; expected one of {', '.join(REQUEST_TYPES)}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"invalid request: a string is not valid UTF-8 ({error.reason} at byte {error.start} of it)"
     return f"invalid request: {error}"

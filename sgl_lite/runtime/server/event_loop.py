@@ -49,7 +49,7 @@ from sgl_lite.runtime import protocol
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
-from sgl_lite.runtime.server.envelope import describe_invalid, echoable_rid, read_envelope
+from sgl_lite.runtime.server.envelope import DECODE_ERRORS, describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
 from sgl_lite.runtime.server_args import ServerArgs
@@ -232,7 +232,7 @@ class RuntimeServer:
             return
         try:
             msg = protocol.decode_request(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        except DECODE_ERRORS as e:  # the sender's fault, never the server's (code bad_request)
             self._send(identity, protocol.ErrorReply(rid, describe_invalid(envelope, e)))
             return
         try:

@@ -79,9 +79,9 @@ def run_server(args: ServerArgs, after_bind: Callable[[Callable[[], None]], list
         core.close()  # the tensor-parallel ranks and the tokenizer thread
     logger.info("server stopped")
     if core.is_compiling_grammar():
-        # xgrammar cannot interrupt a compile, and the interpreter's exit would wait for it (even
-        # on a daemon thread): every client has been answered, so leave at once. The HTTP front
-        # notices its parent's exit (parent watch) and exits too.
+        # A compile thread still waits on its worker process (which core.close() killed): every
+        # client has been answered, so leave at once rather than through the interpreter's slow
+        # teardown. The HTTP front notices its parent's exit (parent watch) and exits too.
         logger.info("exiting without waiting for a grammar compile")
         logging.shutdown()
         sys.stdout.flush()

@@ -59,6 +59,12 @@ class LayoutFreeView:
         self.length = 0  # keys held
         self.done = 0  # request tokens seen
 
+    def truncate(self, done: int) -> None:
+        """Forget the request's tokens from position `done` on (they were replaced)."""
+        if done < self.done:
+            self.length = int(np.searchsorted(self._positions[: self.length], done))
+            self.done = done
+
     def update(self, tokens: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(keys, positions) for `tokens`, a request's tokens of which the first `done` were seen before."""
         if tokens.shape[0] > self.done:

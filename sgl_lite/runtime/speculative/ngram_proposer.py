@@ -163,6 +163,11 @@ class NgramState:
         """The request's chances: its own drafts' counts on top of `prior` (the server's recent drafts')."""
         return self.counts.acceptance(prior)
 
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from position `length` on (a jump-forward retokenized them)."""
+        self.length = min(self.length, length)
+        self.layout.truncate(self.length)
+
     def sync(self, req: Req) -> np.ndarray:
         """The request's prompt + output as an array (appending only what is new since the last call)."""
         self.tokens = grown(self.tokens, len(req.input_ids) + len(req.output_ids), self.length)

@@ -6,11 +6,15 @@ is the one the request would sample from had d_0..d_{j-1} been its own outputs.
 
 - Greedy: accept d_j while d_j == argmax p_j; the first mismatch position (or k) adds argmax p_j. The
   tokens are exactly those of plain greedy decoding.
-- Sampled: n-gram drafts are deterministic (a point mass q_j = one-hot(d_j)), so speculative sampling's
-  rule accepts d_j with probability min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j); on rejection it draws from
-  the residual max(p_j - q_j, 0) renormalized, i.e. p_j with d_j removed. Every emitted token is then
-  distributed exactly as plain sampling from p_j (Leviathan et al. 2023, Chen et al. 2023), and a
-  fully accepted draft adds a token drawn from p_k.
+- Sampled: position j takes the request's (j+1)-th next uniform from its own generator and picks the
+  token plain sampling would pick with it from p_j (`Sampler.sampled_ids`, the same rule); d_j is
+  accepted while it equals that pick, and the first pick that differs (or the pick at position k) is
+  the added token. The generator then advances by one uniform per emitted token, as plain decoding's
+  would. An n-gram draft is a point mass, so d_j is accepted with probability p_j(d_j), exactly
+  speculative sampling's rate (Leviathan et al. 2023), and on rejection the added token is the pick,
+  distributed as p_j given that it is not d_j: speculative sampling's residual. More than equal in
+  distribution, the tokens are those plain decoding draws with the same uniforms, so a seeded request
+  outputs the same tokens with speculation on and off (where the logits are the same bits).
 
 Either way a verified draft yields between 1 and k + 1 tokens.
 
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.sampling.sampler import Sampler, _inverse_cdf, argmax_ids
+from sgl_lite.runtime.sampling.sampler import Sampler, argmax_ids
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
@@ -42,12 +46,10 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
         logits = _grammar_masked(logits, reqs, drafts)
     if all(r.sampling_params.is_greedy for r in reqs):
         return _verify_greedy(argmax_ids(logits.float()).tolist(), drafts)
-    row_reqs = [req for req, n in zip(reqs, sizes) for _ in range(n)]
-    probs = sampler.target_probs(logits, row_reqs)
     out: list[list[int]] = []
     offset = 0
     for req, draft in zip(reqs, drafts):
-        out.append(_verify_one(sampler, req, draft, probs[offset : offset + len(draft) + 1]))
+        out.append(_verify_one(sampler, req, draft, logits[offset : offset + len(draft) + 1].float()))
         offset += len(draft) + 1
     return out
 
@@ -78,27 +80,13 @@ def _verify_greedy(targets: list[int], drafts: Sequence[Sequence[int]]) -> list[
     return out
 
 
-def _verify_one(sampler: Sampler, req: Req, draft: Sequence[int], probs: torch.Tensor) -> list[int]:
-    """`probs` [len(draft) + 1, V]: the target distribution at each position."""
-    device = probs.device
+def _verify_one(sampler: Sampler, req: Req, draft: Sequence[int], logits: torch.Tensor) -> list[int]:
+    """`logits` [len(draft) + 1, V]: the (grammar-masked) logits at each position."""
     if req.sampling_params.is_greedy:
-        return _verify_greedy(probs.argmax(dim=-1).tolist(), [draft])[0]
-    tokens: list[int] = []
-    for j, token in enumerate(draft):
-        if sampler.uniform(req, device) < float(probs[j, token]):
-            tokens.append(int(token))
-            continue
-        residual = probs[j].clone()
-        residual[token] = 0.0
-        if float(residual.sum()) <= 0.0:  # p_j was a point mass on the draft token: it cannot be rejected
-            tokens.append(int(token))
-            continue
-        tokens.append(_draw(sampler, req, residual))
-        return tokens
-    tokens.append(_draw(sampler, req, probs[len(draft)]))
+        return _verify_greedy(argmax_ids(logits).tolist(), [draft])[0]
+    positions = len(draft) + 1
+    uniforms = sampler.peek_uniforms(req, positions, logits.device)
+    picks = sampler.sampled_ids(logits, [req.sampling_params] * positions, uniforms).tolist()
+    tokens = _verify_greedy(picks, [draft])[0]
+    sampler.skip_uniforms(req, len(tokens), logits.device)
     return tokens
-
-
-def _draw(sampler: Sampler, req: Req, weights: torch.Tensor) -> int:
-    uniform = torch.tensor([sampler.uniform(req, weights.device)], device=weights.device)
-    return int(_inverse_cdf(weights.unsqueeze(0), uniform))

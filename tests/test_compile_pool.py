@@ -1,0 +1,99 @@
+"""The grammar compile pool's scheduling (no xgrammar): at most `workers` jobs at once, a free worker goes
+to the client with the fewest compiles running, and a job nobody waits for is cancelled or killed."""
+
+from __future__ import annotations
+
+import threading
+
+from sgl_lite.runtime.sampling.compile_pool import CompilePool
+
+
+class BlockingRunner:
+    """A worker whose job blocks until released, or until killed (as a killed worker process would end it)."""
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+        self.kills = 0
+
+    def kill(self) -> None:
+        self.kills += 1
+        self.killed.set()
+
+    def close(self) -> None:
+        self.kill()
+
+
+def job(name: str, started: list[str], release: dict[str, threading.Event]):
+    release[name] = threading.Event()
+
+    def run(runner: BlockingRunner) -> str:
+        started.append(name)
+        while not release[name].wait(0.01):
+            if runner.killed.is_set():
+                runner.killed.clear()
+                raise RuntimeError(f"{name} killed")
+        return name
+
+    return run
+
+
+def wait_for(condition, seconds: float = 10.0) -> None:
+    done = threading.Event()
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition not met")
+
+
+def test_a_free_worker_goes_to_the_client_with_the_fewest_compiles_running() -> None:
+    pool = CompilePool(2, BlockingRunner)
+    started: list[str] = []
+    release: dict[str, threading.Event] = {}
+    try:
+        a1 = pool.submit(10, job("a1", started, release), owner="A")
+        a2 = pool.submit(10, job("a2", started, release), owner="A")
+        wait_for(lambda: len(started) == 2)  # alone, client A may use both workers
+        a3 = pool.submit(1, job("a3", started, release), owner="A")  # smaller, but A already runs two
+        b1 = pool.submit(10, job("b1", started, release), owner="B")
+        assert pool.running_per_owner() == {"A": 2}
+        release["a1"].set()
+        assert a1.result(10) == "a1"
+        wait_for(lambda: len(started) == 3)
+        assert started[2] == "b1"  # B ran nothing: its job goes before A's third
+        for name in ("a2", "b1", "a3"):
+            release[name].set()
+        assert [f.result(10) for f in (a2, b1, a3)] == ["a2", "b1", "a3"]
+    finally:
+        for event in release.values():
+            event.set()
+        pool.shutdown()
+
+
+def test_within_one_client_the_smallest_job_goes_first_and_a_running_job_nobody_waits_for_is_killed() -> None:
+    pool = CompilePool(1, BlockingRunner)
+    started: list[str] = []
+    release: dict[str, threading.Event] = {}
+    try:
+        big = pool.submit(100, job("big", started, release))
+        wait_for(lambda: started == ["big"])
+        queued_big = pool.submit(50, job("queued", started, release))
+        small = pool.submit(1, job("small", started, release))
+        pool.write_off(queued_big)  # queued: cancelled, never run
+        assert queued_big.cancelled()
+        pool.write_off(big)  # running: its runner is killed, and the worker takes the next job
+        wait_for(lambda: started == ["big", "small"])
+        assert "killed" in str(big.exception(10))
+        release["small"].set()
+        assert small.result(10) == "small" and not pool.busy()
+    finally:
+        for event in release.values():
+            event.set()
+        pool.shutdown()
+
+
+def test_the_client_of_a_request_is_its_connection_as_the_server_keys_it() -> None:
+    from sgl_lite.runtime.managers.validation import client_of
+
+    assert client_of("0a1b2c/my-rid") == "0a1b2c" and client_of("0a1b2c/a/b") == "0a1b2c"
+    assert client_of("in-process-rid") == ""
