@@ -17,10 +17,12 @@ import pytest
 
 # marker -> (what the code does to earn it, the pattern that says so)
 MARKERS: dict[str, tuple[str, str]] = {
-    "server": ("starts a process (a runtime, an HTTP front, a router, a CLI run) or a server thread",
+    "server": ("starts a process (a runtime, an HTTP front, a router, a CLI run, grammar compile workers) or a server thread",
                r"\bsubprocess\b|Popen|\bRuntime\(|HttpServerThread|run_http_server|multiprocessing|RuntimeServer\(|"
                r"start_server|spawn_|Cluster\(|tp_size=[2-9]|sys\.executable|\bRouter\(|RuntimeServer|health_timeout=|"
-               r"HttpFront|uvicorn|Engine\(.*tp_size=|open_system\(|run_benchmark\("),
+               r"HttpFront|uvicorn|Engine\(.*tp_size=|open_system\(|run_benchmark\(|"
+               # a grammar compiled through a backend or an engine runs in the compile worker processes
+               r"GrammarBackend\(|\btiny_backend\b|[\"']json_schema[\"']: |json_schema=|[\"']regex[\"']: |regex=|[\"']ebnf[\"']: "),
     "default_model": ("loads the real default model (SmolLM2-135M)", r"default_model_dir|mark\.default_model|DEFAULT_MODEL"),
     "soak": ("runs a soak or a property-based fuzz", r"\bsoak\b|run_soak|hypothesis|@given"),
     "kernel_build": ("compiles C++ (a kernel build in a fresh cache, or every source for other targets)",
