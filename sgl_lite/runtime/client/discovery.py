@@ -50,8 +50,8 @@ def discover_zmq_address(base_url: str, api_key: str | None = None, timeout: flo
     if not isinstance(address, str):
         raise RuntimeUnavailableError(
             f"the HTTP server at {base_url} names no ZeroMQ endpoint in /server_info: it is not an sgl_lite "
-            "server (or it is the router of --dp-size, which routes HTTP only); DSL programs need an "
-            "sgl_lite server's URL or its tcp:// address")
+            "server (or it is the router of --dp-size, which routes HTTP only); the ZeroMQ client needs an "
+            "sgl_lite server's URL or its tcp:// address (sgl.RuntimeEndpoint(url) speaks HTTP to the others)")
     return reachable_address(address, base_url)
 
 
