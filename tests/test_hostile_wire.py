@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, use_api_key
@@ -68,6 +69,10 @@ def serve(engine, tmp_path) -> Iterator:
         s.stop()
 
 
+HANDSHAKE_OUTCOMES = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 class Peer:
     """A bare DEALER socket (with `api_key`, passing the handshake with it) that sends raw messages and
     reads replies only when asked to."""
@@ -78,7 +83,19 @@ class Peer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, receive_queue)
         use_api_key(self.socket, api_key)
+        # Watched from before the connect, so the handshake's outcome is never missed.
+        self.monitor = self.socket.get_monitor_socket(HANDSHAKE_OUTCOMES)
         self.socket.connect(address)
+
+    def handshake_refused(self, timeout: float = 10.0) -> bool:
+        """Whether the runtime refused this peer's handshake (False: it succeeded, or nothing was heard)."""
+        deadline = time.monotonic() + timeout
+        while self.monitor.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return False
+            return True
+        return False
 
     def ask(self, payload: bytes, timeout: float = 10.0) -> tuple[protocol.Reply | None, int]:
         """The first non-keepalive reply and its size in bytes."""
@@ -95,6 +112,8 @@ class Peer:
         self.socket.send(payload)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close()
         self.context.term()
 
@@ -214,7 +233,8 @@ def test_a_peer_without_the_key_gets_nothing_queued_or_read(serve, monkeypatch):
                     peer.socket.send(big, zmq.NOBLOCK)
                     sent += 1
                 time.sleep(0.01)
-            assert sent and not peer.socket.poll(2000)
+            # Refused in the handshake, however fast: what it sent (perhaps nothing) went nowhere.
+            assert peer.handshake_refused() and not peer.socket.poll(2000), f"sent {sent}"
         finally:
             peer.close()
     assert received == []
