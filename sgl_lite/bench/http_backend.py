@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Sequence
 import httpx2
 
 from sgl_lite.bench.backends import GenerationBackend, StreamEvent, greedy_params
+from sgl_lite.lang.backend.http_runtime import sse_data
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,7 @@ class HTTPBackend(GenerationBackend):
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 raise HTTPStreamError(f"{base_url}/generate answered {response.status_code}: {text[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
+            async for data in sse_data(response.aiter_lines()):
                 if finished:
                     raise HTTPStreamError(f"{base_url}/generate sent an event after the final one: {data[:200]}")
                 event = json.loads(data)

@@ -24,7 +24,7 @@ import json
 import queue
 import threading
 import weakref
-from typing import Any, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
 
 import httpx2
 import msgspec
@@ -179,16 +179,23 @@ def generate_body(text: str, params: SglSamplingParams, stream: bool = False) ->
     return body
 
 
+async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The payloads of a server-sent event stream's `data:` lines, up to SGLang's closing `data: [DONE]`
+    (blank separators and SSE comments skipped)."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield data
+
+
 async def _read_events(response: httpx2.Response, url: str, put: Any) -> None:
     """Each `data:` event holds the whole text so far: put the part not yet given, with its meta_info."""
     shown = 0
     finished = False
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, SSE comments
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            break
+    async for data in sse_data(response.aiter_lines()):
         try:
             event = json.loads(data)
         except ValueError:
