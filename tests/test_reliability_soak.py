@@ -100,3 +100,23 @@ def test_soak_beside_hostile_clients(tiny_model):
     with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
         refs = reference_outputs(engine, records)
     assert greedy_mismatches(records, refs) == []
+
+
+def test_soak_with_the_disk_tier_and_failing_disk_io(tiny_model, tmp_path, monkeypatch):
+    """The same soak with the disk tier on under the small pool and every 5th disk read or write failing:
+    evicted prefixes come back from disk, failed I/O costs recomputation only, and the outputs, the accounting
+    (the tier's holds included) and the server's memory are as without the tier."""
+    monkeypatch.setenv("SGL_LITE_FAULT_INJECT", "disk_io:5")  # the server child inherits it
+    config = SoakConfig(num_requests=240, killed_client_processes=0, seed=3)
+    with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=120, **SOAK_SERVER_ARGS,
+                 enable_hierarchical_cache=True, hicache_storage_dir=str(tmp_path)) as rt:
+        result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())
+        info = rt.client.server_info()
+    print("tier soak:", result.summary(), {k: v for k, v in info.items() if k.startswith("hicache_")})
+    assert not result.problems, result.problems[:10]
+    assert check_records(result.records, config) == []
+    assert accounting_problems(info) == []
+    assert info["hicache_loaded_tokens_total"] > 0 and info["hicache_io_errors_total"] > 0
+    with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
+        refs = reference_outputs(engine, result.records)
+    assert greedy_mismatches(result.records, refs) == []

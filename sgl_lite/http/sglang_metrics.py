@@ -42,6 +42,10 @@ _SCHEDULER_GAUGES = {
     "slots_total": ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
     "new_token_ratio": ("new_token_ratio", "The new token ratio."),
     "spec_accept_rate": ("spec_accept_rate", "The average acceptance rate of speculative decoding."),
+    # The disk tier (--enable-hierarchical-cache), sgl_lite's own in SGLang's style.
+    "num_tier_loading": ("num_hicache_loading_reqs", "The number of requests waiting for their prefix to load from the disk tier."),
+    "hicache_disk_blocks": ("hicache_disk_blocks", "KV blocks stored in the disk tier."),
+    "hicache_disk_bytes": ("hicache_disk_bytes", "Bytes of KV blocks stored in the disk tier."),
 }
 # Runtime stats key -> (SGLang counter name without _total, help).
 _RUNTIME_COUNTERS = {
@@ -53,6 +57,12 @@ _RUNTIME_COUNTERS = {
     "num_retractions": ("num_retracted_requests", "Total number of retracted requests."),
     # sgl_lite's own, in SGLang's style: grammar-forced output tokens appended without a forward each.
     "jump_forward_tokens_total": ("jump_forward_tokens", "Number of output tokens written by jump-forward decoding."),
+    "hicache_loaded_tokens_total": ("hicache_loaded_tokens", "Number of prompt tokens whose KV was loaded from the disk tier."),
+    "hicache_spilled_tokens_total": ("hicache_spilled_tokens", "Number of tokens whose KV was written to the disk tier."),
+    "hicache_write_dropped_tokens_total": ("hicache_write_dropped_tokens", "Number of tokens not written to the disk tier because its write backlog was full."),
+    "hicache_loads_total": ("hicache_loads", "Number of prefix loads from the disk tier."),
+    "hicache_load_seconds_total": ("hicache_load_seconds", "Seconds from the start of each prefix load to its KV in the pool, summed."),
+    "hicache_io_errors_total": ("hicache_io_errors", "Number of disk tier reads and writes that failed (their tokens recomputed)."),
 }
 
 

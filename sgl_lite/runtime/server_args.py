@@ -23,8 +23,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_kernel", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 # Tool-call output formats the HTTP front parses (http/tool_parsers/), named as SGLang names them.
-TOOL_CALL_PARSERS = ("qwen25", "llama3")
+TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "hermes")
+# Reasoning formats the HTTP front splits from answers (http/openai_api/reasoning_parser.py), SGLang's names.
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 # CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
 QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
@@ -50,12 +53,20 @@ class ServerArgs:
     # Tool calling (the HTTP front's /v1/chat/completions `tools`).
     tool_call_parser: str | None = field(default=None, metadata={"help": "Format of the model's tool calls, parsed into OpenAI tool_calls; requests with `tools` are refused without it.", "choices": TOOL_CALL_PARSERS})
     disable_tool_call_constraint: bool = field(default=False, metadata={"help": "sgl_lite: do not constrain tool calls with xgrammar (by default tool_choice required/named allows only schema-valid calls, and auto lets a started call be only schema-valid)."})
+    reasoning_parser: str | None = field(default=None, metadata={"help": "Format of the model's reasoning (<think>...</think>), split from the answer into reasoning_content on chat completions and reasoning items on /v1/responses.", "choices": REASONING_PARSERS})
 
     # KV memory.
     mem_fraction_static: float | None = field(default=None, metadata={"help": "Fraction of the device memory left after the weights and a prefill chunk's activations (CPU: MemAvailable) given to the KV pool; default 0.5 on CPU, 0.85 on CUDA (model_executor/kv_budget.py)."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens; overrides --mem-fraction-static."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV pool storage: auto (the model's dtype) or an 8-bit float, fp8_e4m3 / fp8_e5m2 (scale 1.0): half the bytes per token, twice the slots.", "choices": KV_CACHE_DTYPES, "hints": {d: "the KV cache is kept in the model's dtype (auto) or in 8 bits (fp8_e4m3, fp8_e5m2)" for d in ("bf16", "bfloat16")}})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix reuse off (every request prefills its whole prompt)."})
+
+    # The disk tier under the radix tree (mem_cache/hicache/; docs/hierarchical-cache.md).
+    enable_hierarchical_cache: bool = field(default=False, metadata={"help": "Keep KV the pool cannot hold in a disk tier: written when a turn ends (write_through) or when evicted (write_back), loaded back when a prompt continues it; kept across restarts of the same model in --hicache-storage-dir."})
+    hicache_size: float = field(default=0.0, metadata={"help": "GiB of disk the tier may fill (least recently used blocks dropped first); 0: half the free space of --hicache-storage-dir's disk, at most 64 GiB."})
+    hicache_write_policy: str = field(default="write_through", metadata={"help": "write_through: a request's KV goes to disk when it leaves the batch; write_back: when the radix tree evicts it.", "choices": HICACHE_WRITE_POLICIES})
+    hicache_storage_backend: str | None = field(default=None, metadata={"help": "The tier's storage: file (the only one here, also the default), one file per block of KV.", "choices": ("file",)})
+    hicache_storage_dir: str | None = field(default=None, metadata={"help": "sgl_lite: where the tier's files live (a folder per model fingerprint); default ~/.cache/sgl_lite/hicache."})
 
     # Batching and admission (SGLang's PrefillAdder budgets).
     max_running_requests: int | None = field(default=None, metadata={"help": "Max requests in the running batch (default: derived from the pool, at most 256)."})
@@ -117,7 +128,7 @@ class ServerArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility; sgl_lite never runs code from a model folder (its Llama-family models are built in)."})
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: only 1 is supported (the radix tree and the KV pool index single tokens)."})
     grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
-    stream_interval: int = field(default=1, metadata={"help": "Send a streamed request's new text every this many tokens (and at its end)."})
+    stream_interval: int = field(default=1, metadata={"help": "A stream sends its first token at once, then its new text whenever this many tokens are unsent (and at its end); a request's sampling_params.stream_interval wins."})
     watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
     enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
 
@@ -140,7 +151,10 @@ class ServerArgs:
             raise ValueError("--admin-api-key must not be empty nor equal to --api-key (every caller would be admin)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {self.tool_call_parser!r}")
-        for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend"):
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; got {self.reasoning_parser!r}")
+        for name in ("schedule_policy", "dtype", "device", "attention_backend", "kv_cache_dtype", "grammar_backend",
+                     "hicache_write_policy"):
             choices = _FIELDS[name].metadata["choices"]
             hint = _FIELDS[name].metadata.get("hints", {}).get(getattr(self, name))
             if hint is not None:
@@ -196,6 +210,15 @@ class ServerArgs:
             raise ValueError(f"--stream-interval must be >= 1; got {self.stream_interval}")
         if self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be positive; got {self.watchdog_timeout}")
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0 GiB; got {self.hicache_size}")
+        if self.hicache_storage_backend not in (None, "file"):
+            raise ValueError(f"--hicache-storage-backend must be file; got {self.hicache_storage_backend!r}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache keeps the radix cache's KV on disk; it needs the radix cache "
+                             "(drop --disable-radix-cache)")
+        if self.enable_hierarchical_cache and self.tp_size > 1:
+            raise ValueError("--enable-hierarchical-cache runs with --tp-size 1 (each rank's pool holds only its heads)")
         if self.lpm_max_wait is not None and self.lpm_max_wait < 0:
             raise ValueError(f"--lpm-max-wait must be >= 0; got {self.lpm_max_wait}")
 

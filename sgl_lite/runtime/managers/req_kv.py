@@ -7,6 +7,11 @@ slot is free or in the tree. So at any time:
     free + evictable + protected + sum(private of row holders) == num_slots
 
 `accounting_error` checks exactly that; the scheduler asserts it after steps and in tests.
+
+With the disk tier (`--enable-hierarchical-cache`, mem_cache/hicache/) the KV also goes to disk: with
+write_through when a request leaves with KV the tree keeps (a finished turn, which the conversation's next
+turn extends; prefill-only hints are not written), with write_back when the tree evicts it. Either way a block
+already stored is not written again.
 """
 
 from __future__ import annotations
@@ -17,17 +22,22 @@ import torch
 
 from sgl_lite.runtime.managers.in_batch_sharing import Borrow
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
-from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache
+from sgl_lite.runtime.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch
 
 
 class ReqKV:
-    def __init__(self, num_slots: int, req_to_token: ReqToTokenPool, disable_cache: bool) -> None:
+    def __init__(self, num_slots: int, req_to_token: ReqToTokenPool, disable_cache: bool, tier: KVTier | None = None) -> None:
         self.num_slots = num_slots
         self.req_to_token = req_to_token
         self.allocator = SlotAllocator(num_slots, req_to_token.table.device)
         self.tree_cache = RadixCache(self.allocator, req_to_token, disable=disable_cache)
+        self.tier = tier
+        self.held_tokens = 0  # tokens on paths the disk tier's holds lock (overlapping paths counted each time)
+        if tier is not None and tier.write_policy == "write_back":
+            self.tree_cache.before_evict = self._spill
 
     def start(self, req: Req, match: MatchResult) -> None:
         """Give an admitted request a row holding its cached prefix (already locked by admission)."""
@@ -38,11 +48,32 @@ class ReqKV:
         req.last_node = match.last_node
         req.prefix_len = req.kv_len = match.length
         self.req_to_token.table[row, : match.length] = match.slots
+        self.release_hold(req)  # admission's own lock on the prefix replaces the disk tier's hold
+
+    def hold(self, req: Req, node: TreeNode) -> None:
+        """Lock the path to `node` for `req` while the disk tier loads its prefix or it waits for admission
+        (managers/tier_loads.py); a hold it had before is released after the new one is taken."""
+        self.tree_cache.inc_lock_ref(node)
+        self.release_hold(req)
+        req.tier_hold = node
+        self.held_tokens += node.depth
+
+    def release_hold(self, req: Req) -> None:
+        """Unlock the prefix the disk tier held for `req`, if any."""
+        if req.tier_hold is not None:
+            self.tree_cache.dec_lock_ref(req.tier_hold)
+            self.held_tokens -= req.tier_hold.depth
+            req.tier_hold = None
 
     def release(self, req: Req) -> None:
         """Give the request's computed KV to the radix tree (or free it) and return its row."""
+        self.release_hold(req)
         if req.req_pool_idx is None:
             return
+        if self.tier is not None and self.tier.write_policy == "write_through" and req.wants_sampling \
+                and not self.tree_cache.disable:
+            row = self.req_to_token.table[req.req_pool_idx]
+            self.tier.write(req.fill_ids[: req.kv_len], row[: req.kv_len])
         self.tree_cache.cache_finished_req(req)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
@@ -100,6 +131,24 @@ class ReqKV:
             draft_ids=list(drafts) if drafts is not None else None,
         )
 
+    def _spill(self, leaf: TreeNode) -> None:
+        """write_back: the whole blocks ending in `leaf`, the path above it still in the pool, go to disk."""
+        keys, values, node = [], [], leaf
+        while node is not None and node is not self.tree_cache.root_node:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        tokens = [t for key in reversed(keys) for t in key]
+        assert self.tier is not None
+        self.tier.write(tokens, torch.cat(values[::-1]), from_pos=leaf.depth - len(leaf.key))
+
+    def spill_all(self) -> None:
+        """Queue every whole block the tree holds and the tier does not (shutdown)."""
+        if self.tier is not None:
+            for node in list(self.tree_cache._iter_nodes()):
+                if node is not self.tree_cache.root_node:
+                    self._spill(node)
+
     def flush(self) -> None:
         """Drop the tree and every slot and row (only when no request holds any)."""
         self.tree_cache.reset()
@@ -108,7 +157,11 @@ class ReqKV:
 
     def accounting_error(self, live: Iterable[Req]) -> str | None:
         """None when every slot and row is accounted for; else what is off."""
+        live = list(live)
         holders = [r for r in live if r.req_pool_idx is not None]
+        held = sum(r.tier_hold.depth for r in live if r.tier_hold is not None)
+        if held != self.held_tokens:
+            return f"disk tier holds: live requests hold {held} tokens, the count says {self.held_tokens}"
         private = sum(r.kv_len - r.prefix_len for r in holders)
         free, evictable, protected = self.allocator.available_size, self.tree_cache.evictable_size(), self.tree_cache.protected_size()
         if free + evictable + protected + private != self.num_slots:

@@ -68,6 +68,10 @@ class Req:
     prefix_len: int = 0
     last_node: Any = None  # the radix node locked for this request's cached prefix
     cached_tokens: int = 0  # prompt tokens served from the cache (reported in meta_info)
+    # The disk tier (managers/tier_loads.py): the radix node locked while its prefix loads and until admission,
+    # and how many of its cached tokens the load brought back from disk.
+    tier_hold: Any = None
+    tier_loaded_tokens: int = 0
 
     # Scheduling bookkeeping.
     queue_enter_time: float = field(default_factory=time.monotonic)
@@ -88,6 +92,8 @@ class Req:
     generator: Any = None
     # Its stop strings indexed for one-pass matching (stop_checker.StopStrings), built on first use.
     stop_strings: Any = None
+    # Its stop_regex patterns compiled (stop_checker.StopRegexes), by the validator or on first use.
+    stop_regexes: Any = None
 
     # N-gram speculative decoding (--speculative-algorithm ngram): the proposer's per-request state
     # (speculative/ngram_proposer.py), verification steps, and draft tokens proposed / accepted.

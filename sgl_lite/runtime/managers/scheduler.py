@@ -34,10 +34,12 @@ from sgl_lite.runtime.managers.policy import SchedulePolicy
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
-from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, token_usage
+from sgl_lite.runtime.managers.scheduler_metrics import SchedulerMetrics, scheduler_stats
 from sgl_lite.runtime.managers.scheduler_prefill import PrefillScheduling, PrefillTurns
 from sgl_lite.runtime.managers.stop_checker import StopChecker
+from sgl_lite.runtime.managers.tier_loads import TierLoads
 from sgl_lite.runtime.managers.validation import QueueFullError, RequestValidator
+from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ModelRunnerBase
 from sgl_lite.runtime.sampling.jump_forward import JumpForward
 from sgl_lite.runtime.server_args import ServerArgs
@@ -60,14 +62,16 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         eos_token_ids: Iterable[int] = (),
         context_length: int,
         clock: Callable[[], float] = time.monotonic,
+        tier: KVTier | None = None,
     ) -> None:
+        """`tier`: the disk tier under the radix tree (--enable-hierarchical-cache), None without one."""
         self.args = args
         self.clock = clock
         self.runner = runner
         self.context_length = context_length
         self.req_to_token = runner.req_to_token
         self.num_slots: int = runner.num_slots  # type: ignore[attr-defined]
-        self.kv = ReqKV(self.num_slots, self.req_to_token, args.disable_radix_cache)
+        self.kv = ReqKV(self.num_slots, self.req_to_token, args.disable_radix_cache, tier)
         self.policy = SchedulePolicy(args, self.kv.tree_cache, clock)
         self.max_running_requests = min(args.max_running_requests or self.req_to_token.max_requests,
                                         self.req_to_token.max_requests)
@@ -96,6 +100,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         self.chunked_req: Req | None = None
         self.prefill_turns = None if args.disable_fair_prefill else PrefillTurns()
         self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
+        # Requests whose prefix is being loaded from the disk tier before they queue (tier_loads.py).
+        self.tier_loads = TierLoads(tier, self.kv, lambda: bool(self.running or self.chunked_req)) if tier is not None else None
         self.batch_is_full = False  # set when admission hit the KV budget or the running limit
         self._reports: list[Req] = []  # finished outside a forward (aborts, evictions), reported next step
         self._live: dict[str, Req] = {}
@@ -127,13 +133,13 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         if matcher_future is not None:
             self.grammar_pending.append((req, matcher_future))
         else:
-            self._enqueue(req)
+            self._queue_or_load(req)
         if self.args.enable_priority_scheduling:
             self.batch_is_full = False  # a more urgent newcomer may preempt
 
     def _make_queue_room(self, req: Req) -> None:
         limit = self.args.max_queued_requests
-        queued = len(self._waiting) + len(self.grammar_pending)
+        queued = len(self._waiting) + len(self.grammar_pending) + len(self.tier_loads or ())
         if limit is None or queued < limit:
             return
         if self.args.enable_priority_scheduling and self._waiting:
@@ -163,6 +169,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         elif any(r is req for r, _ in self.grammar_pending):
             self.grammar_pending = [(r, f) for r, f in self.grammar_pending if r is not req]
             self.validator.release_grammar(req)  # a compile nobody else waits for is cancelled
+        elif self.tier_loads is not None and self.tier_loads.cancel(req):
+            pass  # its load is dropped and its prefix unlocked
         # else: in no queue, after a step that raised between dequeuing it and running it (its grammar,
         # if any, was released when it left grammar_pending)
         self._finish(req, FinishReason(FinishKind.ABORT, message=ABORTED_BY_CLIENT, error_code=None if by_client else "aborted"))
@@ -179,12 +187,15 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         return reports
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self.running or self.chunked_req or self.grammar_pending or self._reports)
+        return bool(self._waiting or self.running or self.chunked_req or self.grammar_pending or self._reports
+                    or self.tier_loads)
 
     def has_ready_work(self) -> bool:
         """Whether step() would do anything now: not when it would only find grammars still compiling
         (a server loop then waits instead of spinning)."""
         if self._waiting or self.running or self.chunked_req or self._reports:
+            return True
+        if self.tier_loads is not None and self.tier_loads.any_ready():
             return True
         deadline = self.clock() - self.args.grammar_compile_timeout
         return any(f.done() or r.queue_enter_time < deadline for r, f in self.grammar_pending)
@@ -204,6 +215,9 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
 
     def _step(self, changed: list[Req]) -> None:
         self._collect_grammars(changed)
+        if self.tier_loads is not None:
+            for req in self.tier_loads.collect():
+                self._enqueue(req)
         batch, num_prefill = self._prefill_batch()
         if batch is None:
             batch = self._decode_batch(changed)
@@ -262,7 +276,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
                 self._finish(req, FinishReason(FinishKind.ABORT, message=f"grammar compile failed: {e}", error_code="internal"))
                 changed.append(req)
                 continue
-            self._enqueue(req)
+            self._queue_or_load(req)
         self.grammar_pending = still_pending
 
     # ------------------------------------------------------------------ shared helpers
@@ -302,6 +316,11 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
 
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def _queue_or_load(self, req: Req) -> None:
+        """Queue a new request, unless the disk tier holds more of its prefix: then it queues once that is loaded."""
+        if self.tier_loads is None or not self.tier_loads.hold_if_on_disk(req):
+            self._enqueue(req)
 
     def _enqueue(self, req: Req) -> None:
         self._waiting[req] = None
@@ -346,34 +365,4 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             assert req.kv_len == req.seq_len - 1, f"{req.rid}: running with kv_len {req.kv_len}, seq_len {req.seq_len}"
 
     def stats(self) -> dict[str, Any]:
-        prompt = self.prompt_tokens_total
-        used, usage = token_usage(self)
-        return {
-            "num_waiting": len(self._waiting),
-            "num_running": len(self.running),
-            "num_chunked": int(self.chunked_req is not None),
-            "num_grammar_pending": len(self.grammar_pending),
-            "slots_total": self.num_slots,
-            "slots_free": self.kv.allocator.available_size,
-            "slots_evictable": self.kv.tree_cache.evictable_size(),
-            "slots_protected": self.kv.tree_cache.protected_size(),
-            "cached_tokens_total": self.cached_tokens_total,
-            "prompt_tokens_total": prompt,
-            "cache_hit_rate": self.cached_tokens_total / prompt if prompt else 0.0,
-            "num_retractions": self.num_retractions,
-            "num_preemptions": self.num_preemptions,
-            "num_forward_steps": self.num_forward_steps,
-            "num_used_tokens": used,
-            "token_usage": usage,
-            "gen_throughput": self.metrics.gen_throughput,
-            "generated_tokens_total": self.metrics.generated_tokens_total,
-            "jump_forward_tokens_total": self.metrics.jump_forward_tokens_total,
-            "num_finished_requests": self.metrics.finished_requests_total,
-            "num_aborted_requests": self.metrics.aborted_requests_total,
-            "new_token_ratio": self.new_token_ratio,
-            "schedule_policy": self.policy.policy,
-            "max_running_requests": self.max_running_requests,
-            "chunked_prefill_size": self.chunk_size,
-            **(self.proposer.stats() if self.proposer is not None else {}),
-        }
-
+        return scheduler_stats(self)

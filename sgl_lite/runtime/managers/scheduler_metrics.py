@@ -110,3 +110,39 @@ def token_usage(scheduler: Scheduler) -> tuple[int, float]:
     total = scheduler.num_slots
     used = total - scheduler.kv.allocator.available_size - scheduler.kv.tree_cache.evictable_size()
     return used, used / total if total else 0.0
+
+
+def scheduler_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """The scheduler's counters and gauges: server_info's stats, exported as /metrics."""
+    prompt = scheduler.prompt_tokens_total
+    used, usage = token_usage(scheduler)
+    return {
+        "num_waiting": scheduler.num_waiting(),
+        "num_running": len(scheduler.running),
+        "num_chunked": int(scheduler.chunked_req is not None),
+        "num_grammar_pending": len(scheduler.grammar_pending),
+        "num_tier_loading": len(scheduler.tier_loads) if scheduler.tier_loads is not None else 0,
+        "slots_total": scheduler.num_slots,
+        "slots_free": scheduler.kv.allocator.available_size,
+        "slots_evictable": scheduler.kv.tree_cache.evictable_size(),
+        "slots_protected": scheduler.kv.tree_cache.protected_size(),
+        "cached_tokens_total": scheduler.cached_tokens_total,
+        "prompt_tokens_total": prompt,
+        "cache_hit_rate": scheduler.cached_tokens_total / prompt if prompt else 0.0,
+        "num_retractions": scheduler.num_retractions,
+        "num_preemptions": scheduler.num_preemptions,
+        "num_forward_steps": scheduler.num_forward_steps,
+        "num_used_tokens": used,
+        "token_usage": usage,
+        "gen_throughput": scheduler.metrics.gen_throughput,
+        "generated_tokens_total": scheduler.metrics.generated_tokens_total,
+        "jump_forward_tokens_total": scheduler.metrics.jump_forward_tokens_total,
+        "num_finished_requests": scheduler.metrics.finished_requests_total,
+        "num_aborted_requests": scheduler.metrics.aborted_requests_total,
+        "new_token_ratio": scheduler.new_token_ratio,
+        "schedule_policy": scheduler.policy.policy,
+        "max_running_requests": scheduler.max_running_requests,
+        "chunked_prefill_size": scheduler.chunk_size,
+        **(scheduler.proposer.stats() if scheduler.proposer is not None else {}),
+        **(scheduler.kv.tier.stats() if scheduler.kv.tier is not None else {}),
+    }

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -84,6 +84,9 @@ class RadixCache:
         self.disable = disable
         self.device = allocator.device if allocator is not None else torch.device("cpu")
         self.observer: TreeObserver | None = None
+        # Called with each leaf about to be evicted, its KV and its path's still in the pool (the disk tier's
+        # write_back spill).
+        self.before_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     # ---------------------------------------------------------------- state
@@ -221,6 +224,8 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
+            if self.before_evict is not None:
+                self.before_evict(leaf)
             del parent.children[leaf.key[0]]
             if self.allocator is not None:
                 self.allocator.free(leaf.value)

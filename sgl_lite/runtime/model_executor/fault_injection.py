@@ -2,6 +2,7 @@
 
     SGL_LITE_FAULT_INJECT=forward:N               every Nth forward pass raises InjectedFault (before the model runs)
     SGL_LITE_FAULT_INJECT=slow_forward:SECONDS    every forward pass first sleeps SECONDS (a long step)
+    SGL_LITE_FAULT_INJECT=disk_io:N               every Nth read or write of the disk KV tier fails (OSError)
 
 `RuntimeCore.from_args` reads the variable once; when it is unset (always, outside tests) nothing is
 wrapped and this module costs nothing. The server subprocess started by `Runtime` inherits the
@@ -24,7 +25,8 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SGL_LITE_FAULT_INJECT"
-_FORMS = "'forward:N' (N >= 1: every Nth forward pass fails) or 'slow_forward:SECONDS' (every forward pass sleeps first)"
+_FORMS = ("'forward:N' (N >= 1: every Nth forward pass fails), 'slow_forward:SECONDS' (every forward pass sleeps "
+          "first) or 'disk_io:N' (every Nth disk tier read or write fails)")
 
 
 class InjectedFault(RuntimeError):
@@ -54,7 +56,7 @@ def parse_slow_forward_spec(spec: str) -> float:
 def install_fault_injection(runner: Any, environ: Mapping[str, str] = os.environ) -> str | None:
     """Wrap `runner.forward` per the environment; returns the spec installed, or None when there is none."""
     spec = environ.get(ENV_VAR)
-    if not spec:
+    if not spec or spec.startswith("disk_io:"):
         return None
     real_forward: Callable[[Any], Any] = runner.forward
     if spec.startswith("slow_forward:"):
@@ -78,3 +80,20 @@ def install_fault_injection(runner: Any, environ: Mapping[str, str] = os.environ
         logger.warning("TEST HOOK %s=%s: every %d. forward pass will fail", ENV_VAR, spec, every)
     runner.forward = forward
     return spec
+
+
+def disk_fault_hook(environ: Mapping[str, str] = os.environ) -> Callable[[str], None] | None:
+    """For `disk_io:N`, the DiskKVStore fault hook that fails every Nth read or write; else None."""
+    spec = environ.get(ENV_VAR)
+    if not spec or not spec.startswith("disk_io:"):
+        return None
+    every = parse_fault_spec(spec.replace("disk_io:", "forward:", 1))
+    calls = itertools.count(1)
+
+    def fault(op: str) -> None:
+        call = next(calls)
+        if call % every == 0:
+            raise OSError(f"injected disk fault in {op} {call} ({ENV_VAR}={spec})")
+
+    logger.warning("TEST HOOK %s=%s: every %d. disk tier read or write will fail", ENV_VAR, spec, every)
+    return fault

@@ -26,7 +26,9 @@ from sgl_lite.runtime.chat_templates import load_chat_template
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_stop
+from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
+from sgl_lite.runtime.model_executor.kv_tier_setup import make_kv_tier
 from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
 from sgl_lite.runtime.sampling.jump_forward import RETOKENIZE_TAIL_TOKENS, is_constrained
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
@@ -39,7 +41,8 @@ INLINE_TOKENIZE_MAX_CHARS = 4096
 
 
 class RuntimeCore:
-    def __init__(self, args: ServerArgs, tokenizer: Any, runner: Any, model_path: str, eos_token_ids: list[int]) -> None:
+    def __init__(self, args: ServerArgs, tokenizer: Any, runner: Any, model_path: str, eos_token_ids: list[int],
+                 tier: KVTier | None = None) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.runner = runner
@@ -47,7 +50,8 @@ class RuntimeCore:
         self.eos_token_ids = eos_token_ids
         self.context_length: int = runner.context_length
         self.scheduler = Scheduler(args, runner, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
-                                   context_length=self.context_length)
+                                   context_length=self.context_length, tier=tier)
+        self.tier = tier
         self._tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # created for the first long text
 
     @classmethod
@@ -63,7 +67,7 @@ class RuntimeCore:
         eos_token_ids = eos_ids_of(loader.load_config(folder), tokenizer)
         runner = ModelRunner(args, folder, eos_token_ids=eos_token_ids)
         install_fault_injection(runner)
-        core = cls(args, tokenizer, runner, str(folder), eos_token_ids)
+        core = cls(args, tokenizer, runner, str(folder), eos_token_ids, tier=make_kv_tier(args, runner))
         kv = runner.kv_cache_summary()
         num_params = sum(p.numel() for p in runner.model.parameters())
         logger.info(
@@ -72,7 +76,7 @@ class RuntimeCore:
             args.model_path, folder, num_params / 1e6, str(runner.dtype).removeprefix("torch."), core.context_length,
             kv["slots"], kv["bytes"] / 2**20, kv["dtype"], core.scheduler.policy.policy,
             core.scheduler.max_running_requests, core.scheduler.chunk_size,
-            "off" if args.disable_radix_cache else "on",
+            "off" if args.disable_radix_cache else ("on, with the disk tier" if core.tier is not None else "on"),
         )
         return core
 
@@ -86,7 +90,12 @@ class RuntimeCore:
 
     def close(self) -> None:
         """Stop the processes and threads this runtime started: the tensor-parallel ranks, the
-        tokenizer thread, the grammar compile workers (idempotent)."""
+        tokenizer thread, the grammar compile workers (idempotent); the disk tier writes what the tree holds
+        and it does not (bounded by its write backlog), so a restart finds it."""
+        if self.tier is not None:
+            self.scheduler.kv.spill_all()
+            self.tier.close()
+            self.tier = None
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_pool = None
@@ -140,11 +149,11 @@ class RuntimeCore:
 
     def stream_state(self, req: Req) -> IncrementalDetokenizer:
         """The streaming state of `req`: incremental text deltas that never include a prefix of a
-        stop string the final text may cut."""
+        stop string (or plain-text stop_regex) the final text may cut."""
         params = req.sampling_params
         # A jump-forward may retokenize a constrained request's last output ids (sampling/jump_forward.py).
         hold_ids = RETOKENIZE_TAIL_TOKENS if self.scheduler.jump_forward is not None and is_constrained(params) else 0
-        return IncrementalDetokenizer(lambda ids: self.decode(ids, params), stop_hold_back_chars(params.stop_strings()),
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, params), stop_hold_back_chars(params.trimmed_stops()),
                                       hold_ids)
 
     # ------------------------------------------------------------------ requests
@@ -217,6 +226,9 @@ class RuntimeCore:
         admitted, entered = req.admission_time, req.queue_enter_time
         if admitted is not None and admitted >= entered:
             meta["queue_time"] = admitted - entered
+        if self.tier is not None:  # where the cached tokens came from: the pool, or the disk tier
+            storage = min(req.tier_loaded_tokens, req.cached_tokens)
+            meta["cached_tokens_details"] = {"device": req.cached_tokens - storage, "storage": storage}
         if req.grammar is not None:  # output tokens jump-forward wrote instead of sampling them
             meta["jump_forward_tokens"] = req.jump_forward_tokens
         if req.spec_verify_ct:

@@ -72,6 +72,7 @@ class _InFlight:
     identity: bytes
     rid: str  # the client's rid (the scheduler's is identity-prefixed)
     stream_state: IncrementalDetokenizer | None  # None for non-streaming requests
+    streamed_tokens: int = 0  # output tokens when its last chunk was sent
     abort_message: str | None = None  # why we aborted it (a failed step, a disconnect)
     client_gone: bool = False  # replies cannot be delivered any more
 
@@ -138,8 +139,8 @@ class RuntimeServer:
             self._shutdown()
 
     def _poll_timeout_ms(self) -> int:
-        """0 when a step has work to do; a short wait while only grammar compiles or long prompts'
-        tokenizing are pending (no busy loop: their end is noticed within that wait); else the idle wait."""
+        """0 when a step has work to do; a short wait while only grammar compiles, disk tier loads or long
+        prompts' tokenizing are pending (no busy loop: their end is noticed within that wait); else the idle wait."""
         core = self._core
         if core.has_ready_work():
             return 0
@@ -350,10 +351,15 @@ class RuntimeServer:
             stream = flight.stream_state
             last_delta = None if stream is None else (stream.finish(text), stream.new_ids(req.output_ids))
             return self._final_replies(flight.rid, text, list(req.output_ids), meta_info, last_delta)
-        # --stream-interval N: a chunk every N tokens (SGLang's rule), the rest comes with the last one.
-        if flight.stream_state is not None and len(req.output_ids) % self._args.stream_interval == 0:
+        # SGLang's rule: a chunk with the first token, then once stream_interval tokens are unsent (the request's
+        # own, else --stream-interval); the rest comes with the last one.
+        interval = req.sampling_params.stream_interval or self._args.stream_interval
+        unsent = len(req.output_ids) - flight.streamed_tokens
+        due = interval == 1 or unsent >= interval or (flight.streamed_tokens == 0 and unsent > 0)
+        if flight.stream_state is not None and due:
             delta = flight.stream_state.update(req.output_ids)
             if delta:
+                flight.streamed_tokens = len(req.output_ids)
                 ids = flight.stream_state.new_ids(req.output_ids)
                 progress = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids)}
                 return [protocol.TokenChunk(flight.rid, delta, ids, progress)]

@@ -1,0 +1,174 @@
+"""The disk tier end to end on the tiny model: KV spilled and loaded back gives the greedy tokens of a server that
+never evicted; restarts find it; bad files, a full tier, failing I/O and aborts cost recomputation, never a request."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from sgl_lite.http.sglang_metrics import SglangMetrics
+from sgl_lite.runtime.server.engine import Engine
+from sgl_lite.testing.tiny_model import make_tiny_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+POOL = dict(max_total_tokens=700, dtype="float32", device="cpu", chunked_prefill_size=128)
+
+
+def prompts(n: int = 5, length: int = 300, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 300) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> list[list[int]]:
+    """Greedy outputs of a pool that holds every prompt at once (nothing evicted, no tier)."""
+    engine = Engine(model_path=str(tiny_llama_dir), **{**POOL, "max_total_tokens": 4096})
+    try:
+        return [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts()]
+    finally:
+        engine.shutdown()
+
+
+def tier_engine(model: Path, folder: Path, **kwargs) -> Engine:
+    return Engine(model_path=str(model), enable_hierarchical_cache=True, hicache_storage_dir=str(folder),
+                  **{**POOL, **kwargs})
+
+
+def run_all(engine: Engine) -> list[dict]:
+    outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts()]
+    engine.core.check_invariant()
+    return outs
+
+
+def storage_tokens(outs: list[dict]) -> list[int]:
+    return [o["meta_info"]["cached_tokens_details"]["storage"] for o in outs]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_spilled_and_reloaded_kv_gives_the_same_tokens_and_survives_a_restart(
+        tiny_llama_dir: Path, tmp_path: Path, reference: list[list[int]], policy: str) -> None:
+    engine = tier_engine(tiny_llama_dir, tmp_path, hicache_write_policy=policy)
+    first = run_all(engine)  # the pool holds two prompts: each new one evicts an older one
+    assert [o["output_ids"] for o in first] == reference
+    engine.core.tier.drain()
+    second = run_all(engine)  # every prompt's KV is gone from the pool by its turn: it comes from disk
+    assert [o["output_ids"] for o in second] == reference
+    assert all(n >= 256 for n in storage_tokens(second)), storage_tokens(second)
+    stats = engine.core.server_info()
+    assert stats["hicache_loaded_tokens_total"] >= 5 * 256 and stats["hicache_disk_blocks"] >= 5 * 4
+    assert stats["slots_protected"] == 0
+    metrics = SglangMetrics()
+    metrics.update(stats, "tiny")
+    samples = {s.name: s.value for family in metrics.collect() for s in family.samples}
+    assert samples["sglang:hicache_loaded_tokens_total"] == stats["hicache_loaded_tokens_total"]
+    assert samples["sglang:hicache_disk_bytes"] == stats["hicache_disk_bytes"] > 0
+    engine.shutdown()
+
+    restarted = tier_engine(tiny_llama_dir, tmp_path, hicache_write_policy=policy)
+    try:
+        out = restarted.generate(input_ids=prompts()[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference[0]
+        assert storage_tokens([out]) == [256]  # the first request after the restart is served from disk
+    finally:
+        restarted.shutdown()
+
+
+def test_another_models_files_are_never_loaded(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    store = tmp_path / "tier"
+    engine = tier_engine(tiny_llama_dir, store)
+    run_all(engine)
+    engine.shutdown()
+    other = make_tiny_model(tmp_path / "other", seed=7)  # same architecture and tokenizer, other weights
+    want = Engine(model_path=str(other), **POOL)
+    expected = [want.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts()[:2]]
+    want.shutdown()
+    engine = tier_engine(other, store)
+    try:
+        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts()[:2]]
+        assert storage_tokens(outs) == [0, 0] and [o["output_ids"] for o in outs] == expected
+        assert len(list(store.iterdir())) == 2  # a folder per model fingerprint
+    finally:
+        engine.shutdown()
+
+
+def test_truncated_files_are_recomputed_and_dropped(tiny_llama_dir: Path, tmp_path: Path,
+                                                    reference: list[list[int]]) -> None:
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    run_all(engine)
+    engine.shutdown()
+    files = sorted(tmp_path.glob("*/*.kv"))
+    for path in files:
+        path.write_bytes(path.read_bytes()[:-7])
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    try:
+        out = engine.generate(input_ids=prompts()[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference[0] and storage_tokens([out]) == [0]
+        assert engine.core.server_info()["hicache_io_errors_total"] == 0  # bad content, not a failed read
+        engine.core.check_invariant()
+    finally:
+        engine.shutdown()
+
+
+def test_a_full_tier_keeps_its_bound_and_serves_everyone(tiny_llama_dir: Path, tmp_path: Path,
+                                                         reference: list[list[int]]) -> None:
+    engine = tier_engine(tiny_llama_dir, tmp_path, hicache_size=150_000 / 2**30)  # room for about 4 blocks
+    try:
+        for _ in range(2):
+            assert [o["output_ids"] for o in run_all(engine)] == reference
+        engine.core.tier.drain()
+        info = engine.core.server_info()
+        assert 0 < info["hicache_disk_bytes"] <= 150_000
+        assert sum(p.stat().st_size for p in tmp_path.glob("*/*.kv")) == info["hicache_disk_bytes"]
+    finally:
+        engine.shutdown()
+
+
+def test_failing_disk_io_costs_recomputation_only(tiny_llama_dir: Path, tmp_path: Path, reference: list[list[int]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGL_LITE_FAULT_INJECT", "disk_io:3")
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    try:
+        for _ in range(3):
+            assert [o["output_ids"] for o in run_all(engine)] == reference
+            engine.core.tier.drain()
+        info = engine.core.server_info()
+        assert info["hicache_io_errors_total"] > 0 and info["hicache_loaded_tokens_total"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_abort_during_a_load_and_two_requests_on_one_loading_prefix(tiny_llama_dir: Path, tmp_path: Path,
+                                                                    reference: list[list[int]]) -> None:
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    core = engine.core
+    try:
+        run_all(engine)
+        core.tier.drain()
+        gate = threading.Event()
+        core.tier.store._fault = lambda op: gate.wait(30) if op == "read" else None  # reads wait for the test
+        p = prompts()
+        reqs = [core.make_req(rid, None, ids, GREEDY) for rid, ids in (("gone", p[0]), ("a", p[1]), ("b", p[1]))]
+        for req in reqs:
+            core.submit(req)
+        for _ in range(3):
+            core.step()
+        assert len(core.scheduler.tier_loads) == 3 and all(r.tier_hold is not None for r in reqs)
+        assert core.abort("gone")
+        gate.set()
+        done = {}
+        while core.has_work():
+            for req in core.step():
+                if req.finished:
+                    done[req.rid] = req
+        assert done["gone"].finished_reason.kind.value == "abort"
+        assert done["a"].output_ids == reference[1] and done["b"].output_ids == reference[1]
+        # One load installed the prefix; the other request found it in the tree (or loaded nothing new).
+        assert done["a"].tier_loaded_tokens + done["b"].tier_loaded_tokens >= 256
+        core.check_invariant()
+        assert core.scheduler.stats()["slots_protected"] == 0
+    finally:
+        core.tier.store._fault = None
+        engine.shutdown()
