@@ -6,7 +6,7 @@ export PIP_ROOT_USER_ACTION=ignore  # CI runs as root; the warning is noise ther
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
 cache="${SGL_LITE_CACHE:-$HOME/.cache/sgl_lite}"
-key="$( (cat pyproject.toml; python -c 'import sys; print(sys.executable)'; echo "$repo") | sha256sum | cut -c1-16)"
+key="$( (cat pyproject.toml scripts/install.sh; python -c 'import sys; print(sys.executable)'; echo "$repo") | sha256sum | cut -c1-16)"
 stamp="$cache/install-stamps/$key"
 
 installed_here() {
@@ -37,6 +37,9 @@ fi
 # would pull the multi-GB CUDA build as a dependency of the next line.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e '.[test]'
+# SGLang's own frontend, for tests/test_sglang_frontend.py: without its dependencies (its GPU runtime's: CUDA
+# torch, kernels), which an extra cannot say; it imports with sgl_lite's plus pybase64.
+python -m pip install --quiet --no-deps sglang==0.5.23 pybase64
 mkdir -p "$(dirname "$stamp")"
 touch "$stamp"
 prebuild_kernel

@@ -178,14 +178,16 @@ def test_ebnf_walks(tiny_backend, tiny_tokenizer):
         assert re.fullmatch(r"\((?:[a-c]|x[0-9])(?:,(?:[a-c]|x[0-9])){0,3}\)", text), text
 
 
+@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral", "hermes"])
 @pytest.mark.parametrize("choice", ["required", "named", "auto", "none"])
-def test_random_walks_under_the_tool_call_structural_tags(tiny_backend, tiny_tokenizer, choice):
+def test_random_walks_under_the_tool_call_structural_tags(tiny_backend, tiny_tokenizer, choice, parser_name):
     """The structural tags the HTTP front sends for tools: whatever the logits, every call is whole and valid."""
-    from sgl_lite.http.openai_api.tool_parsers import Qwen25Parser
+    from sgl_lite.http.openai_api.tool_parsers import PARSERS
     from sgl_lite.http.openai_api.tools import ToolRequest
 
     tools = [{"type": "function", "function": {"name": "person", "parameters": PERSON_SCHEMA}}]
-    request = ToolRequest(tools, choice, "person" if choice == "named" else None, True, Qwen25Parser, True)
+    fmt = PARSERS[parser_name]
+    request = ToolRequest(tools, choice, "person" if choice == "named" else None, True, fmt, True)
     params = SamplingParams(structural_tag=request.structural_tag())
     for seed in range(6):
         text = decode_walk(tiny_backend, tiny_tokenizer, params, seed, 1.0)
@@ -193,10 +195,10 @@ def test_random_walks_under_the_tool_call_structural_tags(tiny_backend, tiny_tok
         if choice in ("required", "named"):
             assert parsed.calls and parsed.content == "", text
         if choice == "none":
-            assert "<tool_call>" not in text
+            assert fmt.call_trigger not in text
         for call in parsed.calls:
             jsonschema.validate(json.loads(call.arguments), PERSON_SCHEMA)
-        assert "<tool_call>" not in parsed.content  # a started call always completed
+        assert fmt.call_trigger not in parsed.content  # a started call always completed
 
 
 def _smollm2_tokenizer():

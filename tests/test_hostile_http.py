@@ -156,7 +156,7 @@ def test_a_chat_with_bad_sampling_fields_is_refused_before_its_template_is_rende
     monkeypatch.setattr(ChatTemplate, "prompt", no_render)
     messages = [{"role": "user", "content": "hi " * 20_000}]
     for extra, param in (({"stop": [f"s{i}" for i in range(300)]}, "stop"), ({"n": 17}, "n"),
-                         ({"logit_bias": {"5": 1.0}}, "logit_bias")):
+                         ({"logit_bias": {"five": 1.0}}, "logit_bias")):
         r = front.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -92,7 +92,7 @@ def test_unknown_fields_and_loose_types_are_refused_with_the_field_named(live: L
                         ({"text": "x", "sampling_params": {"tempurature": 0.5}}, "tempurature"),
                         ({"input_ids": ["1", "2"]}, "input_ids"),
                         ({"text": "x", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
-                        ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
+                        ({"text": "x", "sampling_params": {"stop_regex": "(a+"}}, "stop_regex"),
                         ({"text": "x", "image_data": "cat.png"}, "image_data")]:
         response = live.post("/generate", body)
         assert response.status_code == 400 and field in response.json()["error"]["message"], (body, response.text)

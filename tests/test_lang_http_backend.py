@@ -289,6 +289,10 @@ def test_a_server_reported_template_wins_over_the_files(tiny_llama_dir):
     # SGLang's server_info names a template (a name or a file), which is not its text: the files decide.
     facts = served_model_facts({"chat_template": "chatml"}, {"model_path": str(tiny_llama_dir)})
     assert facts["chat_template"] == (tiny_llama_dir / "chat_template.jinja").read_text()
+    # An sgl_lite worker's model_info (what the router passes on) carries the template: no files needed.
+    reported = {"model_path": "/not/on/this/machine", "chat_template": "{{ messages[0].content }}", "bos_token": "<b>"}
+    facts = served_model_facts({}, reported)
+    assert facts["chat_template"] == reported["chat_template"] and facts["bos_token"] == "<b>"
 
 
 # ---------------------------------------------------------------- through sglang-router
@@ -330,7 +334,7 @@ def replica_prompt_tokens(cluster: Any) -> list[int]:
 def test_the_router_is_spoken_to_over_http_with_the_key(cluster, router_endpoints):
     router, replica = router_endpoints["router"], router_endpoints["replica"]
     assert router.transport == "http" and replica.transport == "zmq"
-    # The template comes from the model's files (the router reports none); it is the runtime's own.
+    # The template comes from a worker's /get_model_info, which the router passes on: the runtime's own.
     assert router.get_chat_template() == replica.get_chat_template()
     with pytest.raises(RuntimeRequestError) as refused:
         RuntimeEndpoint(cluster.url)  # no key: the router's /get_model_info passes the replica's 401 on

@@ -53,6 +53,7 @@ def test_input_items_become_chat_messages() -> None:
     assert input_messages("hi") == [ChatMessage(role="user", content="hi")]
     messages = input_messages([
         {"role": "user", "content": [{"type": "input_text", "text": "2 + 3"}, {"type": "input_text", "text": "?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "2+3"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
         {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
         {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": '{"a": 1, "b": 1}'},
@@ -69,7 +70,6 @@ def test_input_items_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize("items, field", [
-    ([{"type": "reasoning", "summary": []}], "input[0].type"),
     ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
      "input[1].content[0].type"),

@@ -125,6 +125,10 @@ def test_worker_api_shapes_the_router_reads(cluster: Cluster) -> None:
     assert info["max_prefill_tokens"] == runtime_args["max_prefill_tokens"]
     model_info = requests.get(worker + "/model_info", timeout=10).json()
     assert model_info["is_generation"] is True and model_info["architectures"] == ["LlamaForCausalLM"]
+    assert model_info["served_model_name"] == info["served_model_name"]
+    # The runtime's chat template (beyond SGLang's keys), passed on by the router: DSL clients read it there.
+    assert model_info["chat_template"] == info["chat_template"] and "{%" in info["chat_template"]
+    assert requests.get(cluster.url + "/get_model_info", timeout=10).json()["chat_template"] == info["chat_template"]
     assert requests.get(worker + "/health_generate", timeout=30).status_code == 200
     # The router parsed every worker's load report (-1 means it could not) and registered their model.
     loads = requests.get(cluster.url + "/get_loads", timeout=10).json()["workers"]

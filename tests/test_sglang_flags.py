@@ -67,12 +67,16 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(tiny_llama_dir, tmp_path):
                 params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
                 chunks = list(client.generate_stream("Hello there", sampling_params=params))
                 whole = client.generate("Hello there", sampling_params=params)
+                # A request's own stream_interval (SGLang's sampling param) wins over the server's.
+                own = list(client.generate_stream("Hello there", sampling_params={**params, "stream_interval": 3}))
         finally:
             server.request_shutdown()
             thread.join(30)
         progress = [c.meta_info["completion_tokens"] for c in chunks[:-1]]
-        assert progress == [4, 8]  # the last chunk (token 10) comes with the end
-        assert "".join(c.text for c in chunks) == whole.text
+        # SGLang's rule: the first token at once, then every 4 unsent; the last chunk (token 10) comes with the end
+        assert progress == [1, 5, 9]
+        assert [c.meta_info["completion_tokens"] for c in own[:-1]] == [1, 4, 7]
+        assert "".join(c.text for c in chunks) == whole.text == "".join(c.text for c in own)
         engine.core.scheduler.check_invariant()
 
 

@@ -4,7 +4,9 @@ The qwen25 outputs are in the exact shape the smollm2-tools template shows the m
 structural tag enforces (`<tool_call>\n{"name": "f", "arguments": ` ... `}\n</tool_call>`), plus the
 deviations an unconstrained model writes (keys out of order, unknown functions, non-JSON blocks, a cut
 call); the llama3 outputs follow Meta's documented Llama 3.1-3.3 JSON tool-call format (no Llama 3
-model runs on this machine), with and without `<|python_tag|>`, several calls separated by `;`.
+model runs on this machine), with and without `<|python_tag|>`, several calls separated by `;`; the mistral
+outputs follow the two forms SGLang's mistral parser reads (a JSON array after `[TOOL_CALLS]`, and
+`[TOOL_CALLS]name[ARGS]{...}`), and hermes the qwen25 block with and without its newlines.
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ RECORDED: list[tuple[str, str, ParsedOutput]] = [
      ParsedOutput("", [ParsedCall("add", '{"a": 2, "b": 3}'), ParsedCall("search", '{"query": "}{"}')])),
     ("llama3", 'Use {braces} or {"name": "Bob"} in JSON.',
      ParsedOutput('Use {braces} or {"name": "Bob"} in JSON.')),
+    # mistral: the JSON array after [TOOL_CALLS], and the compact form, one marker per call.
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", '
+                '"arguments": {"a": 2, "b": [3, {"c": "]}"}]}}]',
+     ParsedOutput("", [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("add", '{"a": 2, "b": [3, {"c": "]}"}]}')])),
+    ("mistral", 'Checking. [TOOL_CALLS]search[ARGS]{"query": "café"}[TOOL_CALLS]add[ARGS]{"a": 1}',
+     ParsedOutput("Checking.", [ParsedCall("search", '{"query": "café"}'), ParsedCall("add", '{"a": 1}')])),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]\n[TOOL_CALLS] [{"name": "search", "arguments": {}}]',
+     ParsedOutput("", [ParsedCall("add", '{"a": 1}'), ParsedCall("search", "{}")])),
+    # A `{` opens an array element only right after a call; unknown functions stay content.
+    ("mistral", 'Write {"name": "add", "arguments": {}} as JSON.', ParsedOutput('Write {"name": "add", "arguments": {}} as JSON.')),
+    ("mistral", '[TOOL_CALLS] [{"name": "launch", "arguments": {}}]',
+     ParsedOutput('[TOOL_CALLS] [{"name": "launch", "arguments": {}}]')),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', ParsedOutput("", [ParsedCall("get_weather", '{"city": "Pa')])),
+    # hermes: the qwen25 block, with or without newlines.
+    ("hermes", 'Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>\n{"name": "search", '
+               '"arguments": {"query": "</tool_call>"}}\n</tool_call>',
+     ParsedOutput("Sure.", [ParsedCall("add", '{"a": 1}'), ParsedCall("search", '{"query": "</tool_call>"}')])),
 ]
 
 
@@ -100,3 +119,12 @@ def test_recorded_arguments_are_json() -> None:
 
 def test_every_flag_value_has_a_parser() -> None:
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+
+
+@pytest.mark.parametrize("parser_name", sorted(PARSERS))
+def test_a_constrained_call_as_the_structural_tag_writes_it_parses(parser_name: str) -> None:
+    fmt = PARSERS[parser_name]
+    text = "".join([fmt.call_begin("add"), '{"a": 1}', fmt.call_end, fmt.call_separator,
+                    fmt.call_begin("search"), '{"query": "x"}', fmt.call_end])
+    assert fmt.call_begin("add").startswith(fmt.call_trigger) or parser_name == "llama3"
+    assert fmt(NAMES).parse(text) == ParsedOutput("", [ParsedCall("add", '{"a": 1}'), ParsedCall("search", '{"query": "x"}')])

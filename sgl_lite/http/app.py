@@ -9,7 +9,7 @@ the admin key (--admin-api-key) too, which it needs for more than the caller's o
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -23,6 +23,7 @@ from sgl_lite.http.guards.access_log import AccessLog
 from sgl_lite.http.guards.api_key import api_key_error, bearer_key_matches
 from sgl_lite.http.guards.disconnect import cancel_on_disconnect
 from sgl_lite.http.guards.limits import HttpLimits, RequestGuard, parse_body
+from sgl_lite.http.guards.prompt_budget import Prompt, check_batch_prompts
 from sgl_lite.http.guards.request_owner import CURRENT_CALLER, rids_to_abort
 from sgl_lite.http.guards.validation import validation_error
 from sgl_lite.http.metrics import CONTENT_TYPE, HttpMetrics
@@ -33,6 +34,8 @@ from sgl_lite.http.openai_api.responses import add_responses_routes
 from sgl_lite.http.openai_api.serving import OpenAIServing
 from sgl_lite.http.sglang_api.generate import flush_cache_response, generate
 from sgl_lite.http.sglang_api.generate_request import GenerateRequest
+from sgl_lite.http.sglang_api.session_api import SessionBinder, add_session_routes
+from sgl_lite.http.sglang_api.sessions import SessionStore
 from sgl_lite.http.sglang_api.tokenize import add_tokenize_routes
 from sgl_lite.http.sglang_api.worker_api import add_worker_routes
 from sgl_lite.runtime.client import RuntimeClient
@@ -46,11 +49,13 @@ HEALTH_TIMEOUT_S = 2.0
 
 def create_app(client: RuntimeClient, *, api_key: str | None = None, served_model_name: str | None = None,
                limits: HttpLimits = HttpLimits(), response_store: ResponseStore | None = None,
-               admin_api_key: str | None = None, log_requests: bool = False) -> FastAPI:
+               admin_api_key: str | None = None, log_requests: bool = False,
+               session_store: SessionStore | None = None) -> FastAPI:
     """Build the app over `client`; the caller owns the client (and closes it after the server stops).
     `response_store`: where /v1/responses keeps responses (default: a ResponseStore of the default bounds).
     `admin_api_key`: the key of /abort_request beyond the caller's own requests (guards/request_owner.py).
-    `log_requests`: the access log (guards/access_log.py) also writes each request's body, bounded."""
+    `log_requests`: the access log (guards/access_log.py) also writes each request's body, bounded.
+    `session_store`: where SGLang's sessions are kept (default: a SessionStore of the default bounds)."""
     if admin_api_key is not None and (admin_api_key == "" or admin_api_key == api_key):
         raise ValueError("--admin-api-key must not be empty nor equal to --api-key (every caller would be admin)")
     # /openapi.json is served below, behind the API key like every route but /health.
@@ -62,6 +67,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     runner = RequestRunner(client, metrics)
     contexts = ModelContextCache(client.server_info, served_model_name)
     serving = OpenAIServing(runner, contexts, limits)
+    sessions = SessionBinder(session_store if session_store is not None else SessionStore(), contexts,
+                             serving.prompt_work, client.abort_in_flight)
     app.state.metrics = metrics
 
     def count(endpoint: str) -> Callable[[str], None]:
@@ -145,6 +152,10 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         _count_unless_streaming(metrics, "/v1/completions", body.stream)
         return response
 
+    async def check_batch(prompts: Sequence[Prompt], field: str) -> None:
+        context = await contexts.get()
+        await check_batch_prompts(context.budget, prompts, field, context.token_texts, serving.prompt_work)
+
     @app.post("/generate", dependencies=protected)
     async def native_generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
@@ -152,7 +163,8 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
             raise bad_request("no_logs: this server writes every request's text to its log (--log-requests)", "no_logs")
         token_texts = (await contexts.get()).token_texts if body.return_text_in_logprobs else None
         response = await cancel_on_disconnect(
-            request, generate(runner, body, count("/generate"), token_texts, max_fanout=limits.max_request_fanout))
+            request, generate(runner, body, count("/generate"), token_texts, max_fanout=limits.max_request_fanout,
+                              check_batch=check_batch, sessions=sessions))
         _count_unless_streaming(metrics, "/generate", body.stream)
         return response
 
@@ -180,6 +192,7 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
         await generate(runner, body, lambda outcome: None, max_fanout=1)
 
     add_tokenize_routes(app, contexts, limits, protected, serving.prompt_work)
+    add_session_routes(app, sessions.store, protected)
     app.state.responses = add_responses_routes(app, serving, runner, limits, metrics, protected, response_store)
     add_worker_routes(app, server_info=lambda: _call(client.server_info), contexts=contexts,
                       health_generate=health_generate, protected=protected, runtime_address=client.address)

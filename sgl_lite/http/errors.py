@@ -87,6 +87,7 @@ def from_runtime_error(exc: Exception) -> HttpError:
 
 # Request fields a runtime message may name, the ones a caller most likely has to change first.
 _RUNTIME_FIELDS = ("max_new_tokens", "min_new_tokens", "json_schema", "structural_tag", "regex", "ebnf", "stop_token_ids",
+                   "stop_regex", "logit_bias", "stream_interval",
                    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                    "repetition_penalty", "seed", "priority", "logprob_start_len", "top_logprobs_num",
                    "input_ids", "prompt", "text")

@@ -15,7 +15,7 @@ import anyio
 
 from sgl_lite.http.chat_template import ChatTemplate, ChatTemplateError
 from sgl_lite.http.errors import HttpError, from_runtime_error
-from sgl_lite.http.guards.prompt_budget import PromptBudget
+from sgl_lite.http.guards.prompt_budget import BatchTokenLimit, PromptBudget
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.lang.chat_template import token_text
 
@@ -29,6 +29,7 @@ class ModelContext:
     token_texts: TokenTexts
     model_info: dict[str, Any]
     tool_call_parser: str | None = None  # the runtime's --tool-call-parser
+    reasoning_parser: str | None = None  # the runtime's --reasoning-parser
     constrain_tool_calls: bool = True  # not --disable-tool-call-constraint
     # The runtime's bound on a token's characters (it refuses longer texts before tokenizing them).
     max_token_chars: int | None = None
@@ -54,6 +55,7 @@ class ModelContext:
             token_texts=TokenTexts(server_args.get("tokenizer_path") or model_path),
             model_info=info,
             tool_call_parser=server_args.get("tool_call_parser"),
+            reasoning_parser=server_args.get("reasoning_parser"),
             constrain_tool_calls=not server_args.get("disable_tool_call_constraint", False),
             max_token_chars=info.get("max_token_chars"),
             split_special_tokens_in_messages=server_args.get("split_special_tokens_in_messages", True),
@@ -62,8 +64,9 @@ class ModelContext:
     @property
     def budget(self) -> PromptBudget:
         """The prompt budget of this model (guards/prompt_budget.py): the runtime's own bound on a token's
-        characters, else this front's tokenizer's."""
-        return PromptBudget(self.context_length, self.max_token_chars or self.token_texts.max_token_chars)
+        characters, else this front's tokenizer's; the bound on one request's prompts together from its flags."""
+        return PromptBudget(self.context_length, self.max_token_chars or self.token_texts.max_token_chars,
+                            BatchTokenLimit.of_server(self.model_info.get("server_args") or {}, self.context_length))
 
     @property
     def logs_requests(self) -> bool:

@@ -77,8 +77,6 @@ class SglSamplingParams:
         """Raise ValueError for SGLang options sgl_lite does not implement."""
         if self.n not in (None, 1):
             raise ValueError(f"gen(n=...) is not supported by sgl_lite (only n=1); got n={self.n}")
-        if self.stop_regex:
-            raise ValueError("gen(stop_regex=...) is not supported by sgl_lite; use stop= strings")
 
     def to_runtime_params(self) -> SamplingParams:
         """The wire's SamplingParams: dtype turned into its regex, fields left None take the runtime's defaults."""
@@ -93,6 +91,7 @@ class SglSamplingParams:
             "min_new_tokens": self.min_new_tokens,
             "stop": stop or None,
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "stop_regex": self.stop_regex or None,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,

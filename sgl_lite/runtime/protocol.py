@@ -30,6 +30,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from sgl_lite.runtime.sampling_dict import sglang_sampling_dict
+from sgl_lite.runtime.stop_regex import check_stop_regex, is_plain_text, stop_regex_list
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # The line a `serve` child prints on stdout once it accepts requests: READY_PREFIX <address>.
@@ -60,13 +61,19 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 512
 # Stop token ids are looked up after every token (and, under min_new_tokens, masked in every step's logits).
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias: token ids (as decimal strings, SGLang's and OpenAI's keys) -> a number added to their logits.
+# Bounded in entries (each is written into the logits every step) and in size: a bias this large, divided
+# by the smallest sampling temperature (GREEDY_TEMPERATURE_EPS), is still a float32 number.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 1e30
 # Top logprobs cost a top-k over the vocabulary and a list per generated token (OpenAI's own cap is 20).
 MAX_TOP_LOGPROBS_NUM = 64
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    max_new_tokens: int = 128
+    # None: as many as fit, up to the context (SGLang's null); the runtime sets the number when it queues the request.
+    max_new_tokens: Union[int, None] = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,6 +84,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     repetition_penalty: float = 1.0
     stop: Union[str, list[str], None] = None
     stop_token_ids: Union[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)], None] = None
+    # Stop on the token that completes a match of one of these (runtime/stop_regex.py says what is kept).
+    stop_regex: Union[str, list[str], None] = None
+    logit_bias: Union[Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_TOKENS)], None] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # Passed to the tokenizer's decode beside skip_special_tokens, as SGLang does (the fast tokenizers
@@ -90,12 +100,15 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: Union[str, dict[str, Any], None] = None
     ebnf: Union[str, None] = None
     structural_tag: Union[str, dict[str, Any], None] = None
+    # A stream's chunk comes with the first token, then once this many tokens are unsent (None: --stream-interval).
+    stream_interval: Union[int, None] = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field when a value is out of range."""
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0; got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+        most_new = max(self.max_new_tokens, 0) if self.max_new_tokens is not None else INT64_MAX
+        if not 0 <= self.min_new_tokens <= most_new:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens]; got {self.min_new_tokens}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
@@ -133,6 +146,23 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                     raise ValueError(f"stop_token_ids contains {tok}, outside the vocabulary [0, {vocab_size})")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf, self.structural_tag)) > 1:
             raise ValueError("only one of regex, json_schema, ebnf, structural_tag may be given")
+        check_stop_regex(self.stop_regex)
+        self._check_logit_bias(vocab_size)
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1; got {self.stream_interval}")
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:  # a SamplingParams built in Python skips msgspec's check
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS}")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise ValueError(f"logit_bias keys must be token ids written in decimal digits; got {key!r}")
+            if vocab_size is not None and int(key) >= vocab_size:
+                raise ValueError(f"logit_bias has token id {key}, outside the vocabulary [0, {vocab_size})")
+            if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be finite numbers of at most {MAX_LOGIT_BIAS:g} in "
+                                 f"magnitude; got {value} for token {key}")
 
     @property
     def is_greedy(self) -> bool:
@@ -144,6 +174,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def trimmed_stops(self) -> list[str]:
+        """What the final text is cut at when it ends the request (unless no_stop_trim): the stop strings, and
+        the stop_regex patterns that are plain text (SGLang cuts at a pattern's own text, runtime/stop_regex.py)."""
+        return self.stop_strings() + [p for p in stop_regex_list(self.stop_regex) if is_plain_text(p)]
 
     def decode_options(self) -> dict[str, bool]:
         """tokenizer.decode's keyword arguments for this request's text (spaces_between_special_tokens only

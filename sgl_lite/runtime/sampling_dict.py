@@ -1,8 +1,9 @@
 """A user's sampling-params dict read as SGLang reads one, before it becomes the wire's SamplingParams.
 
 SGLang builds its SamplingParams from the dict with every field of its own: null means the field's
-default, `sampling_seed` is the seed, and some fields exist there that the runtime here does not act
-on. Those that could change a result are accepted only at their off value (null, empty, or
+default (except max_new_tokens, whose null means "up to the context" and travels as such), `sampling_seed`
+is the seed, logit_bias keys may be ints in Python, and some fields exist there that the runtime here does
+not act on. Those that could change a result are accepted only at their off value (null, empty, or
 beam_width 1) and refused otherwise, naming the field; the others cannot change a result here and
 are checked for type, then dropped. docs/http.md lists every field and what becomes of it.
 
@@ -11,14 +12,12 @@ Torch-free and free of sgl_lite imports: runtime/protocol.py uses it for every d
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Any, Union
 
 import msgspec
 
 # Fields that would change the result, each with why it is refused when given a value.
 UNSERVED_SAMPLING_FIELDS = {
-    "stop_regex": "stop_regex is not supported by sgl_lite; use stop strings, or regex to constrain the output",
-    "logit_bias": "logit_bias is not supported by sgl_lite",
     "beam_width": "beam search (beam_width > 1) is not supported by sgl_lite",
     "watermark": "watermarking is not supported by sgl_lite",
 }
@@ -26,8 +25,6 @@ UNSERVED_SAMPLING_FIELDS = {
 NO_EFFECT_SAMPLING_FIELDS: dict[str, Any] = {
     # read only by a request's custom logit processor, which sgl_lite does not run
     "custom_params": Union[dict[str, Any], None],
-    # how many tokens a stream gathers per chunk: the text is the same, and streams send every settled piece
-    "stream_interval": Union[Annotated[int, msgspec.Meta(ge=1)], None],
 }
 
 
@@ -36,10 +33,12 @@ def sglang_sampling_dict(params: Any) -> Any:
     ValueError names a field that cannot be served. A non-dict is returned as is (msgspec names it)."""
     if not isinstance(params, dict):
         return params
-    if "max_new_tokens" in params and params["max_new_tokens"] is None:
-        raise ValueError("invalid sampling_params: max_new_tokens must be a number (null, SGLang's "
-                         "'up to the context length', is not supported)")
     out = {key: value for key, value in params.items() if value is not None}
+    if "max_new_tokens" in params and params["max_new_tokens"] is None:
+        out["max_new_tokens"] = None  # SGLang's "as many as fit, up to the context"
+    bias = out.get("logit_bias")
+    if isinstance(bias, dict):  # SGLang reads each key with int(): a Python caller may give ints
+        out["logit_bias"] = {str(key) if type(key) is int else key: value for key, value in bias.items()}
     for name, reason in UNSERVED_SAMPLING_FIELDS.items():
         value = out.pop(name, None)
         if value not in (None, "", [], {}) and not (name == "beam_width" and type(value) is int and value == 1):

@@ -9,26 +9,59 @@ counted from its fields, before the chat template renders it; its tokens after t
 ids are sent to the runtime. Large renders and tokenizations run on worker threads, at most
 MAX_CONCURRENT_PROMPT_WORK at a time per front (more wait their turn), so the event loop keeps
 answering everyone else, /health included.
+
+The prompts of one request together (a /generate batch, a /v1/completions list prompt) have a budget
+too, so that one body cannot queue a prefill that holds the server for minutes: what one request may
+prefill, --max-prefill-tokens-per-request when set, else SGLang's bound on one prefill batch,
+max(--max-prefill-tokens, the context length). A batch is never refused a total one of its prompts
+alone could reach. Its texts are counted by characters first (more than the limit can hold: refused
+untokenized), then tokenized here to count them; their ids are not sent (the runtime tokenizes each).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import anyio
 
 from sgl_lite.http.errors import bad_request
+from sgl_lite.http.token_text import TokenTexts
 
 MAX_CONCURRENT_PROMPT_WORK = 2
 
+# Texts of more characters than this are counted on a worker thread (as openai_api/serving.py renders).
+COUNT_INLINE_CHARS = 64 * 1024
+
 T = TypeVar("T")
+Prompt = tuple[str | None, list[int] | None]  # (text, None) or (None, token ids)
+
+
+@dataclass(frozen=True)
+class BatchTokenLimit:
+    """The most prompt tokens the prompts of one request may hold together, and the setting it comes from."""
+
+    tokens: int
+    source: str  # for the error: which flag (or flags) set it
+
+    @classmethod
+    def of_server(cls, server_args: dict[str, Any], context_length: int | None) -> BatchTokenLimit | None:
+        """From the runtime's server args (its server_info); None when it says neither bound."""
+        per_request = server_args.get("max_prefill_tokens_per_request")
+        if per_request:
+            return cls(per_request, f"--max-prefill-tokens-per-request {per_request}")
+        prefill = server_args.get("max_prefill_tokens")
+        if not prefill or not context_length:
+            return None
+        return cls(max(prefill, context_length),
+                   f"max(--max-prefill-tokens {prefill}, the context length {context_length})")
 
 
 @dataclass(frozen=True)
 class PromptBudget:
     context_length: int | None  # None: the runtime did not say; nothing is checked
     max_token_chars: int | None  # the most characters one token decodes to; None: unknown
+    batch_limit: BatchTokenLimit | None = None  # None: the prompts of one request are not bounded together
 
     @property
     def max_chars(self) -> int | None:
@@ -49,6 +82,30 @@ class PromptBudget:
         if self.context_length is not None and tokens > self.context_length:
             raise bad_request(f"{field}: the prompt is {tokens} tokens; the context length is {self.context_length}",
                               field)
+
+
+async def check_batch_prompts(budget: PromptBudget, prompts: Sequence[Prompt], field: str, token_texts: TokenTexts,
+                              work: PromptWork) -> None:
+    """400 naming `field` when the prompts of one request (two or more) hold more tokens together than
+    `budget.batch_limit`, before anything is sent. Ids are counted; texts by their characters first, then,
+    when `token_texts` has the tokenizer, by tokenizing them (a large batch on a worker thread of `work`)."""
+    limit = budget.batch_limit
+    if limit is None or len(prompts) < 2:
+        return
+    tokens = sum(len(ids) for _, ids in prompts if ids is not None)
+    texts = [text for text, _ in prompts if text is not None]
+    chars = sum(map(len, texts))
+    if texts and budget.max_token_chars is not None and chars > (limit.tokens - tokens) * budget.max_token_chars:
+        raise bad_request(f"{field}: the {len(prompts)} prompts of this request hold {chars} characters of text "
+                          f"(and {tokens} token ids), more than {limit.tokens} tokens ({limit.source}) can hold; "
+                          "send them in smaller batches", field)
+    if texts and token_texts.available:
+        encoded = await work.run(chars > COUNT_INLINE_CHARS, token_texts.encode_many, texts, True)
+        tokens += sum(map(len, encoded))
+    if tokens > limit.tokens:
+        raise bad_request(f"{field}: the {len(prompts)} prompts of this request hold {tokens} tokens together; one "
+                          f"request may prefill at most {limit.tokens} ({limit.source}): send them in smaller "
+                          "batches", field)
 
 
 def chat_characters(messages: Iterable[Any], tools: Iterable[Any] | None) -> int:

@@ -23,9 +23,15 @@ def _field_path(loc: tuple[Any, ...]) -> str:
             path += f"[{part}]"
         elif "[" in str(part) or str(part).lower() in _TYPE_TAGS:
             break  # the rest describes which union member failed
+        elif _is_model_name(str(part)):
+            continue  # a union's model member (SessionParams): its fields follow
         else:
             path += ("." if path else "") + str(part)
     return path
+
+
+def _is_model_name(part: str) -> bool:
+    return part.isidentifier() and part[0].isupper() and "_" not in part and not part.isupper()
 
 
 def validation_error(exc: RequestValidationError) -> HttpError:

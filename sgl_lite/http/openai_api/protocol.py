@@ -75,8 +75,8 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    stop_regex: Union[str, list[str], None] = None
     # Refused unless off (request_fields.UNSERVED_FIELDS).
-    stop_regex: Any = None
     lora_path: Any = None
     session_params: Any = None
     custom_logit_processor: Any = None
@@ -113,7 +113,7 @@ class SamplingFields(OpenAIRequest):
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
-        for name in ("stop", "stop_token_ids", "regex", "ebnf"):
+        for name in ("stop", "stop_token_ids", "stop_regex", "logit_bias", "regex", "ebnf"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -196,6 +196,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # Passed to the chat template as the variable reasoning_effort, as SGLang does (templates that read it).
     reasoning_effort: Union[str, float, None] = None
+    # SGLang's: split the reasoning into reasoning_content, streamed as it comes (with --reasoning-parser).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     # Accepted and ignored (request_fields.IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -204,8 +207,6 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
     # Refused unless off (request_fields.UNSERVED_FIELDS).
     audio: Any = None
     modalities: Any = None

@@ -23,14 +23,10 @@ IGNORED_FIELDS: dict[str, str] = {
     "prompt_cache_key": "the prefix cache matches every request's prompt by itself",
     "prompt_cache_retention": "the prefix cache keeps prompts while its memory allows",
     "prompt_cache_options": "the prefix cache matches every request's prompt by itself",
-    "separate_reasoning": "no reasoning parser runs, so there is nothing to separate",
-    "stream_reasoning": "no reasoning parser runs, so there is nothing to separate",
 }
 # Fields accepted only at their off value (null, false, empty; modalities also ["text"]); the reason they are
 # refused otherwise.
 UNSERVED_FIELDS: dict[str, str] = {
-    "logit_bias": "logit_bias is not supported by this server",
-    "stop_regex": "stop_regex is not supported by this server; use stop strings, or regex to constrain the output",
     "lora_path": "LoRA adapters are not supported by this server",
     "session_params": "SGLang sessions are not supported by this server",
     "custom_logit_processor": "custom logit processors are not run by this server",

@@ -133,7 +133,7 @@ class ResponsesServing:
         if body.stream:
             return await sse_response(self._events(turn), on_stream_end, named_events=True)
         generation = await self._runner.collect(prepared.inputs[0])
-        output = ResponseOutput(prepared.tools)
+        output = ResponseOutput(prepared.tools, prepared.reasoning)
         output.feed(generation.text)
         reason = finish_reason_name(generation.finish_reason)
         output.finish(cut=reason != "stop")
@@ -141,7 +141,7 @@ class ResponsesServing:
 
     async def _events(self, turn: _Turn) -> AsyncIterator[dict[str, Any]]:
         numbers = iter(range(1 << 62))
-        output = ResponseOutput(turn.prepared.tools)
+        output = ResponseOutput(turn.prepared.tools, turn.prepared.reasoning)
         meta_info: dict[str, Any] = {}
         reason = "stop"
         async with aclosing(self._runner.stream(turn.prepared.inputs[0])) as deltas:

@@ -1,7 +1,8 @@
 """A Responses API `input` as chat messages: a string is one user message; items are messages (text parts
 only), `function_call` items (the assistant's calls, joined to the assistant turn they follow) and
-`function_call_output` items (tool results). Any other item, or a part that is not text, gets a 400 naming
-it (`input[i].type`, `input[i].content[j].type`).
+`function_call_output` items (tool results); `reasoning` items (an earlier output's reasoning, which
+clients resend) are left out, as reasoning models' chat templates leave earlier turns' reasoning out. Any
+other item, or a part that is not text, gets a 400 naming it (`input[i].type`, `input[i].content[j].type`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
             messages.append(_message(item, where))
         elif kind == "function_call":
             _add_call(messages, item, where)
+        elif kind == "reasoning":
+            continue
         elif kind == "function_call_output":
             content = _text(item.get("output"), f"{where}.output")
             messages.append(ChatMessage(role="tool", content=content, tool_call_id=_string(item, "call_id", where)))

@@ -113,7 +113,7 @@ class ResponsesRequest(OpenAIRequest):
     top_logprobs: Literal[0] | None = None
     max_tool_calls: int | None = Field(default=None, ge=0)  # built-in tools only, and this server has none
     service_tier: Literal["auto", "default"] | None = None
-    reasoning: dict[str, Any] | None = None  # the model does not reason: every setting null
+    reasoning: dict[str, Any] | None = None  # effort: the chat template's reasoning_effort; no summaries
     conversation: Any = None  # null: conversations are kept by previous_response_id
     prompt: Any = None  # null: no stored prompt templates
     # Accepted and ignored (ACCEPTED_AND_IGNORED).
@@ -140,9 +140,13 @@ class ResponsesRequest(OpenAIRequest):
 
     @field_validator("reasoning")
     @classmethod
-    def _no_reasoning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and any(setting is not None for setting in value.values()):
-            raise ValueError("the served model does not reason; leave every reasoning setting null")
+    def _reasoning_effort_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, setting in (value or {}).items():
+            if key == "effort" and not isinstance(setting, (str, type(None))):
+                raise ValueError(f"effort must be a string; got {type(setting).__name__}")
+            if key != "effort" and setting is not None:
+                raise ValueError(f"{key}: reasoning summaries are not produced by this server; leave it null "
+                                 "(effort is passed to the chat template as reasoning_effort)")
         return value
 
     @field_validator("metadata")
@@ -178,6 +182,7 @@ class ResponsesRequest(OpenAIRequest):
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls is not False,
             response_format=self._response_format(),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
         )
 
     def _response_format(self) -> ResponseFormat | None:

@@ -19,10 +19,11 @@ from sgl_lite.http.content_specials import HiddenSpecials
 from sgl_lite.http.errors import HttpError, bad_request
 from sgl_lite.http.generation import Delta, Generation, GenerationInput, RequestRunner
 from sgl_lite.http.guards.limits import HttpLimits
-from sgl_lite.http.guards.prompt_budget import PromptWork, chat_characters
+from sgl_lite.http.guards.prompt_budget import PromptWork, chat_characters, check_batch_prompts
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_api.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from sgl_lite.http.openai_api.reasoning_parser import REASONING_FORMATS, ReasoningRequest
 from sgl_lite.http.openai_api.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
 from sgl_lite.http.openai_api.tools import ToolRequest, tool_request
 from sgl_lite.http.sse import sse_response
@@ -99,6 +100,19 @@ class PreparedChat:
     context: ModelContext
     tools: ToolRequest | None
     inputs: list[GenerationInput]  # one per choice, validated, not yet sent
+    reasoning: ReasoningRequest | None = None  # how the outputs' reasoning is split (--reasoning-parser)
+
+
+def reasoning_request(body: ChatCompletionRequest, context: ModelContext, tools: ToolRequest | None,
+                      params: SamplingParams) -> ReasoningRequest | None:
+    """How a chat's outputs are split into reasoning and answer: with --reasoning-parser and separate_reasoning
+    (SGLang's default), else None (the reasoning stays in the content, tags and all)."""
+    if context.reasoning_parser is None or not body.separate_reasoning:
+        return None
+    forced_call = tools is not None and tools.constrained and tools.choice in ("required", "named")
+    grammar = params.json_schema is not None or params.regex is not None or params.ebnf is not None
+    return ReasoningRequest.of(REASONING_FORMATS[context.reasoning_parser], body.chat_template_kwargs,
+                               body.stream_reasoning, forced_call or grammar or bool(tools and tools.answer_schema))
 
 
 def _runtime_inputs(prompts: list[tuple[str | None, list[int] | None]], choices: list[SamplingParams],
@@ -175,7 +189,7 @@ class OpenAIServing:
             budget.check_tokens(len(prompt.input_ids), "messages")
         inputs = _runtime_inputs([(prompt.text, prompt.input_ids)], choice_params, body.logprobs, body.top_logprobs_num(),
                                  body.priority)
-        return PreparedChat(context, tools, inputs)
+        return PreparedChat(context, tools, inputs, reasoning_request(body, context, tools, choice_params[0]))
 
     async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
         prepared = await self.prepare_chat(body, body_bytes)
@@ -183,7 +197,7 @@ class OpenAIServing:
         response_id = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._chat_events(context, response_id, inputs, include_usage, tools)
+            events = self._chat_events(context, response_id, inputs, include_usage, tools, prepared.reasoning)
             return await sse_response(events, on_stream_end)
         generations = await self._runner.collect_many(inputs)
         choices = []
@@ -191,7 +205,7 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": chat_logprobs(LogprobCursor().take(gen.meta_info), context.token_texts)}
-            message, num_calls = assistant_message(gen.text, tools)
+            message, num_calls = assistant_message(gen.text, tools, prepared.reasoning)
             choices.append({
                 "index": index,
                 "message": message,
@@ -209,6 +223,7 @@ class OpenAIServing:
             raise bad_request(str(e), "prompt") from None
         top = body.logprobs or 0
         choice_params = _choice_params(body, len(prompts), self._limits.max_request_fanout)
+        await check_batch_prompts(context.budget, prompts, "prompt", context.token_texts, self.prompt_work)
         inputs = _runtime_inputs(prompts, choice_params, body.logprobs is not None, top, body.priority)
         echo_logprobs = body.echo and body.logprobs is not None
         if echo_logprobs:
@@ -239,9 +254,10 @@ class OpenAIServing:
         return JSONResponse(_envelope(response_id, "text_completion", context, choices, usage(generations, len(prompts))))
 
     async def _chat_events(self, context: ModelContext, response_id: str, inputs: list[GenerationInput],
-                           include_usage: bool, tools: ToolRequest | None) -> AsyncIterator[dict[str, Any]]:
+                           include_usage: bool, tools: ToolRequest | None,
+                           reasoning: ReasoningRequest | None) -> AsyncIterator[dict[str, Any]]:
         cursors = [LogprobCursor() for _ in inputs]
-        streams = [StreamedChoice(tools) for _ in inputs]
+        streams = [StreamedChoice(tools, reasoning) for _ in inputs]
         finals: list[Generation | None] = [None] * len(inputs)
         async with aclosing(self._runner.stream_many(inputs)) as deltas:
             first = await _first(deltas)  # before any event: a runtime rejection becomes the HTTP status

@@ -7,20 +7,25 @@ like SGLang, the cumulative text and output ids so far in each event, then `data
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse, Response
 
 from sgl_lite.http.errors import bad_request
 from sgl_lite.http.generation import GenerationInput, RequestRunner
+from sgl_lite.http.guards.prompt_budget import Prompt
 from sgl_lite.http.openai_api.protocol import MAX_CHOICES
 from sgl_lite.http.sglang_api.generate_request import GenerateRequest
+from sgl_lite.http.sglang_api.session_api import SessionBinder, SessionTurns
 from sgl_lite.http.sse import sse_response
 from sgl_lite.http.token_text import TokenTexts
 from sgl_lite.runtime.protocol import MAX_RID_CHARS, sampling_params_from_dict
 
+# Checks the prompts of one batch together (guards/prompt_budget.check_batch_prompts), given the field.
+BatchCheck = Callable[[Sequence[Prompt], str], Awaitable[None]]
 
-def _as_batch(body: GenerateRequest) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
+
+def _as_batch(body: GenerateRequest) -> tuple[list[Prompt], bool]:
     """The prompts as (text, input_ids) pairs, and whether the body was a batch."""
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("exactly one of text and input_ids must be given", "text")
@@ -42,9 +47,14 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[GenerationInput], bool]:
+def prompt_field(body: GenerateRequest) -> str:
+    return "text" if body.text is not None else "input_ids"
+
+
+def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[GenerationInput], list[Prompt], bool]:
+    """The runtime requests (prompts x n), the prompts, and whether the answer is a list."""
     prompts, is_batch = _as_batch(body)
-    field = "text" if body.text is not None else "input_ids"
+    field = prompt_field(body)
     if not prompts:
         raise bad_request("the batch is empty", field)
     if len(prompts) > max_fanout:  # before anything is sent: one request must not flood the runtime
@@ -79,7 +89,7 @@ def generation_inputs(body: GenerateRequest, max_fanout: int) -> tuple[list[Gene
     if len(inputs) > max_fanout:  # prompts x n, still before anything is sent
         raise bad_request(f"the batch asks for {len(inputs)} generations; at most --max-request-fanout {max_fanout}",
                           "sampling_params")
-    return inputs, is_batch
+    return inputs, prompts, is_batch
 
 
 def _split_n(params: dict[str, Any] | None) -> tuple[dict[str, Any] | None, int]:
@@ -103,12 +113,27 @@ def _sample_params(params: dict[str, Any] | None, sample: int) -> dict[str, Any]
 
 
 async def generate(runner: RequestRunner, body: GenerateRequest, on_stream_end: Callable[[str], None],
-                   token_texts: TokenTexts | None = None, *, max_fanout: int) -> Response:
-    """`token_texts` fills the text slot of each logprob entry (SGLang's return_text_in_logprobs)."""
-    inputs, is_batch = generation_inputs(body, max_fanout)
+                   token_texts: TokenTexts | None = None, *, max_fanout: int,
+                   check_batch: BatchCheck | None = None, sessions: SessionBinder | None = None) -> Response:
+    """`token_texts` fills the text slot of each logprob entry (SGLang's return_text_in_logprobs);
+    `check_batch` bounds the prompts of a batch of two or more together, before anything is sent;
+    `sessions` runs the requests with session_params in their sessions (session_api.py)."""
+    inputs, prompts, is_batch = generation_inputs(body, max_fanout)
+    if check_batch is not None and len(prompts) > 1:
+        await check_batch(prompts, prompt_field(body))
+    turns = SessionTurns()
+    if body.session_params is not None:
+        if sessions is None:
+            raise bad_request("session_params: sessions are not served here", "session_params")
+        turns = await sessions.bind(body.session_params, inputs, body.sampling_params)
     if body.stream:
-        return await sse_response(_stream_events(runner, inputs, is_batch, token_texts), on_stream_end)
-    generations = await runner.collect_many(inputs)
+        return await sse_response(_stream_events(runner, inputs, is_batch, token_texts, turns), on_stream_end)
+    try:
+        generations = await runner.collect_many(inputs)
+        for index, generation in enumerate(generations):
+            turns.finish(index, generation.output_ids)
+    finally:
+        turns.close()
     results = [{"text": g.text, "output_ids": g.output_ids,
                 "meta_info": _with_token_texts({**g.meta_info, "id": r.rid}, token_texts)}
                for g, r in zip(generations, inputs)]
@@ -136,13 +161,15 @@ def _with_token_texts(meta_info: dict[str, Any], token_texts: TokenTexts | None)
 
 
 async def _stream_events(runner: RequestRunner, inputs: list[GenerationInput], is_batch: bool,
-                         token_texts: TokenTexts | None) -> AsyncIterator[dict[str, Any]]:
+                         token_texts: TokenTexts | None, turns: SessionTurns) -> AsyncIterator[dict[str, Any]]:
     texts = [""] * len(inputs)
     output_ids: list[list[int]] = [[] for _ in inputs]
-    async with aclosing(runner.stream_many(inputs)) as deltas:
+    async with turns, aclosing(runner.stream_many(inputs)) as deltas:
         async for index, delta in deltas:
             texts[index] += delta.text
             output_ids[index].extend(delta.output_ids)
+            if delta.finish_reason is not None:
+                turns.finish(index, output_ids[index])
             event: dict[str, Any] = {"text": texts[index], "output_ids": list(output_ids[index]),
                                      "meta_info": _with_token_texts({**delta.meta_info, "id": inputs[index].rid}, token_texts)}
             if is_batch:

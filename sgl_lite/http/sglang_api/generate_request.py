@@ -14,6 +14,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from sgl_lite.http.openai_api.protocol import MAX_TOP_LOGPROBS
+from sgl_lite.http.sglang_api.session_api import SessionParamsField
 
 # Features sgl_lite does not have: the field is accepted at its off value (null, false, empty, or a
 # per-prompt list of those) and refused otherwise, with this reason.
@@ -37,7 +38,6 @@ UNSERVED_REQUEST_FIELDS: dict[str, str] = {
     "lora_id": "LoRA adapters are not supported by sgl_lite",
     "custom_logit_processor": "custom logit processors are not run by sgl_lite",
     "watermark": "watermarking is not supported by sgl_lite",
-    "session_params": "SGLang sessions are not supported by sgl_lite; send the whole prompt (the prefix cache reuses it)",
     "extra_key": "prefix-cache namespaces are not supported by sgl_lite (every request shares one cache)",
     "cache_salt": "prefix-cache namespaces are not supported by sgl_lite (every request shares one cache)",
     "require_reasoning": "reasoning controls are not supported by sgl_lite",
@@ -83,6 +83,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: Union[int, list[int]] = 0
     return_text_in_logprobs: bool = False
     priority: int | None = None
+    # SGLang's sessions: continue an earlier request of an open session (session_api.py); one per prompt, or one for all.
+    session_params: SessionParamsField = None
     # True: refused while the front or the runtime writes request text to its log (--log-requests), which it
     # otherwise would; without --log-requests no request's text is logged.
     no_logs: bool = False
@@ -144,7 +146,6 @@ class GenerateRequest(BaseModel):
     lora_id: Any = None
     custom_logit_processor: Any = None
     watermark: Any = None
-    session_params: Any = None
     extra_key: Any = None
     cache_salt: Any = None
     require_reasoning: Any = False

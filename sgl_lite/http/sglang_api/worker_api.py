@@ -10,7 +10,9 @@ reads and sums `num_tokens`; any other shape reads as load -1 (unknown).
 
 The server_info and model_info answers name the model the same way on every replica
 (served_model_name), because the router labels each worker with it and, in multi-model mode,
-routes by it.
+routes by it. model_info has SGLang 0.5.23's keys, plus the model's chat template and its bos/eos
+tokens (SGLang reports none; its clients ignore keys they do not read): the router passes a worker's
+/get_model_info on, so a DSL client behind it reads the runtime's own template from there.
 """
 
 from __future__ import annotations
@@ -52,21 +54,31 @@ def sglang_server_info(info: dict[str, Any], served_model_name: str, runtime_add
     return out
 
 
-def sglang_model_info(info: dict[str, Any]) -> dict[str, Any]:
-    """SGLang's /model_info: paths, is_generation, and model_type/architectures when the model's
-    config.json is readable from this process (the HTTP front may run on another machine)."""
+def sglang_model_info(info: dict[str, Any], served_model_name: str) -> dict[str, Any]:
+    """SGLang's /model_info: paths, names, parsers, is_generation, and model_type/architectures when the
+    model's config.json is readable from this process (the HTTP front may run on another machine); then
+    the runtime's chat template, bos_token and eos_token (see the module docstring)."""
     model_path = info.get("model_path")
+    server_args = info.get("server_args") or {}
     config = _read_model_config(model_path)
     return {
         "model_path": model_path,
-        "tokenizer_path": (info.get("server_args") or {}).get("tokenizer_path") or model_path,
+        "served_model_name": served_model_name,
+        "tokenizer_path": server_args.get("tokenizer_path") or model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
+        "load_format": "auto",
+        "reasoning_parser": server_args.get("reasoning_parser"),
+        "tool_call_parser": server_args.get("tool_call_parser"),
+        "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures"),
+        "chat_template": info.get("chat_template"),
+        "bos_token": info.get("bos_token"),
+        "eos_token": info.get("eos_token"),
     }
 
 
@@ -112,7 +124,8 @@ def add_worker_routes(app: FastAPI, *, server_info: Callable[[], Awaitable[dict[
     @app.get("/model_info", dependencies=protected)
     @app.get("/get_model_info", dependencies=protected)
     async def model_info_route() -> dict[str, Any]:
-        return sglang_model_info((await contexts.get()).model_info)
+        context = await contexts.get()
+        return sglang_model_info(context.model_info, context.served_model_name)
 
     @app.get("/get_load", dependencies=protected)
     @app.get("/load", dependencies=protected)

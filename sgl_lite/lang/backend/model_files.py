@@ -1,8 +1,9 @@
 """The chat template facts of a served model, for a backend whose server does not report them.
 
-An sgl_lite server's /server_info carries the tokenizer's chat template and its bos/eos tokens as the
-runtime holds them (with `--chat-template` applied). SGLang's /get_model_info, which sglang-router
-passes on from a worker, names only the model and tokenizer paths; the template is then read from the
+An sgl_lite server's /get_model_info and /server_info carry the tokenizer's chat template and its bos/eos
+tokens as the runtime holds them (with `--chat-template` applied); sglang-router passes a worker's
+/get_model_info on. SGLang's own /get_model_info names only the model and tokenizer paths (its frontend
+guesses a template from the model's name); the template is then read from the
 tokenizer's own files, the ones transformers loads it from: `tokenizer_config.json` (chat_template,
 bos_token, eos_token), else `chat_template.jinja` or `chat_template.json` beside it. They are read from
 the path itself when it is a folder on this machine, else from the Hugging Face cache when it holds
@@ -30,9 +31,10 @@ def is_jinja_template(value: Any) -> bool:
 def served_model_facts(server_info: dict[str, Any], model_info: dict[str, Any]) -> dict[str, Any]:
     """model_path, chat_template, bos_token and eos_token, as chat_template_from_model_info reads them."""
     facts: dict[str, Any] = {"model_path": model_info.get("model_path")}
-    if is_jinja_template(server_info.get("chat_template")):
-        facts.update({key: server_info.get(key) for key in ("chat_template", "bos_token", "eos_token")})
-        return facts
+    for reported in (model_info, server_info):
+        if is_jinja_template(reported.get("chat_template")):
+            facts.update({key: reported.get(key) for key in ("chat_template", "bos_token", "eos_token")})
+            return facts
     facts.update(tokenizer_facts(model_info.get("tokenizer_path") or model_info.get("model_path")))
     return facts
 

@@ -4,8 +4,9 @@ The one place requests are validated, in two stages, cheapest checks first:
 - `check_raw_request`, before the prompt is tokenized or its ids copied: the shape of the input and its
   size (O(1): a text longer than the context can hold, or more input_ids than the context, is refused
   by its length before anything scans or tokenizes it);
-- `validate`, once per request, by `Scheduler.add_request`: sampling params, then lengths and limits,
-  then the scan of every token id, then the grammar (compiled off the scheduler thread).
+- `validate`, once per request, by `Scheduler.add_request`: sampling params, then lengths and limits
+  (a null max_new_tokens becomes what fits, SGLang's rule), then the scan of every token id, the stop_regex
+  patterns (compiled here, once), then the grammar (compiled off the scheduler thread).
 
 Also owns the grammar backend (created on the first constrained request, so unconstrained serving
 never imports xgrammar) and the default priority.
@@ -18,7 +19,10 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from sgl_lite.runtime.managers.request import Req
+from sgl_lite.runtime.managers.stop_checker import StopRegexes
 from sgl_lite.runtime.protocol import INT64_MAX, MAX_TOP_LOGPROBS_NUM, SamplingParams
 from sgl_lite.runtime.sampling.grammar_limits import check_grammar_limits
 from sgl_lite.runtime.server_args import ServerArgs
@@ -94,6 +98,8 @@ class RequestValidator:
         self._check_length(n, params)
         if n > self.num_slots:
             raise ValueError(f"prompt ({n} tokens) exceeds the KV cache pool of {self.num_slots} slots (--max-total-tokens)")
+        if params.max_new_tokens is None:
+            params = req.sampling_params = self._as_many_as_fit(params, n)
         self._check_logprobs(req, n)
         self._check_priority(req.priority)
         # The one scan of the ids, last of the cheap checks: by now there are at most context-length of them.
@@ -103,6 +109,10 @@ class RequestValidator:
             if not isinstance(bad, int) or isinstance(bad, bool):
                 raise ValueError("input_ids must be a list of integers")
             raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if params.stop_regex:
+            if self.tokenizer is None:
+                raise ValueError("stop_regex needs a tokenizer, and this scheduler has none")
+            req.stop_regexes = StopRegexes(params.stop_regex)
         if params.regex is None and params.json_schema is None and params.ebnf is None and params.structural_tag is None:
             return None
         check_grammar_limits(params, self.args.max_grammar_chars, self.args.max_json_schema_depth)
@@ -110,12 +120,18 @@ class RequestValidator:
         backend.validate(params)
         return backend.request_matcher(params, owner=client_of(req.rid))
 
+    def _as_many_as_fit(self, params: SamplingParams, n: int) -> SamplingParams:
+        """SGLang's null max_new_tokens: up to the context and the KV pool, less the prompt; min_new_tokens
+        lowered to it where it is more (SGLang's rule). A copy: one SamplingParams may serve several prompts."""
+        most = max(min(self.context_length, self.num_slots) - n, 0)
+        return msgspec.structs.replace(params, max_new_tokens=most, min_new_tokens=min(params.min_new_tokens, most))
+
     def _check_length(self, n: int, params: SamplingParams) -> None:
         cap = self.args.max_prefill_tokens_per_request
         if cap is not None and n > cap:
             raise ValueError(f"prompt ({n} tokens) exceeds --max-prefill-tokens-per-request {cap}: "
                              "one request may prefill at most that many tokens on this server")
-        if n + params.max_new_tokens > self.context_length:
+        if params.max_new_tokens is not None and n + params.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context length "
                 f"{self.context_length}")

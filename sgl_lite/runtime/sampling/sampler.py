@@ -5,7 +5,8 @@ Pipeline per row (SGLang/vLLM semantics):
 2. min_new_tokens: EOS and stop_token_ids masked while fewer outputs exist (unless that empties the row);
 3. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
    then frequency (x count) and presence (x seen) penalties over output tokens;
-4. greedy rows (temperature 0 or top_k 1): argmax; other rows: softmax(logits / temperature), then
+4. logit_bias added to its tokens' logits (after the grammar mask, as SGLang: a forbidden token stays so);
+5. greedy rows (temperature 0 or top_k 1): argmax; other rows: softmax(logits / temperature), then
    top-k, top-p, min-p on the sorted probabilities, then one inverse-CDF draw with a uniform from
    the request's own generator.
 
@@ -81,7 +82,7 @@ class Sampler:
         return next_ids, torch.log_softmax(raw, dim=-1).gather(1, next_ids.unsqueeze(1)).squeeze(1)
 
     def process_logits(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-        """Steps 1-3 of the pipeline (grammar, min_new_tokens, penalties) on a copy of `logits`."""
+        """Steps 1-4 of the pipeline (grammar, min_new_tokens, penalties, logit_bias) on a copy of `logits`."""
         out = logits.float().clone()
         if any(r.grammar is not None for r in reqs):
             from sgl_lite.runtime.sampling import grammar  # lazy: xgrammar is only needed for constrained requests
@@ -89,6 +90,7 @@ class Sampler:
             grammar.apply_grammar_masks(out, [r.grammar for r in reqs])
         self._apply_min_new_tokens(out, reqs)
         self._apply_penalties(out, reqs)
+        add_logit_bias(out, [r.sampling_params for r in reqs])
         return out
 
     def peek_uniforms(self, req: Req, count: int, device: torch.device) -> torch.Tensor:
@@ -140,6 +142,7 @@ class Sampler:
     def _needs_processing(self, reqs: Sequence[Req]) -> bool:
         return any(
             r.grammar is not None or _has_penalty(r) or len(r.output_ids) < r.sampling_params.min_new_tokens
+            or r.sampling_params.logit_bias
             for r in reqs
         )
 
@@ -204,6 +207,25 @@ class Sampler:
                 generator.manual_seed(seed)
             req.generator = generator
         return req.generator
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's logit_bias to its logits [len(params), V] in place. Keys naming one id ("1", "01")
+    keep the last value, as SGLang's; ids past V are left out (the validator checks them against the vocabulary)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        bias = {int(key): value for key, value in (p.logit_bias or {}).items()}
+        for token, value in bias.items():
+            if token < logits.shape[1]:
+                rows.append(row)
+                cols.append(token)
+                values.append(value)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _has_penalty(req: Req) -> bool:

@@ -18,6 +18,8 @@ is the one the request would sample from had d_0..d_{j-1} been its own outputs.
 
 Either way a verified draft yields between 1 and k + 1 tokens.
 
+A request's logit_bias is added to every position's logits, as plain decoding adds it to each step's.
+
 A request with a grammar drafts only tokens its grammar allows (the scheduler cuts the draft at the first
 one it forbids), and position j's logits are masked with the grammar's state after d_0..d_{j-1} before
 either rule: the distribution is then exactly what plain constrained decoding samples from there.
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from sgl_lite.runtime.managers.request import Req
-from sgl_lite.runtime.sampling.sampler import Sampler, argmax_ids
+from sgl_lite.runtime.sampling.sampler import Sampler, add_logit_bias, argmax_ids
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
@@ -44,6 +46,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Req],
         raise ValueError(f"verification got {logits.shape[0]} logit rows for drafts needing {sum(sizes)}")
     if any(r.grammar is not None for r in reqs):
         logits = _grammar_masked(logits, reqs, drafts)
+    if any(r.sampling_params.logit_bias for r in reqs):  # static per request: the same at every position
+        logits = logits.float().clone()
+        add_logit_bias(logits, [r.sampling_params for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)])
     if all(r.sampling_params.is_greedy for r in reqs):
         return _verify_greedy(argmax_ids(logits.float()).tolist(), drafts)
     out: list[list[int]] = []

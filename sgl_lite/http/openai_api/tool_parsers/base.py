@@ -6,8 +6,10 @@ of the whole text: `parse` is `feed(text)` then `finish()`, and streaming calls 
 
 A call is `<trigger><header><arguments><tail>`: the header regex (matched partially while it
 grows) names the function and ends at the `{` that opens the arguments; the arguments are then
-streamed as written until their JSON object closes; the tail runs to `tail_end`. Text outside calls
-is content, except whitespace (and the format's separators) between calls and around them.
+streamed as written until their JSON object closes; the tail runs to `tail_end` (a format whose
+header has alternatives may give each its own tail: `tail_for`). Text outside calls is content,
+except whitespace (and the format's separators) between calls and around them. A continuation
+trigger opens a call only right after another one (the next element of a JSON array of calls).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class ToolCallParser:
     # trigger -> whether it is part of the header text (a JSON call opening with `{`), else dropped.
     triggers: ClassVar[dict[str, bool]]
     header: ClassVar[regex.Pattern[str]]  # group "name"; ends with the `{` opening the arguments
-    tail_end: ClassVar[str]  # what closes a call after its arguments
+    tail_end: ClassVar[str]  # what closes a call after its arguments ("": nothing)
+    continuation_triggers: ClassVar[frozenset[str]] = frozenset()  # triggers only right after a call
     end_tag: ClassVar[str | None] = None  # a block end that lets an unmatched header be decided (RAW)
     separators: ClassVar[str] = " \t\r\n"
     # How a call is written, for the xgrammar structural tag that allows exactly this (http/openai_api/tools.py).
@@ -98,6 +101,10 @@ class ToolCallParser:
     def call_begin(name: str) -> str:
         raise NotImplementedError
 
+    def tail_for(self, header: regex.Match[str]) -> str:
+        """What closes the call whose header is `header`, after its arguments."""
+        return self.tail_end
+
     def __init__(self, tool_names: set[str], stop_after_first: bool = False) -> None:
         self._tool_names = tool_names
         self._stop_after_first = stop_after_first
@@ -107,6 +114,7 @@ class ToolCallParser:
         self._header = ""
         self._held_space = ""  # the whitespace before a trigger: dropped if a call starts there
         self._after_call = False
+        self._tail = ""  # what closes the current call after its arguments
         self._calls = 0
         self._depth = 0
         self._in_string = False
@@ -152,15 +160,18 @@ class ToolCallParser:
             self._args_char(ch)
         elif state is _State.TAIL:
             self._header += ch
-            if self._header.endswith(self.tail_end):
+            if self._header.endswith(self._tail):
                 self._end_call()
 
     def _text_char(self, ch: str) -> None:
         if self._after_call and not self._pending and ch in self.separators:
             return
+        continuing = self._after_call and not self._pending
         self._after_call = False
         self._pending += ch
         for trigger in self.triggers:
+            if trigger in self.continuation_triggers and not continuing:
+                continue
             if self._pending.endswith(trigger):
                 self._held_space = self._pending[: -len(trigger)]
                 self._pending = ""
@@ -189,7 +200,7 @@ class ToolCallParser:
         if match is not None and not match.partial:
             name = match.group("name")
             if name in self._tool_names:
-                self._start_call(name)
+                self._start_call(name, self.tail_for(match))
                 return
             match = None
         if match is None or len(self._header) > MAX_HEADER_CHARS:
@@ -200,9 +211,10 @@ class ToolCallParser:
             else:
                 self._revert()
 
-    def _start_call(self, name: str) -> None:
+    def _start_call(self, name: str, tail: str) -> None:
         self._out.append(ToolCallStart(self._calls, name))
         self._out.append(ArgumentsDelta(self._calls, "{"))
+        self._tail = tail
         self._held_space = ""
         self._state = _State.ARGS
         self._depth, self._in_string, self._escaped = 1, False, False
@@ -222,7 +234,9 @@ class ToolCallParser:
             self._depth += 1
         elif ch in "}]":
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and not self._tail:
+                self._end_call()
+            elif self._depth == 0:
                 self._state = _State.TAIL
                 self._header = ""
 

@@ -1,0 +1,147 @@
+"""Continuous hostile load over HTTP beside a benchmark's normal clients (scripts/bench_hostile.py):
+
+- a prefill hog: each of its streams sends SGLang's /generate with a batch of long random prompts, as
+  many tokens together as one request may prefill, and the next one as soon as it is answered (random
+  ids: nothing of it is ever a cache hit). It starts with one batch just over that limit, which must be
+  refused (400) before anything runs;
+- a runaway grammar compile: a regex under every size limit whose compile outlasts
+  --grammar-compile-timeout, sent again as soon as it is refused;
+- a /health probe every `health_every_s` seconds.
+
+Each counts its answers by status, with their latencies. Leaving the `with` cancels what is in flight:
+the front aborts a request whose client hung up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import httpx2
+
+# A 24 KB regex, under --max-grammar-chars, whose compile outlasts the default --grammar-compile-timeout.
+RUNAWAY_REGEX = "(a|aa|aaa|aaaa)*" * 1500 + "b<i>"
+_TIMEOUT_S = 600.0
+_KEPT_MESSAGES = 3
+
+
+@dataclass
+class StreamStats:
+    """What one kind of hostile request got: answers by HTTP status (or the exception's name), seconds each."""
+
+    sent: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    seconds: list[float] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # the first few error answers
+
+    def record(self, status: str, seconds: float, message: str = "") -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        self.seconds.append(seconds)
+        if message and len(self.messages) < _KEPT_MESSAGES:
+            self.messages.append(message[:300])
+
+    def to_json(self) -> dict[str, Any]:
+        done = sorted(self.seconds)
+        return {"sent": self.sent, "answered": len(done), "statuses": self.statuses, "messages": self.messages,
+                "seconds_median": done[len(done) // 2] if done else None, "seconds_max": done[-1] if done else None}
+
+
+@dataclass(frozen=True)
+class HogPlan:
+    streams: int  # batches in flight at once
+    prompts: int  # per batch
+    prompt_tokens: int  # per prompt
+    max_new_tokens: int = 8
+
+
+class HostileLoad:
+    """The hostile streams against the HTTP API at `url`, from `with` to its end, on an event loop of
+    their own thread. `draw_ids(n)`: n random token ids of the served model."""
+
+    def __init__(self, url: str, draw_ids: Callable[[int], list[int]], *, hog: HogPlan | None = None,
+                 compile_streams: int = 0, health_every_s: float = 1.0, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.draw_ids = draw_ids
+        self.hog = hog
+        self.compile_streams = compile_streams
+        self.health_every_s = health_every_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.stats: dict[str, StreamStats] = {"health": StreamStats()}
+        if hog is not None:
+            self.stats["hog"] = StreamStats()
+            self.stats["hog over the limit"] = StreamStats()
+        if compile_streams:
+            self.stats["runaway compile"] = StreamStats()
+        self._loop = asyncio.new_event_loop()
+        self._main: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._run, name="hostile-load", daemon=True)
+
+    def __enter__(self) -> HostileLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._main is None and self._thread.is_alive():
+            time.sleep(0.01)
+        if self._main is not None:
+            self._loop.call_soon_threadsafe(self._main.cancel)
+        self._thread.join(60)
+
+    def report(self) -> dict[str, Any]:
+        return {name: stats.to_json() for name, stats in self.stats.items()}
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._all())
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._loop.close()
+
+    async def _all(self) -> None:
+        self._main = asyncio.current_task()
+        async with httpx2.AsyncClient(headers=self._headers, timeout=_TIMEOUT_S,
+                                      limits=httpx2.Limits(max_connections=None)) as client:
+            streams = [self._health(client)]
+            if self.hog is not None:
+                streams.append(self._over_limit_batch(client, self.hog))
+                streams += [self._hog(client, self.hog) for _ in range(self.hog.streams)]
+            streams += [self._runaway_compile(client) for _ in range(self.compile_streams)]
+            await asyncio.gather(*streams)
+
+    async def _timed(self, stats: StreamStats, request: Callable[[], Awaitable[httpx2.Response]]) -> None:
+        stats.sent += 1
+        started = time.perf_counter()
+        try:
+            response = await request()
+        except httpx2.HTTPError as e:
+            stats.record(type(e).__name__, time.perf_counter() - started, str(e))
+            return
+        ok = response.status_code == 200
+        stats.record(str(response.status_code), time.perf_counter() - started, "" if ok else response.text)
+
+    def _batch(self, hog: HogPlan, prompts: int) -> dict[str, Any]:
+        return {"input_ids": [self.draw_ids(hog.prompt_tokens) for _ in range(prompts)],
+                "sampling_params": {"max_new_tokens": hog.max_new_tokens, "ignore_eos": True, "temperature": 0}}
+
+    async def _hog(self, client: httpx2.AsyncClient, hog: HogPlan) -> None:
+        while True:
+            body = self._batch(hog, hog.prompts)
+            await self._timed(self.stats["hog"], lambda: client.post(self.url + "/generate", json=body))
+
+    async def _over_limit_batch(self, client: httpx2.AsyncClient, hog: HogPlan) -> None:
+        body = self._batch(hog, hog.prompts + 1)
+        await self._timed(self.stats["hog over the limit"], lambda: client.post(self.url + "/generate", json=body))
+
+    async def _runaway_compile(self, client: httpx2.AsyncClient) -> None:
+        body = {"text": "Answer: ", "sampling_params": {"regex": RUNAWAY_REGEX, "max_new_tokens": 8}}
+        while True:
+            await self._timed(self.stats["runaway compile"], lambda: client.post(self.url + "/generate", json=body))
+
+    async def _health(self, client: httpx2.AsyncClient) -> None:
+        while True:
+            await self._timed(self.stats["health"], lambda: client.get(self.url + "/health", timeout=30.0))
+            await asyncio.sleep(self.health_every_s)
