@@ -104,3 +104,10 @@ class IncrementalDetokenizer:
 def stop_hold_back_chars(stop_strings: Sequence[str]) -> int:
     """Characters to withhold while streaming so that no stop-string prefix is ever sent."""
     return max((len(s) for s in stop_strings), default=1) - 1
+
+
+def chunk_due(produced: int, streamed: int, interval: int) -> bool:
+    """Whether a stream's next chunk is due (SGLang's rule): with the first token, then once `interval` tokens
+    are unsent; the rest comes with the last chunk. `produced`/`streamed`: output tokens now / at the last chunk."""
+    unsent = produced - streamed
+    return interval == 1 or unsent >= interval or (streamed == 0 and unsent > 0)

@@ -48,7 +48,7 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer
+from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, chunk_due
 from sgl_lite.runtime.server.envelope import DECODE_ERRORS, describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
@@ -139,8 +139,7 @@ class RuntimeServer:
             self._shutdown()
 
     def _poll_timeout_ms(self) -> int:
-        """0 when a step has work to do; a short wait while only grammar compiles, disk tier loads or long
-        prompts' tokenizing are pending (no busy loop: their end is noticed within that wait); else the idle wait."""
+        """0 when a step has work; a short wait while only compiles, disk loads or tokenizing are pending; else idle."""
         core = self._core
         if core.has_ready_work():
             return 0
@@ -313,7 +312,7 @@ class RuntimeServer:
         self._inflight[req.rid] = _InFlight(identity, msg.rid, stream_state)
 
     @staticmethod
-    def _key(identity: bytes, rid: str) -> str:
+    def _key(identity: bytes, rid: str) -> str:  # the scheduler's rid: the client's, prefixed by its identity
         return f"{identity.hex()}/{rid}"
 
     # ------------------------------------------------------------------ outgoing
@@ -351,12 +350,8 @@ class RuntimeServer:
             stream = flight.stream_state
             last_delta = None if stream is None else (stream.finish(text), stream.new_ids(req.output_ids))
             return self._final_replies(flight.rid, text, list(req.output_ids), meta_info, last_delta)
-        # SGLang's rule: a chunk with the first token, then once stream_interval tokens are unsent (the request's
-        # own, else --stream-interval); the rest comes with the last one.
-        interval = req.sampling_params.stream_interval or self._args.stream_interval
-        unsent = len(req.output_ids) - flight.streamed_tokens
-        due = interval == 1 or unsent >= interval or (flight.streamed_tokens == 0 and unsent > 0)
-        if flight.stream_state is not None and due:
+        interval = req.sampling_params.stream_interval or self._args.stream_interval  # the request's, else the flag
+        if flight.stream_state is not None and chunk_due(len(req.output_ids), flight.streamed_tokens, interval):
             delta = flight.stream_state.update(req.output_ids)
             if delta:
                 flight.streamed_tokens = len(req.output_ids)
