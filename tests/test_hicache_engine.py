@@ -172,3 +172,26 @@ def test_abort_during_a_load_and_two_requests_on_one_loading_prefix(tiny_llama_d
     finally:
         core.tier.store._fault = None
         engine.shutdown()
+
+
+@pytest.mark.timeout(120)  # the bug this guards against was a load waiting forever on its own hold
+def test_a_load_larger_than_half_the_pool_beside_its_own_cached_prefix(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two sessions share a system prompt; each one's context is over half the pool. A returning session matches
+    the shared prefix in the tree (its own hold) and loads the rest: it must not wait on its own hold."""
+    rng = random.Random(5)
+    system = [rng.randrange(5, 300) for _ in range(128)]
+    sessions = [system + [rng.randrange(5, 300) for _ in range(392)] for _ in range(2)]
+    want = Engine(model_path=str(tiny_llama_dir), **{**POOL, "max_total_tokens": 4096})
+    expected = [want.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in sessions]
+    want.shutdown()
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    try:
+        for _ in range(2):
+            outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in sessions]
+            assert [o["output_ids"] for o in outs] == expected
+            engine.core.tier.drain()
+        details = outs[0]["meta_info"]["cached_tokens_details"]
+        assert details["storage"] > 0 and details["device"] + details["storage"] >= 512
+        engine.core.check_invariant()
+    finally:
+        engine.shutdown()

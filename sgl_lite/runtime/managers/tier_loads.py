@@ -99,8 +99,10 @@ class TierLoads:
         count = end - match.length
         if count <= 0:
             return 0
-        # Loaded prefixes wait for admission locked; they may take half the pool, so admission always has room.
-        if self.kv.held_tokens and self.kv.held_tokens + count > self.kv.num_slots // 2:
+        # Loaded prefixes wait for admission locked; other requests' may take half the pool, so admission always
+        # has room (they are queued: admitting them releases theirs).
+        others_held = self.kv.held_tokens - (req.tier_hold.depth if req.tier_hold is not None else 0)
+        if others_held and others_held + count > self.kv.num_slots // 2:
             return None
         tree.inc_lock_ref(match.last_node)  # the part matched beyond the hold must survive the eviction below
         try:
