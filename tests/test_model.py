@@ -75,10 +75,11 @@ def make_runner(path: Path, dtype: str = "float32", max_total_tokens: int = 4096
     return ModelRunner(args, model_dir=path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3_rope", "untied"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama3_rope", "untied"])
 def tiny(request, tmp_path_factory):
-    kw = {"llama": {}, "qwen2": {"arch": "qwen2"}, "llama3_rope": {"rope_scaling": LLAMA3_SCALING},
-          "untied": {"tie_word_embeddings": False}}[request.param]
+    # qwen3: per-head q/k norms, and a head_dim (32) other than hidden_size / heads (16)
+    kw = {"llama": {}, "qwen2": {"arch": "qwen2"}, "qwen3": {"arch": "qwen3", "head_dim": 32},
+          "llama3_rope": {"rope_scaling": LLAMA3_SCALING}, "untied": {"tie_word_embeddings": False}}[request.param]
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **kw)
     return path, make_runner(path), hf_model(path)
 

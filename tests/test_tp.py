@@ -21,6 +21,7 @@ from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.model_executor.tp import check_shardable
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
+from sgl_lite.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,6 +98,12 @@ def test_tp2_matches_one_process_on_qwen2_with_sharded_qkv_biases(tiny_qwen2_dir
     weights = load_file(tiny_qwen2_dir / "model.safetensors")
     assert any(name.endswith("self_attn.k_proj.bias") and t.abs().sum() > 0 for name, t in weights.items())
     assert_same_results(run(tiny_qwen2_dir, 1)[0], run(tiny_qwen2_dir, 2)[0])
+
+
+def test_tp2_matches_one_process_on_qwen3_with_replicated_qk_norms(tmp_path: Path) -> None:
+    # Qwen3's q/k norms act within one head: every rank keeps them whole for its own heads.
+    path = make_tiny_model(tmp_path, arch="qwen3", head_dim=32)
+    assert_same_results(run(path, 1)[0], run(path, 2)[0])
 
 
 def tp_rank_pids(parent: int | None = None) -> set[int]:

@@ -69,11 +69,14 @@ def make_tiny_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     rope_scaling: dict | None = None,
+    head_dim: int | None = None,
 ) -> Path:
-    """Write a tiny random model of `arch` ("llama" or "qwen2") to `path` and return the path.
+    """Write a tiny random model of `arch` ("llama", "qwen2" or "qwen3") to `path` and return the path.
 
     The weights are drawn with a large std so that greedy logits have clear winners (no near-ties
-    that would make fp32 comparisons against transformers flaky).
+    that would make fp32 comparisons against transformers flaky). `head_dim` defaults to
+    hidden_size / num_heads. Biases and Qwen3's q/k norm weights are random too (transformers
+    starts them at 0 and 1), so a model that skipped them would not match.
     """
     import torch
     import transformers
@@ -95,6 +98,7 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-5,
         initializer_range=0.1,
+        head_dim=head_dim or hidden_size // num_heads,
     )
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
@@ -102,8 +106,11 @@ def make_tiny_model(
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common)
         model_cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**common)
+        model_cls = transformers.Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama' or 'qwen2'")
+        raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama', 'qwen2' or 'qwen3'")
     if rope_scaling is not None:
         config.rope_scaling = rope_scaling
     torch.manual_seed(seed)
@@ -112,6 +119,8 @@ def make_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     (path / "sgl_lite_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))

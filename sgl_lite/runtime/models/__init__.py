@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from sgl_lite.runtime.models.llama import MODEL_REGISTRY, LlamaForCausalLM
+from sgl_lite.runtime.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sgl_lite.runtime.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
 
 
 def model_class(config) -> type[LlamaForCausalLM]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch over a paged KV pool.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 in qwen3.py) in plain torch over a paged KV pool.
 
 Projections are fused: one QKV matmul and one gate-up matmul per layer, their weights concatenated
 at load time from the checkpoint's separate q/k/v and gate/up tensors. Attention is delegated to an
@@ -91,10 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias, packed["qkv"])
-        # RoPE on q and k together: they are the first num_heads + num_kv_heads heads of qkv.
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = self.rotated_qk(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         attn_out = attn.forward(self.layer_id, q, k, v, kv_pool)
         attn_proj = linear(attn_out.reshape(n, self.q_size), self.o_weight, self.o_bias, packed["o"])
@@ -105,6 +102,13 @@ class LlamaDecoderLayer(nn.Module):
         act = silu_and_mul(gate_up)
         down = linear(act, self.down_weight, None, packed["down"])
         return (down if self.tp_reduce is None else self.tp_reduce(down)), residual
+
+    def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim] and k [n, kv_heads, head_dim] of the qkv matmul's output, RoPE applied."""
+        # RoPE on q and k together: they are the first num_heads + num_kv_heads heads of qkv.
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
     def fused_decode_operands(self, rows: int, kv_pool: KVPool) -> tuple[tuple, tuple, tuple] | None:
         """What csrc/decode_layer.cpp takes from this layer for a `rows`-row step - (norm weights and eps, the
@@ -174,6 +178,8 @@ _PLAIN = {
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    plain_weights: dict[str, str] = _PLAIN  # HF name suffix in a layer -> its parameter, copied as is
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", max_positions: int | None = None) -> None:
         super().__init__()
@@ -187,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device, qkv_bias=qkv_bias, o_bias=attention_bias)
+            self.layer_class(config, i, dtype, device, qkv_bias=qkv_bias, o_bias=attention_bias)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -330,8 +336,8 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and not self.tie_word_embeddings:
             return "lm_head"
         m = _LAYER_NAME.match(name)
-        if m and int(m.group(1)) < len(self.layers) and m.group(2) in _PLAIN:
-            return f"layers.{m.group(1)}.{_PLAIN[m.group(2)]}"
+        if m and int(m.group(1)) < len(self.layers) and m.group(2) in self.plain_weights:
+            return f"layers.{m.group(1)}.{self.plain_weights[m.group(2)]}"
         return None
 
     def _copy(self, target: str, source: str, tensor: torch.Tensor) -> None:
@@ -359,10 +365,3 @@ def _check_same_weight(values: Int4Values | None, weight: torch.Tensor, name: st
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True
-
-
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
