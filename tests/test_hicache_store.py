@@ -141,3 +141,23 @@ def test_tier_flags_name_what_is_wrong(flags: dict, named: str) -> None:
 
     with pytest.raises(ValueError, match=named):
         ServerArgs(**flags)
+
+
+def test_a_write_past_the_backlog_keeps_its_leading_blocks(tmp_path: Path) -> None:
+    from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
+
+    pool = KVPool(num_layers=1, num_slots=40, kv_heads=1, head_dim=4, dtype=torch.float32)
+    pool.write(0, torch.arange(1, 41), torch.randn(40, 1, 4), torch.randn(40, 1, 4))
+    store = DiskKVStore(tmp_path, "fp", 1 << 20)
+    tier = KVTier(pool, store, block_tokens=B, max_staged_bytes=2 * block_bytes(pool, B))
+    tokens = list(range(100, 120))  # five blocks
+    try:
+        assert tier.write(tokens, torch.arange(1, 21)) == 2
+        tier.drain()
+        keys = block_keys(tokens, block_tokens=B)
+        assert store.present(keys) == 2 and tier.write_dropped_tokens == 3 * B
+        assert tier.write(tokens, torch.arange(1, 21)) == 2  # the next two, now that the backlog is written
+        tier.drain()
+        assert store.present(keys) == 4
+    finally:
+        tier.close()

@@ -1,8 +1,8 @@
 """KVTier: what the scheduler asks of the disk tier, with the disk I/O on two threads of its own.
 
 - `write(tokens, slots)`: the whole blocks of a prefix not yet stored are gathered from the pool now (the slots
-  may be freed right after) and written by the write thread. A backlog over `max_staged_bytes` drops the write
-  (counted): the tier falls behind, the scheduler never waits for a disk.
+  may be freed right after) and written by the write thread. Blocks past a backlog of `max_staged_bytes` are
+  dropped (counted), the last ones first: the tier falls behind, the scheduler never waits for a disk.
 - `loadable(tokens, matched)`: the stored blocks that continue a prefix the tree holds `matched` tokens of.
 - `start_load(...)`: the read thread reads them into memory (a `LoadTicket`); the scheduler copies them into
   the pool (`scatter_blocks`) when the ticket is done, so other requests keep decoding meanwhile. A read stops
@@ -78,14 +78,14 @@ class KVTier:
         first = from_pos // self.block_tokens
         with self._lock:
             todo = [i for i in range(first, len(keys)) if keys[i] not in self._writing and not self.store.contains(keys[i])]
-            nbytes = len(todo) * self.block_bytes
+            # The leading blocks first: a block is of use only after every block before it.
+            room = max(self.max_staged_bytes - self._write_backlog, 0) // self.block_bytes
+            self.write_dropped_tokens += max(len(todo) - room, 0) * self.block_tokens
+            todo = todo[:room]
             if not todo:
                 return 0
-            if self._write_backlog + nbytes > self.max_staged_bytes:
-                self.write_dropped_tokens += len(todo) * self.block_tokens
-                return 0
             self._writing.update(keys[i] for i in todo)
-            self._write_backlog += nbytes
+            self._write_backlog += len(todo) * self.block_bytes
         b = self.block_tokens
         index = torch.cat([slots[i * b : (i + 1) * b] for i in todo])
         data = gather_blocks(self.pool, index, b)
