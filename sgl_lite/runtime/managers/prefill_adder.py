@@ -8,6 +8,9 @@ SGLang 0.5.7's `PrefillAdder`, page size 1. Budgets, all in tokens:
 - rem_input_tokens = --max-prefill-tokens; a request that would exhaust it joins only an empty batch.
 - rem_chunk_tokens = --chunked-prefill-size; a request longer than what is left is truncated to
   that and becomes the (single) chunked request, which ends the round.
+- chunk_cap (sgl_lite's, fair prefill's pacing, prefill_pacing.py; None: no cap): a chunk is also cut
+  to the cap less the prefill tokens planned before it this round (mixed decode rows not counted, so
+  a chunk that goes first always gets the whole cap). Prompts that fit whole are not cut by it.
 
 A request admitted here has its matched prefix locked (inc_lock_ref) at once, so the evictable
 size the next request sees already excludes it. The scheduler unlocks on release.
@@ -73,6 +76,7 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunk_size: int | None,
         mixed_decode_tokens: int = 0,
+        chunk_cap: int | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.allocator = allocator
@@ -82,6 +86,8 @@ class PrefillAdder:
         self.rem_chunk_tokens = chunk_size - mixed_decode_tokens if chunk_size is not None else None
         self.rem_total_offset = sum(reserved_output(r, new_token_ratio) for r in running)
         self.cur_rem_offset = mixed_decode_tokens
+        self.chunk_cap = chunk_cap
+        self.prefill_tokens = 0  # computed by this round's prefill rows so far
         self.plans: list[PlannedExtend] = []
         self.new_chunked_req: Req | None = None
 
@@ -109,8 +115,18 @@ class PrefillAdder:
         self.rem_total_offset += extend_len + reserved_new_tokens
         self.cur_rem_offset += extend_len
         self.rem_input_tokens -= extend_len
+        self.prefill_tokens += extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
+
+    def _chunk_room(self) -> int:
+        """The most tokens a chunk may take now: memory, the chunk budget, and the pacing cap."""
+        room = self.cur_rem_tokens
+        if self.rem_chunk_tokens is not None:
+            room = min(room, self.rem_chunk_tokens)
+        if self.chunk_cap is not None:
+            room = min(room, self.chunk_cap - self.prefill_tokens)
+        return room
 
     def release_running(self, req: Req) -> None:
         """A running request was preempted: its output reservation is no longer held."""
@@ -121,9 +137,7 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> None:
         """The in-flight chunked request goes first; it takes what the chunk budget and memory allow."""
         remaining = req.seq_len - req.kv_len
-        n = min(remaining, self.cur_rem_tokens)
-        if self.rem_chunk_tokens is not None:
-            n = min(n, self.rem_chunk_tokens)
+        n = min(remaining, self._chunk_room())
         if n <= 0:
             self.new_chunked_req = req  # still in flight; no memory this round, decode or retraction frees some
             return
@@ -157,7 +171,7 @@ class PrefillAdder:
             self.plans.append(PlannedExtend(req, match, borrowed + extend_len, borrow))
             self._update_budget(extend_len, min(remaining_output(req), CLIP_MAX_NEW_TOKENS))
         else:
-            chunk = min(self.rem_chunk_tokens, self.cur_rem_tokens)
+            chunk = self._chunk_room()
             if chunk <= 0:
                 self.tree_cache.dec_lock_ref(match.last_node)
                 return False, AddResult.OTHER

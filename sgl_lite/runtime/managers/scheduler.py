@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sgl_lite.runtime.managers.policy import SchedulePolicy
+from sgl_lite.runtime.managers.prefill_pacing import PrefillPacer
 from sgl_lite.runtime.managers.req_kv import ReqKV
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.scheduler_decode import DecodeScheduling
@@ -99,6 +100,10 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.prefill_turns = None if args.disable_fair_prefill else PrefillTurns()
+        # Chunks sized by the measured prefill rate (prefill_pacing.py); not under deterministic inference,
+        # whose batch shapes would then vary with the machine's load.
+        self.prefill_pacer = PrefillPacer(self.chunk_size) if self.chunk_size is not None and not (
+            args.disable_fair_prefill or args.enable_deterministic_inference) else None
         self.grammar_pending: list[tuple[Req, Any]] = []  # (req, Future[GrammarMatcher])
         # Requests whose prefix is being loaded from the disk tier before they queue (tier_loads.py).
         self.tier_loads = TierLoads(tier, self.kv, lambda: bool(self.running or self.chunked_req)) if tier is not None else None
@@ -224,7 +229,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
         if batch is not None:
             self.num_forward_steps += 1
             self.metrics.on_batch(self, batch, num_prefill)
-            start = time.perf_counter()
+            start, clock_start = time.perf_counter(), self.clock()
             try:
                 output = self.runner.forward(batch)
             except Exception as e:  # a failed forward costs the requests of its batch, not the runtime
@@ -232,6 +237,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             else:
                 if num_prefill == 0 and self.proposer is not None:  # the draft-length policy's step costs
                     self.proposer.step_cost.record(batch.num_tokens, time.perf_counter() - start)
+                if num_prefill and self.prefill_pacer is not None:  # on the clock: the simulator's is virtual
+                    self.prefill_pacer.rate.record(batch.num_tokens, self.clock() - clock_start)
                 # A mixed batch (--enable-mixed-chunk) has the running requests' decode rows after its prefill rows.
                 self._process_decode(batch, output, changed, start=num_prefill)
                 if not batch.is_decode:

@@ -15,7 +15,9 @@ one prompt is chunked at a time), and the chunk takes what is left. And a decode
 requests follows every prefill round that leaves a prompt longer than a chunk still chunked (unless
 --enable-mixed-chunk runs their decode inside it). So a short request that arrives behind any number
 of long prompts is prefilled within two prefill rounds, and running requests keep decoding, while the
-long prompt still gets at least every other round (docs/scheduling.md, section 6).
+long prompt still gets at least every other round (docs/scheduling.md, section 6). While someone else
+runs or waits, a chunk also takes no more tokens than the measured prefill rate computes in a target
+step time (prefill_pacing.py, PrefillAdder's `chunk_cap`), so a round is short on a slow or loaded machine.
 """
 
 from __future__ import annotations
@@ -70,8 +72,11 @@ class PrefillScheduling(_Base):
         if self.chunked_req is None and (not self._waiting or (self.batch_is_full and self.running)):
             return None, 0
         mixed = len(self.running) if self.args.enable_mixed_chunk else 0
+        # Someone to be fair to: a request besides the one chunked (or about to be) runs or waits.
+        others = bool(self.running) or len(self._waiting) + (self.chunked_req is not None) >= 2
+        cap = self.prefill_pacer.chunk_cap(others) if self.prefill_pacer is not None else None
         adder = PrefillAdder(self.kv.tree_cache, self.kv.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed)
+                             self.args.max_prefill_tokens, self.chunk_size, mixed_decode_tokens=mixed, chunk_cap=cap)
         shared = turns is not None and self.chunked_req is not None and bool(self._waiting) and turns.take_shared_round()
         if self.chunked_req is not None and not shared:
             adder.add_chunked_req(self.chunked_req)

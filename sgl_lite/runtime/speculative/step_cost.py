@@ -25,12 +25,14 @@ quarter on). Between points the curve is linear, and made non-decreasing; below 
 measured it is flat; beyond the most it rises by the last segment's slope, or by the prior's draft-token
 cost if that is more, so rows never seen are not free.
 Memory: NUM_BUCKETS * WINDOW samples, plus the table the policy asked for.
+The same trimmed estimate (`trimmed_point`) measures the prefill rate (managers/prefill_pacing.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +58,15 @@ MIN_MEASURED_BUCKETS = 2
 def draft_token_cost(batch_size: int) -> float:
     """The prior: one draft token's verification cost as a fraction of a step of `batch_size` decode rows."""
     return batch_size * DRAFT_TOKEN_STEP_COST / (1.0 + batch_size * DECODE_ROW_STEP_COST)
+
+
+def trimmed_point(samples: Collection[tuple[int, float]], per_unit: bool = False) -> tuple[float, float]:
+    """(mean amount, mean seconds) of timed forwards, (amount, seconds) each, without the slowest quarter:
+    a neighbour taking a core only ever lengthens a forward, so up to one in four may stall without moving
+    the point. Slowest by seconds (samples of about the same amount), or by seconds per unit (`per_unit`)."""
+    ordered = sorted(samples, key=(lambda s: s[1] / s[0]) if per_unit else (lambda s: s[1]))
+    kept = ordered[: len(ordered) - len(ordered) // 4]
+    return sum(a for a, _ in kept) / len(kept), sum(s for _, s in kept) / len(kept)
 
 
 def bucket_of(rows: int) -> int:
@@ -84,8 +95,7 @@ class StepCost:
             window = self._windows[bucket] = deque(maxlen=WINDOW)
         window.append((rows, seconds))
         if len(window) >= MIN_SAMPLES:
-            fastest = sorted(window, key=lambda sample: sample[1])[: len(window) - len(window) // 4]
-            self._points[bucket] = (sum(r for r, _ in fastest) / len(fastest), sum(s for _, s in fastest) / len(fastest))
+            self._points[bucket] = trimmed_point(window)
             self._stale = True
 
     @property
