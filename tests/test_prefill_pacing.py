@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 from fake_runner import FakeRunner, reference_output
+from test_fair_prefill import VOCAB, drain, req, step
 
 from sgl_lite.runtime.managers.prefill_pacing import MIN_CHUNK_TOKENS, TARGET_STEP_S, WINDOW, PrefillPacer, PrefillRate
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.managers.scheduler import Scheduler
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
-from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.runtime.server_args import ServerArgs
 from sgl_lite.sim.cost_model import VirtualClock
 from sgl_lite.testing.hf_reference import hf_greedy, hf_model
 
-VOCAB = 64
 CHUNK = 1024
 CAP = 200  # the chunk the measured rate should give: a forward of CAP tokens takes TARGET_STEP_S
 SECONDS_PER_TOKEN = TARGET_STEP_S / CAP
@@ -45,22 +44,6 @@ def make(**args) -> tuple[Scheduler, TimedRunner]:
     sched = Scheduler(ServerArgs(chunked_prefill_size=CHUNK, **args), runner, eos_token_ids=(1,),
                       context_length=4096, clock=runner.clock)
     return sched, runner
-
-
-def req(rid: str, length: int, max_new: int, seed: int) -> Req:
-    rng = random.Random(seed)
-    prompt = [rng.randrange(2, VOCAB) for _ in range(length)]
-    return Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True))
-
-
-def step(sched: Scheduler) -> None:
-    sched.step()
-    sched.check_invariant()
-
-
-def drain(sched: Scheduler) -> None:
-    while sched.has_work():
-        step(sched)
 
 
 def expected(r: Req) -> list[int]:
