@@ -174,7 +174,7 @@ def test_abort_during_a_load_and_two_requests_on_one_loading_prefix(tiny_llama_d
         engine.shutdown()
 
 
-@pytest.mark.timeout(120)  # the bug this guards against was a load waiting forever on its own hold
+@pytest.mark.timeout(120)  # a load that waited on its own hold would never finish
 def test_a_load_larger_than_half_the_pool_beside_its_own_cached_prefix(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Two sessions share a system prompt; each one's context is over half the pool. A returning session matches
     the shared prefix in the tree (its own hold) and loads the rest: it must not wait on its own hold."""

@@ -54,8 +54,8 @@ class TierLoads:
         when it did (the request is now this object's until `collect` returns it)."""
         tree = self.kv.tree_cache
         key = prefix_match_key(req)
-        if tree.disable or len(key) < self.tier.block_tokens:
-            return False
+        if tree.disable or len(key) < self.tier.block_tokens or self.tier.store.num_blocks == 0:
+            return False  # the cheap checks first: nothing on disk could continue this prefix
         match = tree.match_prefix(key)
         first, keys = self.tier.loadable(key, match.length)
         if (first + len(keys)) * self.tier.block_tokens - match.length < self.tier.block_tokens:
