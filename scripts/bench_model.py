@@ -67,11 +67,12 @@ MATMUL_WEIGHTS = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weig
 
 
 def matmul_limit(runner: ModelRunner, forms: tuple[list[dict], object], rows: int, with_lm_head: bool,
-                 repeats: int = 10) -> dict:
+                 repeats: int = 10, prefill: bool = False) -> dict:
     """Time a variant's own matmul kernels (`forms`: its packed forms per layer and the LM head's, as the
     model calls them, quantized ones included) at the model's first layer's weights for `rows` tokens, at
     1 thread and at all (the better of the two, as the thread governor picks), each the best of `repeats`
-    runs; return GFLOP/s and the implied tokens/s."""
+    runs; return GFLOP/s and the implied tokens/s. `prefill`: the calls of a forward with prefill rows
+    (their row limits, layers/linear.py)."""
     layer = runner.model.layers[0]
     layer_forms, head_form = forms[0][0], forms[1]
     weights = [(getattr(layer, attr), layer_forms.get(name)) for name, attr in MATMUL_WEIGHTS.items()]
@@ -89,7 +90,7 @@ def matmul_limit(runner: ModelRunner, forms: tuple[list[dict], object], rows: in
 
     def step_time() -> float:
         # one set of layer weights timed, scaled to all layers (they share shapes)
-        layer_time = timed(lambda: [linear(x[:, : w.shape[1]].contiguous(), w, None, f) for w, f in weights])
+        layer_time = timed(lambda: [linear(x[:, : w.shape[1]].contiguous(), w, None, f, prefill) for w, f in weights])
         head_time = timed(lambda: linear(x[:, : head.shape[1]].contiguous(), head, None, head_form)) if with_lm_head else 0.0
         return layer_time * runner.config.num_hidden_layers + head_time
 
@@ -259,7 +260,7 @@ def main() -> None:
     variants[0].install(runner)
     ours.prefill(prompts(1, 32)[0], 1)  # warm-up
     prompt = prompts(1, args.prefill_len)[0]
-    limit = matmul_limit(runner, variants[0].packed, args.prefill_len, with_lm_head=False)
+    limit = matmul_limit(runner, variants[0].packed, args.prefill_len, with_lm_head=False, prefill=True)
     rows.append({"phase": f"prefill {args.prefill_len} tok", "batch": 1, "variant": variants[0].name,
                  "sgl_lite": ours.prefill(prompt, args.repeats),
                  "transformers": ref.prefill(prompt, args.repeats) if ref else None,

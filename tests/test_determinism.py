@@ -17,6 +17,7 @@ from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadat
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
 from sgl_lite.runtime.layers.attention.cpu_kernel import extend_kernel_available
 from sgl_lite.runtime.layers.linear import GemvLinear, cpu_packed_linear_supported, dense_forms, linear
+from sgl_lite.runtime.layers.onednn import amx_matmuls
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sgl_lite.runtime.server.engine import Engine
 
@@ -82,29 +83,34 @@ def test_rows_independent_of_cache_split_and_batch(backend_cls: Callable[[int, i
     same = {name: torch.equal(rows, full) for name, rows in variants.items()}
     if backend_cls is BatchInvariantBackend:
         assert all(same.values()), same
-    elif extend_kernel_available():
+    elif extend_kernel_available() and not amx_matmuls():
         # The default backend's extend kernel computes a row from its own keys in fixed blocks (csrc/extend_attention.cpp):
         # splitting or batching a prompt changes nothing. Decoding the last tokens one by one goes through the decode
-        # kernel, whose sums run in another order, so that variant may differ in bf16: what the flag is for.
+        # kernel, whose sums run in another order, so that variant may differ in bf16: what the flag is for. (With AMX,
+        # long extends go through torch's SDPA, whose rows follow the call's shape: the flag's case too.)
         assert same["cached prefix + suffix"] and same["chunked"] and same["batched with others"], same
 
 
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill_batch_invariant"])
 @pytest.mark.parametrize("k_dim,n_dim", [(576, 960), (576, 3072), (1536, 576), (576, 49152), (64, 128), (128, 64)])
-def test_linear_rows_independent_of_batch_size(k_dim: int, n_dim: int) -> None:
+def test_linear_rows_independent_of_batch_size(k_dim: int, n_dim: int, prefill: bool) -> None:
     """The premise of attention-only batch invariance: a row of x @ W.T in bf16, as the model computes it
     (the forms pack_weights makes: the small-row kernel, and oneDNN above its row limit where it has one),
     is the same whatever the number of rows around it on the same kernel (shapes of SmolLM2-135M and of
     the tiny test model). oneDNN alone does not promise it: on AMX hosts its bf16 rows at N=49152 change
-    above 32 rows, and there the small-row kernel takes every call."""
+    above 32 rows, and there the small-row kernel takes every call: in a decode forward, and in a prefill
+    forward with the weights packed batch invariant (--enable-deterministic-inference)."""
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(n_dim, k_dim, generator=g).bfloat16()
     x = torch.randn(300, k_dim, generator=g).bfloat16()
-    forms = dense_forms(weight, cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")))
+    forms = dense_forms(weight, cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")), batch_invariant=prefill)
     limit = forms.max_rows if isinstance(forms, GemvLinear) and forms.max_rows is not None else None
+    if isinstance(forms, GemvLinear):
+        assert forms.prefill_max_rows == forms.max_rows or not prefill
 
     def row_7(m: int) -> torch.Tensor:
         rows = x[:m] if m > 7 else x[7 - m + 1 : 8]
-        return linear(rows, weight, None, forms)[7 if m > 7 else m - 1]
+        return linear(rows, weight, None, forms, prefill)[7 if m > 7 else m - 1]
 
     small, large = row_7(1), (row_7(limit + 1) if limit is not None else None)
     for m in (2, 5, 16, 31, 64, 128, 300):

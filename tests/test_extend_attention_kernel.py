@@ -13,8 +13,16 @@ import torch
 from test_attention import naive_attention, random_batch
 from test_attention_cpu_kernel import bf16_arithmetic, extend_kernel, in_each_bf16_arithmetic, op  # noqa: F401 - fixtures
 
+from sgl_lite.runtime.layers.attention import cpu_kernel
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
+
+
+@pytest.fixture(autouse=True)
+def extends_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every extend through the kernel: on a CPU with AMX the backend hands long ones to SDPA
+    (tests/test_amx_paths.py checks that path)."""
+    monkeypatch.setattr(cpu_kernel, "amx_matmuls", lambda: False)
 
 EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
     "prefill": ([0, 0], [9, 40], 9, 3, 64),

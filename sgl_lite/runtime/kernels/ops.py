@@ -43,6 +43,17 @@ def small_row_matmul(kernel: str, x: torch.Tensor, packed_weight: torch.Tensor, 
     return getattr(_ops, kernel)(x.contiguous(), packed_weight, bias)
 
 
+def w8a8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] quantized as w8a8_gemm quantizes it: (q + 128 as uint8 [M, K], float32 scales [M])."""
+    return _ops.w8a8_quantize_rows(x.contiguous())
+
+
+def w8a8_scale_sums(sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """A w8a8 matmul's output from its exact integer sums as float32 [M, N], rounded as w8a8_gemm rounds."""
+    return _ops.w8a8_scale_sums(sums, row_scale, col_scale, bias, dtype)
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, requests: torch.Tensor,
                      kv_indices: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Prefill/extend attention of q's rows over the paged pool, written into `out`."""

@@ -7,7 +7,12 @@ layers of weights (too many to stay in cache) it beats oneDNN's packed matmuls f
 where its VDPBF16PS arithmetic wins, and oneDNN takes calls above GEMV_MAX_ROWS. On CPUs whose float32
 FMAs outrun VDPBF16PS, the kernel computes the same bits with FMAs over weights widened in registers,
 which beats oneDNN's bf16 (VDPBF16PS-bound) matmuls at every row count, so there it takes every call,
-prefill too (`bf16_gemv_fma`; docs/performance.md, "On CPUs whose float32 FMAs outrun VDPBF16PS").
+prefill too (`bf16_gemv_fma`; docs/performance.md, "On CPUs whose float32 FMAs outrun VDPBF16PS"), unless
+the CPU has AMX: oneDNN's matmuls then run on its tile units and outrun the kernel from a few rows up.
+There the kernel keeps a decode or verification forward's calls (where its rows are batch invariant, below)
+and a forward with prefill rows hands oneDNN every call of more than AMX_PREFILL_GEMV_MAX_ROWS rows, unless
+the weights are packed batch invariant (--enable-deterministic-inference: oneDNN's rows on AMX depend on
+the row count) (`amx_matmuls`; docs/performance.md, "On CPUs with AMX").
 Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
 an AVX2-only CPU, in float32, it beats MKL's sgemm from 1 row (reading weights at the machine's read
 rate) up to 1024 rows, so on such a CPU it takes every call (prefill too; docs/performance.md, "On CPUs
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 
 from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.column_groups import interleave_groups
+from sgl_lite.runtime.layers.onednn import amx_matmuls, onednn_bf16_supported
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 from sgl_lite.runtime.layers.quantization.weight_only import (
@@ -54,25 +60,15 @@ QUANTIZED_MAX_ROWS = 2
 AVX2_INT4_MAX_ROWS = 32
 # Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
+# On a CPU with AMX, a forward with prefill rows runs calls of at most this many rows on the small-row
+# kernel (where it and oneDNN are about even) and oneDNN the rest.
+AMX_PREFILL_GEMV_MAX_ROWS = 8
 GEMV_COLUMNS = 16  # the kernel packs output columns in blocks of this many
 
 
 def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacked bf16 linear (what torch.compile's CPU freezing uses): faster matmuls than unpacked bf16."""
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
-
-
-@functools.cache
-def onednn_bf16_supported() -> bool:
-    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT and
-    refuses elsewhere (an AVX2-only CPU, say), which only trying tells."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
-    except RuntimeError:
-        return False
-    return True
 
 
 def gemv_kernel(weight: torch.Tensor) -> str | None:
@@ -108,8 +104,9 @@ def avx2_int4_preferred() -> bool:
 def gemv_max_rows(kernel: str) -> int | None:
     """The most rows a call of `kernel` takes (None: any). The AVX2 kernel takes every call on a CPU
     whose widest vectors are AVX2 (MKL's sgemm is no wider there, and torch has no fast bf16 matmul), and
-    the AVX512-BF16 kernel where it computes with FMAs (oneDNN's bf16 matmuls are VDPBF16PS-bound there),
-    see the module docstring; elsewhere the vendor kernels win above GEMV_MAX_ROWS."""
+    the AVX512-BF16 kernel where it computes with FMAs (oneDNN's bf16 matmuls are VDPBF16PS-bound there)
+    (a forward with prefill rows has its own limit with AMX, GemvLinear.pack), see the module docstring;
+    elsewhere the vendor kernels win above GEMV_MAX_ROWS."""
     if kernel == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
         return None
     if kernel == "avx512_bf16" and bf16_gemv_fma():
@@ -138,9 +135,11 @@ class GemvLinear:
     gemv_weight: torch.Tensor
     packed_dense: torch.Tensor | None  # oneDNN-packed weight, or None for F.linear on the weight
     max_rows: int | None = GEMV_MAX_ROWS  # None: every call takes the kernel
+    prefill_max_rows: int | None = GEMV_MAX_ROWS  # the limit in a forward with prefill rows
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, packed_dense: torch.Tensor | None) -> GemvLinear:
+    def pack(cls, weight: torch.Tensor, packed_dense: torch.Tensor | None, batch_invariant: bool = False) -> GemvLinear:
+        """`weight` in the kernel's layout; `batch_invariant`: a prefill forward keeps the decode limit."""
         kernel = gemv_kernel(weight)
         if kernel is None:
             raise ValueError(f"no small-row kernel for a {weight.dtype} weight of shape {tuple(weight.shape)} on this CPU")
@@ -151,14 +150,17 @@ class GemvLinear:
             gemv = interleave_groups(blocks).reshape(blocks.shape)
         else:
             gemv = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k).permute(0, 2, 1).contiguous()
-        return cls(gemv, packed_dense, gemv_max_rows(kernel))
+        limit = gemv_max_rows(kernel)
+        amx_prefill = packed_dense is not None and kernel == "avx512_bf16" and amx_matmuls() and not batch_invariant
+        return cls(gemv, packed_dense, limit, AMX_PREFILL_GEMV_MAX_ROWS if amx_prefill else limit)
 
-    def takes(self, rows: int) -> bool:
-        """Whether a call of `rows` rows runs the small-row kernel."""
-        return self.max_rows is None or rows <= self.max_rows
+    def takes(self, rows: int, prefill: bool = False) -> bool:
+        """Whether a call of `rows` rows (in a forward with prefill rows: `prefill`) runs the small-row kernel."""
+        limit = self.prefill_max_rows if prefill else self.max_rows
+        return limit is None or rows <= limit
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not self.takes(x.shape[0]):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
+        if not self.takes(x.shape[0], prefill):
             return linear(x, weight, bias, self.packed_dense)
         if self.gemv_weight.dim() == 4:
             return ops.small_row_matmul("bf16_gemv", x, self.gemv_weight, bias)
@@ -177,31 +179,34 @@ class QuantizedLinear:
         """Whether a call of `rows` rows runs the quantized kernel."""
         return self.max_rows is None or rows <= self.max_rows
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
         if not self.takes(x.shape[0]):
-            return linear(x, weight, bias, self.packed_dense)
+            return linear(x, weight, bias, self.packed_dense, prefill)
         return self.quantized.matmul(x, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | GemvLinear | QuantizedLinear | None) -> torch.Tensor:
+           packed: torch.Tensor | GemvLinear | QuantizedLinear | None, prefill: bool = False) -> torch.Tensor:
     """x @ weight.T + bias through `packed` when given: a oneDNN-packed copy of weight, a GemvLinear or a
-    QuantizedLinear."""
+    QuantizedLinear. `prefill`: the call is part of a forward with prefill rows (GemvLinear.takes)."""
     if isinstance(packed, (GemvLinear, QuantizedLinear)):
-        return packed(x, weight, bias)
+        return packed(x, weight, bias, prefill)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32) -> torch.Tensor | GemvLinear | None:
+def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32,
+                batch_invariant: bool = False) -> torch.Tensor | GemvLinear | None:
     """What the model's calls of `weight` run on: the small-row kernel's form where one serves it, around
     oneDNN's packed copy (`onednn`: packing is available) for the calls above its row limit (none where
-    the kernel takes every call: that copy would only cost memory); else oneDNN's copy, or None (F.linear)."""
+    the kernel takes every call - with AMX, every call of a decode forward, and of a prefill forward when
+    `batch_invariant` - as that copy would only cost memory); else oneDNN's copy, or None (F.linear)."""
     kernel = gemv_kernel(weight)
-    wants_dense = onednn and (kernel is None or gemv_max_rows(kernel) is not None)
+    amx_prefill = kernel == "avx512_bf16" and amx_matmuls() and not batch_invariant
+    wants_dense = onednn and (kernel is None or gemv_max_rows(kernel) is not None or amx_prefill)
     dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint) if wants_dense else None
-    return GemvLinear.pack(weight, dense) if kernel is not None else dense
+    return GemvLinear.pack(weight, dense, batch_invariant) if kernel is not None else dense
 
 
 def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tensor | GemvLinear | None,

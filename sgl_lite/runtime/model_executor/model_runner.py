@@ -126,7 +126,8 @@ class ModelRunner(ModelRunnerBase):
         self.tp = TensorParallel.from_args(args, model_dir, self.device, self.config)
         if self.tp is not None:
             self.tp.shard(self.model)
-        self.packed_weights = self.model.pack_weights(quantization=args.quantization, int4_values=self._gguf_int4_values())
+        self.packed_weights = self.model.pack_weights(quantization=args.quantization, int4_values=self._gguf_int4_values(),
+                                                      batch_invariant=args.enable_deterministic_inference)
         self.vocab_size = self.config.vocab_size
 
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
@@ -241,7 +242,7 @@ class ModelRunner(ModelRunnerBase):
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, positions, meta)  # the other ranks run this step in lockstep
         self.attn.prepare(meta)
-        hidden = self.model(input_ids, positions, self.attn, self.kv_pool, after_layer)
+        hidden = self.model(input_ids, positions, self.attn, self.kv_pool, after_layer, meta.has_prefill_rows)
 
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.

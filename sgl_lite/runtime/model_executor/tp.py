@@ -261,7 +261,7 @@ def run_worker(runner: Any) -> None:
             input_ids, positions, meta = step
             runner.attn.prepare(meta)
             try:
-                runner.model(input_ids, positions, runner.attn, runner.kv_pool)
+                runner.model(input_ids, positions, runner.attn, runner.kv_pool, prefill=meta.has_prefill_rows)
             except ValueError as e:  # rank 0 meets the same check before any collective of this step
                 logger.warning("tensor parallel rank %d: step rejected: %s", tp.rank, e)
     tp.close()

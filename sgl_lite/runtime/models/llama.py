@@ -71,13 +71,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        attn: AttentionBackend, kv_pool: KVPool, kernel: DecodeKernelInputs | None = None,
+        attn: AttentionBackend, kv_pool: KVPool, kernel: DecodeKernelInputs | None = None, prefill: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it); their sum is the layer's hidden state.
 
         The residual add is left to the next norm, which fuses it (None: `hidden` is the embedding).
         `kernel` (a decode batch the paged decode kernel attends) lets a layer whose matmuls all take the
-        small-row kernel run as one C++ op, bit-identical to the ops below (kernels/csrc/decode_layer.cpp)."""
+        small-row kernel run as one C++ op, bit-identical to the ops below (kernels/csrc/decode_layer.cpp).
+        `prefill`: the forward has prefill rows (its matmuls' row limits are then layers/linear.py's prefill ones)."""
         n = hidden.shape[0]
         packed = self.packed
         if kernel is not None and self.tp_reduce is None:
@@ -90,17 +91,17 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(hidden), hidden
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        qkv = linear(normed, self.qkv_weight, self.qkv_bias, packed["qkv"])
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias, packed["qkv"], prefill)
         q, k = self.rotated_qk(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         attn_out = attn.forward(self.layer_id, q, k, v, kv_pool)
-        attn_proj = linear(attn_out.reshape(n, self.q_size), self.o_weight, self.o_bias, packed["o"])
+        attn_proj = linear(attn_out.reshape(n, self.q_size), self.o_weight, self.o_bias, packed["o"], prefill)
         if self.tp_reduce is not None:
             attn_proj = self.tp_reduce(attn_proj)
         normed, residual = self.post_attention_layernorm(attn_proj, residual)
-        gate_up = linear(normed, self.gate_up_weight, None, packed["gate_up"])
+        gate_up = linear(normed, self.gate_up_weight, None, packed["gate_up"], prefill)
         act = silu_and_mul(gate_up)
-        down = linear(act, self.down_weight, None, packed["down"])
+        down = linear(act, self.down_weight, None, packed["down"], prefill)
         return (down if self.tp_reduce is None else self.tp_reduce(down)), residual
 
     def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,9 +214,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_pool: KVPool,
-                after_layer: Callable[[], object] | None = None) -> torch.Tensor:
+                after_layer: Callable[[], object] | None = None, prefill: bool = False) -> torch.Tensor:
         """input_ids, positions [N] -> final-normed hidden states [N, hidden]. `after_layer`, when given, is
-        called after every decoder layer (the thread governor's look at a forward in progress)."""
+        called after every decoder layer (the thread governor's look at a forward in progress); `prefill`:
+        some rows are a prompt's (AttentionMetadata.has_prefill_rows), not decode or verification rows."""
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond the RoPE cache ({self.cos_cache.shape[0]} positions)")
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -226,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         fused = kv_pool.dtype == hidden.dtype or kv_pool.dtype in FP8_KV_DTYPES.values()
         kernel = attn.decode_kernel_inputs(kv_pool) if fused else None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool, kernel)
+            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_pool, kernel, prefill)
             if after_layer is not None:
                 after_layer()
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
@@ -276,13 +278,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"missing weight(s) for {type(self).__name__}: {', '.join(missing[:10])}")
 
     def pack_weights(self, batch_hint: int = 32, quantization: str | None = None,
-                     int4_values: dict[str, Int4Values] | None = None) -> bool:
+                     int4_values: dict[str, Int4Values] | None = None, batch_invariant: bool = False) -> bool:
         """After loading: pack the matmul weights for the kernels that take their calls (layers/linear.py):
         the small-row kernel's layout where one serves them, and oneDNN's (bf16 on CPU) for the calls above
         its row limit (none where it takes every call); with `quantization` (one of
         layers.quantization.QUANTIZATION_METHODS) add the quantized forms: weight-only ones for calls of few
         rows, w8a8_int8 for every call. `int4_values`: HF weight name -> a GGUF file's own 4-bit blocks, used
-        instead of quantizing those weights (they must dequantize to the loaded ones).
+        instead of quantizing those weights (they must dequantize to the loaded ones). `batch_invariant`
+        (--enable-deterministic-inference): no form whose rows depend on the call's row count.
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
         final. Each packed form is one more copy of the matmul weights in memory. Returns whether oneDNN
@@ -293,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         def forms(weight: torch.Tensor) -> torch.Tensor | GemvLinear | None:
             # None under w8a8_int8, whose quantized forms take every call and keep no dense one (~0.3 s and
             # a copy of the weights packed at load only to be dropped).
-            return None if quantization == "w8a8_int8" else dense_forms(weight, packed, batch_hint)
+            return None if quantization == "w8a8_int8" else dense_forms(weight, packed, batch_hint, batch_invariant)
 
         try:
             for layer in self.layers:

@@ -54,6 +54,12 @@ class AttentionMetadata:
         return all(e == 1 for e in self.extend_lens)
 
     @property
+    def has_prefill_rows(self) -> bool:
+        """Some request extends by a prompt's tokens: more than one new token, not a verification row."""
+        verify = set(self.verify_rows)
+        return any(e > 1 and i not in verify for i, e in enumerate(self.extend_lens))
+
+    @property
     def max_extend_len(self) -> int:
         return max(self.extend_lens, default=0)
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from sgl_lite.runtime.kernels import ops
+from sgl_lite.runtime.layers.attention import amx_extend
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata, DecodeKernelInputs
 from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
+from sgl_lite.runtime.layers.onednn import amx_matmuls
 from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
 
 # The kernel's compile-time limits (kMaxHeadDim, kLanes, kMaxGroup in the C++ source).
@@ -65,18 +67,29 @@ class CpuKernelBackend(TorchNativeBackend):
             )
         self._op = op
         self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
+        self._sdpa_extends: list[amx_extend.SdpaExtend] = []  # long extends torch's SDPA takes (AMX CPUs)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._extend_table = None
+        self._sdpa_extends = []
+        if amx_matmuls() and self._extends:
+            long = [r for r in self._extends if r.end - r.start >= amx_extend.MIN_ROWS]
+            self._sdpa_extends = [amx_extend.plan(r.start, r.end, r.kv_slots, r.prefix) for r in long]
+            self._extends = [r for r in self._extends if r.end - r.start < amx_extend.MIN_ROWS]
         if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
+            short = {r.start for r in self._extends}
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
             rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens)
-                    if e > 1 and i not in meta.verify_rows]
+                    if e > 1 and i not in meta.verify_rows and qo[i] in short]
             self._extend_table = torch.tensor(rows, dtype=torch.int64)
 
     def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor) -> None:
+        for req in self._sdpa_extends:
+            amx_extend.attend(req, q, k, v, k_cache, v_cache, self.scale, out)
+        if not self._extends:
+            return
         if self._extend_table is None:
             super()._extend_all(q, k, v, k_cache, v_cache, out)
             return

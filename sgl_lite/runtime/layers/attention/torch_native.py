@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from sgl_lite.runtime.layers.attention.base import AttentionBackend, AttentionMetadata
-from sgl_lite.runtime.layers.linear import bf16_gemv_fma, onednn_bf16_supported
+from sgl_lite.runtime.layers.linear import bf16_gemv_fma
+from sgl_lite.runtime.layers.onednn import amx_matmuls, onednn_bf16_supported
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 
@@ -88,8 +89,9 @@ def query_tiles(prefix: int, extend: int, num_q_heads: int, device: torch.device
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype attention's matmuls run in: `dtype`, except bf16 on a CPU whose float32 matmuls are the
-    faster ones (float32): without oneDNN's bf16, or where float32 FMAs outrun VDPBF16PS (linear.bf16_gemv_fma)."""
-    if dtype == torch.bfloat16 and device.type == "cpu" and (not onednn_bf16_supported() or bf16_gemv_fma()):
+    faster ones (float32): without oneDNN's bf16, or where float32 FMAs outrun VDPBF16PS (linear.bf16_gemv_fma)
+    and oneDNN has no AMX tiles to run bf16 on (onednn.amx_matmuls)."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and (not onednn_bf16_supported() or (bf16_gemv_fma() and not amx_matmuls())):
         return torch.float32
     return dtype
 
