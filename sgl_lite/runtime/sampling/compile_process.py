@@ -3,10 +3,16 @@ grammar backend, and the handle on one worker process that the compile pool's th
 
 A worker is started by the first `compile` after its handle is made or killed, so a killed compile costs
 a fork (the fork server has xgrammar loaded and the tokenizer's info built), not a new interpreter.
+
+The fork server, and so every worker it forks, runs at a lower CPU priority than the runtime (a higher
+nice value): on a loaded box the forward pass gets the cores first and a compile what is left, so a
+runaway compile slows other users' requests less. A compile's CPU-time limit is unchanged; its wall-clock
+timeout (--grammar-compile-timeout) is shared with a forward pass that now comes first.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -22,6 +28,31 @@ from sgl_lite.runtime.sampling.compile_worker import FORK, CompileJob, CompileRe
 
 _job_encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(CompileReply)
+
+logger = logging.getLogger(__name__)
+
+# How many nice levels below the runtime the compile workers run, and the lowest priority Linux has.
+COMPILE_NICE_INCREMENT = 10
+LOWEST_PRIORITY_NICENESS = 19
+
+
+def lower_cpu_priority(pid: int) -> int | None:
+    """Give process `pid` the calling thread's niceness plus COMPILE_NICE_INCREMENT, at most 19.
+
+    Linux keeps a nice value per thread: this sets the process's main thread, whose value the processes
+    it forks later inherit (the fork server forks its workers there). Raising a nice value needs no
+    privilege. Returns the niceness set, or None where the OS refused (the compile then runs at the
+    runtime's priority, as it did before).
+    """
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    niceness = min(own + COMPILE_NICE_INCREMENT, LOWEST_PRIORITY_NICENESS)
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    except OSError as e:
+        logger.warning("grammar compile workers run at the runtime's CPU priority: setting nice %d failed (%s)", niceness, e)
+        return None
+    logger.info("grammar compile workers run at nice %d (the runtime's thread at %d)", niceness, own)
+    return niceness
 
 
 class CompileCancelled(Exception):
@@ -81,6 +112,7 @@ class ForkServer:
                 [sys.executable, "-m", "sgl_lite.runtime.sampling.compile_worker", str(os.getpid()), str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
             theirs.close()
+            lower_cpu_priority(self._process.pid)  # at once: its import of xgrammar takes seconds of CPU, then it forks
             self._control, self._channel = ours, Connection(os.dup(ours.fileno()))
             self._channel.send_bytes(self._tokenizer_info_json().encode())
         assert self._channel is not None
