@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sgl_lite.http.sglang_metrics import SglangMetrics
+from sgl_lite.runtime.mem_cache.hicache.block_keys import block_keys
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.tiny_model import make_tiny_model
 
@@ -193,5 +194,46 @@ def test_a_load_larger_than_half_the_pool_beside_its_own_cached_prefix(tiny_llam
         details = outs[0]["meta_info"]["cached_tokens_details"]
         assert details["storage"] > 0 and details["device"] + details["storage"] >= 512
         engine.core.check_invariant()
+    finally:
+        engine.shutdown()
+
+
+def test_a_returning_session_loads_its_partial_last_block_and_a_diverging_one_does_not(
+        tiny_llama_dir: Path, tmp_path: Path, reference: list[list[int]]) -> None:
+    """A turn leaves 305 tokens of KV: four whole 64-token blocks and a partial one of 49. The session's next turn
+    (which holds all 305) loads all of it; a request that shares only 34 of the partial block's tokens loads the
+    whole blocks alone. Both give the greedy tokens of a server that never evicted."""
+    p = prompts()
+    turn_kv = p[0] + reference[0][:-1]  # the last output token's KV is never computed
+    returning = p[0] + reference[0] + [7] * 40
+    diverging = turn_kv[:290] + [9] * 20
+    want = Engine(model_path=str(tiny_llama_dir), **{**POOL, "max_total_tokens": 4096})
+    expected = [want.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] for ids in (diverging, returning)]
+    want.shutdown()
+
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+
+    def evict_the_first_turn() -> None:  # four other prompts through a 700-token pool
+        for other in p[1:]:
+            engine.generate(input_ids=other, sampling_params=GREEDY)
+        engine.core.tier.drain()
+
+    try:
+        assert engine.generate(input_ids=p[0], sampling_params=GREEDY)["output_ids"] == reference[0]
+        engine.core.tier.drain()
+        evict_the_first_turn()
+        out = engine.generate(input_ids=diverging, sampling_params=GREEDY)
+        assert out["output_ids"] == expected[0]
+        assert out["meta_info"]["cached_tokens_details"] == {"device": 0, "storage": 256}
+        evict_the_first_turn()
+        out = engine.generate(input_ids=returning, sampling_params=GREEDY)
+        assert out["output_ids"] == expected[1]
+        assert out["meta_info"]["cached_tokens_details"] == {"device": 0, "storage": len(turn_kv)}
+        engine.core.tier.drain()
+        engine.core.check_invariant()
+        # The returning turn's whole block [256, 320) superseded the partial block it starts with; the diverging
+        # request's partial block at the same place stays.
+        diverging_kv = len(diverging) + GREEDY["max_new_tokens"] - 1
+        assert [n for _, n in engine.core.tier.store.partials(block_keys(turn_kv, block_tokens=64)[3])] == [diverging_kv - 256]
     finally:
         engine.shutdown()

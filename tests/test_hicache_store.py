@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_lite.runtime.mem_cache.hicache.block_keys import block_keys
+from sgl_lite.runtime.mem_cache.hicache.block_keys import ROOT, block_keys, chain_key
 from sgl_lite.runtime.mem_cache.hicache.disk_store import DiskKVStore
 from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, gather_blocks, scatter_blocks
+from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 B = 4  # tokens per block in these tests
@@ -28,6 +29,10 @@ def test_block_keys_name_whole_prefixes() -> None:
     assert block_keys(a, 1, block_tokens=B) == keys[:1]
     assert block_keys(a + [1, 2], block_tokens=B) == keys + block_keys(a + [1, 2], block_tokens=B)[2:]
     assert block_keys(a[:8], block_tokens=B) == keys
+    # A partial last block chains like a whole one: its key names the whole prefix it ends.
+    assert chain_key(ROOT, a[:4]) == keys[0] and chain_key(keys[0], a[4:8]) == keys[1]
+    tail = chain_key(keys[1], a[8:])
+    assert tail not in keys and tail != chain_key(keys[1], a[8:9]) and tail != chain_key(block_keys(b, block_tokens=B)[1], a[8:])
 
 
 def payload(n: int, seed: int) -> memoryview:
@@ -104,22 +109,40 @@ def test_io_faults_are_misses_not_errors(tmp_path: Path) -> None:
     assert not any(p.name.endswith(".tmp") for p in store.folder.iterdir())
 
 
+def random_pool(dtype: torch.dtype, num_layers: int = 2, kv_heads: int = 3, head_dim: int = 8) -> KVPool:
+    pool = KVPool(num_layers=num_layers, num_slots=40, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(num_layers):
+        k, v = (torch.randn(40, kv_heads, head_dim, generator=gen) for _ in range(2))
+        pool.write(layer, torch.arange(1, 41), k, v)
+    return pool
+
+
+def pool_bits(pool: KVPool) -> list[torch.Tensor]:
+    """Every layer's K and V as stored (fp8 as its bytes: float8 has no equality kernel), copied."""
+    return [(c.view(torch.uint8) if c.element_size() == 1 else c).clone() for layer in range(pool.num_layers)
+            for c in (pool.k[layer], pool.v[layer])]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype) -> None:
-    pool = KVPool(num_layers=2, num_slots=40, kv_heads=3, head_dim=8, dtype=dtype)
-    gen = torch.Generator().manual_seed(0)
-    for layer in range(2):
-        k, v = (torch.randn(40, 3, 8, generator=gen) for _ in range(2))
-        pool.write(layer, torch.arange(1, 41), k, v)
-    src = torch.tensor([3, 9, 1, 20, 33, 2, 8, 4])
-    blocks = gather_blocks(pool, src, B)
+    pool = random_pool(dtype)
+    src = torch.tensor([3, 9, 1, 20, 33, 2, 8, 4, 17, 11, 12])  # two whole blocks and a partial one of 3 tokens
+    blocks = gather_blocks(pool, src[:8], B)
     assert blocks.shape == (2, 2, 2, B, 3, 8) and blocks[0].numel() * blocks.element_size() == block_bytes(pool, B)
-    dst = torch.tensor([30, 31, 32, 34, 35])
-    scatter_blocks(pool, list(blocks), 3, dst)  # tokens 3..7 of the two blocks
-    for layer in range(2):
-        for cache in (pool.k[layer], pool.v[layer]):
-            raw = cache.view(torch.uint8) if dtype.itemsize == 1 else cache
-            assert torch.equal(raw[dst], raw[src[3:]])
+    tail = gather_blocks(pool, src[8:], 3)[0]
+    assert tail.shape == (2, 2, 3, 3, 8)
+    before = pool_bits(pool)
+    dst = torch.tensor([30, 31, 32, 34, 35, 36, 37, 38])
+    scatter_blocks(pool, [*blocks, tail], 3, dst)  # tokens 3..10: the end of block 0, block 1, the partial block
+    after = pool_bits(pool)
+    others = torch.ones(41, dtype=torch.bool)
+    others[dst] = False
+    for old, new in zip(before, after):
+        assert torch.equal(new[dst], old[src[3:]])  # each token's K and V bit for bit, in its slot
+        assert torch.equal(new[others], old[others])  # and nothing else written
+    with pytest.raises(ValueError, match="outside"):
+        scatter_blocks(pool, [*blocks, tail], 4, dst)  # 8 slots past token 4 run off the 11 tokens
 
 
 def test_store_files_survive_only_whole(tmp_path: Path) -> None:
@@ -161,3 +184,104 @@ def test_a_write_past_the_backlog_keeps_its_leading_blocks(tmp_path: Path) -> No
         assert store.present(keys) == 4
     finally:
         tier.close()
+
+
+def small_tier(tmp_path: Path, pool: KVPool) -> KVTier:
+    return KVTier(pool, DiskKVStore(tmp_path, "fp", 1 << 20), block_tokens=B)
+
+
+def stored_files(tier: KVTier) -> list[Path]:
+    return sorted(tier.store.folder.iterdir())
+
+
+def test_a_partial_last_block_is_stored_and_serves_only_requests_holding_all_its_tokens(tmp_path: Path) -> None:
+    pool = random_pool(torch.float32)
+    tier = small_tier(tmp_path, pool)
+    tokens = list(range(100, 130))
+    try:
+        assert tier.write(tokens[:10], torch.arange(1, 11)) == 3  # two whole blocks and a partial one of 2 tokens
+        tier.drain()
+        assert len(stored_files(tier)) == 3 and tier.spilled_tokens == 10
+        covering = tier.loadable(tokens[:12], 0)  # holds all 10 tokens, and more
+        assert (covering.start, covering.end, len(covering.keys)) == (0, 10, 3)
+        assert tier.loadable(tokens[:9], 0).end == 8  # holds only one of the partial block's two tokens
+        assert tier.loadable(tokens[:8] + [7, 7, 7], 0).end == 8  # its 9th token differs
+        assert tier.loadable(tokens[:12], 8).keys == [covering.keys[-1]]  # the tree holds the whole blocks
+        assert tier.loadable(tokens[:12], 10).keys == []  # ... and the partial block's tokens: nothing to load
+        restarted = small_tier(tmp_path, pool)  # the partial block's file name says where it belongs
+        try:
+            assert restarted.loadable(tokens[:12], 0) == covering
+        finally:
+            restarted.close()
+    finally:
+        tier.close()
+
+
+def test_a_longer_write_supersedes_the_partial_blocks_it_starts_with(tmp_path: Path) -> None:
+    pool = random_pool(torch.float32)
+    tier = small_tier(tmp_path, pool)
+    tokens = list(range(100, 130))
+    try:
+        tier.write(tokens[:10], torch.arange(1, 11))  # partial block [8, 10)
+        tier.write(tokens[:8] + [5, 6, 7], torch.arange(11, 22))  # another one at [8, 11): it diverges, both stay
+        tier.drain()
+        assert len(tier.store.partials(block_keys(tokens, block_tokens=B)[1])) == 2
+        tier.write(tokens[:11], torch.arange(1, 12))  # [8, 11) of the same tokens: replaces [8, 10)
+        tier.drain()
+        tier.write(tokens[:14], torch.arange(1, 15))  # the whole block [8, 12) replaces [8, 11); [12, 14) is new
+        tier.drain()
+        keys = block_keys(tokens[:14], block_tokens=B)
+        assert [length for _, length in tier.store.partials(keys[1])] == [3]  # only the diverging one is left
+        assert [length for _, length in tier.store.partials(keys[2])] == [2]
+        files = stored_files(tier)
+        assert len(files) == tier.store.num_blocks == 5  # three whole blocks, two partial ones
+        assert sum(f.stat().st_size for f in files) == tier.store.bytes_used
+        assert tier.loadable(tokens[:20], 0).end == 14
+        assert tier.loadable(tokens[:8] + [5, 6, 7, 1], 0).end == 11
+        again = DiskKVStore(tmp_path, "fp", 1 << 20)  # a restart counts the same files and bytes
+        assert (again.num_blocks, again.bytes_used) == (5, tier.store.bytes_used)
+    finally:
+        tier.close()
+
+
+def test_a_loaded_run_with_its_partial_block_restores_the_bits_and_a_failed_read_ends_it(tmp_path: Path) -> None:
+    pool = random_pool(torch.bfloat16)
+    tier = small_tier(tmp_path, pool)
+    tokens = list(range(100, 130))
+    src = torch.tensor([5, 9, 2, 30, 31, 7, 1, 3, 22, 23])
+    try:
+        tier.write(tokens[:10], src)
+        tier.drain()
+        before = pool_bits(pool)
+        reads: list[str] = []
+
+        def third_read_fails(op: str) -> None:
+            reads.append(op)
+            if len(reads) == 3:
+                raise OSError(5, "Input/output error")
+
+        for fail_partial in (False, True):
+            if fail_partial:  # the third read (the partial block) fails: the run ends after the whole blocks
+                tier.store._fault = third_read_fails
+            run = tier.loadable(tokens[:12], 0)
+            ticket = tier.start_load(tokens[:12], run)
+            assert ticket.done.wait(10)
+            end = ticket.loaded_end
+            assert end == (8 if fail_partial else 10)
+            dst = torch.arange(11, 11 + end)
+            scatter_blocks(pool, ticket.blocks, 0, dst)
+            tier.finish_load(ticket, end)
+            for old, new in zip(before, pool_bits(pool)):
+                assert torch.equal(new[dst], old[src[:end]])
+        assert tier.store.io_errors == 1 and tier.loadable(tokens[:12], 0).end == 8  # the failed block is a miss
+    finally:
+        tier.close()
+
+
+def test_a_partial_block_dropped_before_its_read_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path, "fp", 1 << 20)
+    store.write("k", [1, 2], payload(100, 0), partial_after=ROOT)
+    assert [p.name for p in store.folder.iterdir()] == ["k.2.root.kv"] and store.partials(ROOT) == [("k", 2)]
+    store.discard("k")
+    assert store.read("k", [1, 2], 100) is None and store.io_errors == 0
+    assert store.partials(ROOT) == [] and store.bytes_used == 0 and not any(store.folder.iterdir())

@@ -6,12 +6,14 @@ outputs come from the server itself, sent the concatenated ids without a session
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx2
 import pytest
 from test_http import API_KEY, Live, live  # noqa: F401  (live: the fixture)
 
+from sgl_lite.runtime.client import RuntimeRequestError
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,3 +159,43 @@ def test_replace_aborts_the_running_request_and_continues_its_output_so_far(live
     assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < 1500
     assert replacing["meta_info"]["prompt_tokens"] == len(FIRST) + len(last["output_ids"]) + len(SECOND)
     assert_idle_without_leaks(live.client)
+
+
+def test_the_python_client_opens_continues_and_closes_a_session(live: Live) -> None:
+    runtime = live.runtime  # sgl.Runtime: SGLang Engine's open_session / generate(session_params) / close_session
+
+    def turn(input_ids: list[int], **params: Any) -> dict[str, Any]:
+        return json.loads(runtime.generate(input_ids=input_ids, sampling_params=GREEDY, session_params=params))
+
+    pins = runtime.client.server_info()["num_session_pins"]
+    session = runtime.open_session(1000, session_id="py-client", timeout=60.0)
+    assert session == "py-client"
+    first = json.loads(runtime.generate(input_ids=FIRST, sampling_params=GREEDY, rid="py-1", session_params={"id": session}))
+    assert first["meta_info"]["id"] == "py-1"
+    assert runtime.client.server_info()["num_session_pins"] == pins + 1  # its KV is kept last while it is open
+    second = turn(SECOND, id=session, rid="py-1")
+    whole = FIRST + first["output_ids"] + SECOND
+    assert second["output_ids"] == _generate(live, {"input_ids": whole})["output_ids"]
+    assert second["meta_info"]["cached_tokens"] >= len(FIRST)
+    cut = turn(THIRD, id=session, rid="py-1", drop_previous_output=True, offset=-1, replace=True)
+    assert cut["meta_info"]["prompt_tokens"] == len(FIRST) - 1 + len(THIRD)
+    with pytest.raises(RuntimeRequestError, match="session_params.rid"):
+        turn([1], id=session, rid=second["meta_info"]["id"])  # replaced by the turn before
+    with pytest.raises(ValueError, match="unknown key"):
+        runtime.generate(input_ids=[1], session_params={"id": session, "ofset": 1})
+    with pytest.raises(ValueError, match="needs an id"):
+        runtime.generate(input_ids=[1], session_params={"rid": "py-1"})
+    with pytest.raises(ValueError, match="prompt or input_ids"):
+        runtime.generate("text", input_ids=[1])
+    runtime.close_session(session)
+    with pytest.raises(RuntimeRequestError, match="404"):
+        turn([1], id=session, rid="py-1")
+    with pytest.raises(RuntimeRequestError, match="404"):
+        runtime.close_session(session)
+    with pytest.raises(RuntimeRequestError, match="capacity_of_str_len"):
+        runtime.open_session(0)
+    assert_idle_without_leaks(runtime.client)
+    deadline = time.monotonic() + 10  # closed: unpinned (the front sends that without waiting for it)
+    while runtime.client.server_info()["num_session_pins"] != pins:
+        assert time.monotonic() < deadline, "the closed session's prefix is still pinned"
+        time.sleep(0.05)

@@ -19,6 +19,8 @@ REQUESTS = [
     protocol.FlushCacheReq("f"),
     protocol.ServerInfoReq("s"),
     protocol.HealthReq("h"),
+    protocol.GenerateReq("r3", input_ids=[4], session_pin=protocol.SessionPin("chat-1", 1800.0)),
+    protocol.UnpinSessionReq("u", "chat-1"),
 ]
 REPLIES = [
     protocol.TokenChunk("r1", "caf\u00e9", [5, 6], {"completion_tokens": 2}),
@@ -55,6 +57,9 @@ def test_directions_do_not_mix():
         ({"type": "GenerateReq", "rid": "a", "sampling_params": {"tempurature": 0.5}}, "tempurature"),
         ({"type": "GenerateReq", "rid": "a", "colour": "red"}, "colour"),
         ({"type": "Launch", "rid": "a"}, "$.type"),
+        ({"type": "GenerateReq", "rid": "a", "session_pin": {"id": "s", "idle_timeout_s": 0}}, "$.session_pin.idle_timeout_s"),
+        ({"type": "GenerateReq", "rid": "a", "session_pin": {"id": "", "idle_timeout_s": 5}}, "$.session_pin.id"),
+        ({"type": "UnpinSessionReq", "rid": "a"}, "session_id"),
     ],
 )
 def test_invalid_requests_name_the_field(raw, named):

@@ -68,3 +68,45 @@ def test_streamed_reasoning_joins_to_the_whole(live: Live, stream_reasoning: boo
     assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
     if not stream_reasoning:
         assert len(reasoning) == 1  # at once, when it ended
+
+
+def _tokens_through_think_end(content: list[dict[str, Any]]) -> int:
+    """How many output tokens it takes, by their logprob bytes, to write the closing `</think>`."""
+    written = b""
+    for count, entry in enumerate(content, 1):
+        written += bytes(entry["bytes"])
+        if b"</think>" in written:
+            return count
+    raise AssertionError(f"no </think> in {written!r}")
+
+
+def test_chat_usage_counts_the_reasoning_tokens(live: Live) -> None:
+    response = live.post("/v1/chat/completions", {**BODY, "logprobs": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = _tokens_through_think_end(body["choices"][0]["logprobs"]["content"])
+    assert 0 < expected < body["usage"]["completion_tokens"]  # an answer follows the think block
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}
+    stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx2.stream("POST", live.http.url + "/v1/chat/completions", json=stream,
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as reply:
+        events = [json.loads(line[len("data: "):]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}
+    plain = live.post("/v1/chat/completions", {**BODY, "separate_reasoning": False}).json()
+    assert "completion_tokens_details" not in plain["usage"]  # no reasoning split, nothing counted
+    assert_idle_without_leaks(live.client)
+
+
+def test_responses_usage_counts_the_reasoning_tokens(live: Live) -> None:
+    body = {"model": "tiny", "input": "What is 2 + 3?", "temperature": 0.0, "max_output_tokens": 8}
+    # qwen3 thinks unless told not to: a random model's output never closes the block, so all of it is reasoning.
+    thinking = live.post("/v1/responses", body).json()
+    assert [item["type"] for item in thinking["output"]] == ["reasoning"]
+    usage = thinking["usage"]
+    assert usage["output_tokens"] == 8 and usage["output_tokens_details"] == {"reasoning_tokens": 8}
+    # A format constrains the output from its first token: no reasoning.
+    schema = {"type": "json_schema", "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    answer = live.post("/v1/responses", {**body, "text": {"format": schema}}).json()
+    assert answer["usage"]["output_tokens"] > 0 and answer["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert_idle_without_leaks(live.client)

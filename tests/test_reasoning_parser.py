@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_lite.http.openai_api.output_parser import OutputParser
-from sgl_lite.http.openai_api.reasoning_parser import REASONING_FORMATS, ReasoningRequest
+from sgl_lite.http.openai_api.reasoning_parser import REASONING_FORMATS, ReasoningRequest, reasoning_token_count
 from sgl_lite.http.openai_api.response_output import ResponseOutput
 from sgl_lite.http.openai_api.tool_output import StreamedChoice, assistant_message
 from sgl_lite.http.openai_api.tool_parsers import PARSERS
@@ -104,6 +104,21 @@ def test_a_response_shows_the_reasoning_as_a_reasoning_item() -> None:
     assert done["text"] == "I add." and kinds.index("response.reasoning_text.done") < kinds.index(
         "response.function_call_arguments.delta")
     assert output.assistant_message().content is None  # the reasoning is not kept in the conversation
+
+
+@pytest.mark.parametrize("inside, pieces, expected", [
+    (False, ["<th", "ink>", "ab", "</", "think", ">", "c", "d"], 6),  # up to the token that closes it
+    (False, ["<think>ab</think>c", "d"], 1),  # one token may hold the whole block
+    (True, ["ab", "c</think>", "d"], 2),  # opened by the chat template
+    (True, ["ab", "cd"], 2),  # cut while reasoning: all of it
+    (False, ["ab", "cd"], 0),  # never reasons
+    (False, [" <think>", "a", "</think>"], 3),  # text before the tag does not stop it opening
+    (True, ["hmm ", "<tool_call>", "x"], 2),  # qwen3: a tool call closes the reasoning
+])
+def test_reasoning_tokens_count_up_to_the_token_that_closes_it(inside: bool, pieces: list[str], expected: int) -> None:
+    ids = list(range(100, 100 + len(pieces)))
+    text_of = dict(zip(ids, pieces))
+    assert reasoning_token_count(ReasoningRequest(QWEN3, inside), ids, text_of.__getitem__) == expected
 
 
 def test_every_flag_value_has_a_format() -> None:

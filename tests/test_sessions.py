@@ -137,7 +137,8 @@ def test_a_streaming_session_appends_to_its_latest_request_only() -> None:
 
 def test_store_bounds_open_close_and_idle_expiry() -> None:
     clock = Clock()
-    store = SessionStore(max_sessions=2, max_capacity=100, idle_timeout_s=10.0, clock=clock)
+    ended: list[str] = []
+    store = SessionStore(max_sessions=2, max_capacity=100, idle_timeout_s=10.0, clock=clock, on_end=ended.append)
     assert _error(store.open, 101).param == "capacity_of_str_len"
     assert _error(store.open, 0).param == "capacity_of_str_len"
     assert _error(store.open, 10, timeout_s=11.0).param == "timeout"
@@ -149,9 +150,13 @@ def test_store_bounds_open_close_and_idle_expiry() -> None:
     running, _, _ = busy.begin("r", Continuation(), [1], 1, BOS)
     clock.now = 10.5  # past both timeouts: "mine" is idle and expires; the busy one runs a request
     assert len(store) == 1 and _error(store.get, "mine").status == 404
+    assert ended == ["mine"]  # told once, so that the runtime unpins its prefix
     busy.finish(running, [2], clock.now)
     clock.now += 5.5
-    assert len(store) == 0
+    assert len(store) == 0 and ended == ["mine", busy.id]
     store.open(10, "again")
     store.close("again")
     assert _error(store.close, "again").status == 404 and _error(store.get, "again").code == "session_not_found"
+    assert ended == ["mine", busy.id, "again"]
+    with pytest.raises(ValueError, match="at most"):
+        SessionStore(idle_timeout_s=1e9)

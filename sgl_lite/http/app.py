@@ -8,6 +8,7 @@ the admin key (--admin-api-key) too, which it needs for more than the caller's o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Sequence
 
@@ -38,7 +39,7 @@ from sgl_lite.http.sglang_api.session_api import SessionBinder, add_session_rout
 from sgl_lite.http.sglang_api.sessions import SessionStore
 from sgl_lite.http.sglang_api.tokenize import add_tokenize_routes
 from sgl_lite.http.sglang_api.worker_api import add_worker_routes
-from sgl_lite.runtime.client import RuntimeClient
+from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,14 @@ def create_app(client: RuntimeClient, *, api_key: str | None = None, served_mode
     runner = RequestRunner(client, metrics)
     contexts = ModelContextCache(client.server_info, served_model_name)
     serving = OpenAIServing(runner, contexts, limits)
-    sessions = SessionBinder(session_store if session_store is not None else SessionStore(), contexts,
-                             serving.prompt_work, client.abort_in_flight)
+    store = session_store if session_store is not None else SessionStore()
+
+    def unpin(session_id: str) -> None:  # a session ended: the runtime stops keeping its prefix last
+        with contextlib.suppress(RuntimeRequestError):  # a closed client (its pins expire in the runtime)
+            client.unpin_session(session_id)
+
+    store.on_end = unpin
+    sessions = SessionBinder(store, contexts, serving.prompt_work, client.abort_in_flight)
     app.state.metrics = metrics
 
     def count(endpoint: str) -> Callable[[str], None]:

@@ -21,7 +21,7 @@ from sgl_lite.http.errors import HttpError, from_runtime_error
 from sgl_lite.http.guards.request_owner import CURRENT_CALLER, RequestOwners
 from sgl_lite.http.metrics import HttpMetrics
 from sgl_lite.runtime.client import RuntimeClient
-from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.protocol import SamplingParams, SessionPin
 
 
 @dataclass
@@ -34,6 +34,7 @@ class GenerationInput:
     logprob_start_len: int = -1
     priority: int | None = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_pin: SessionPin | None = None  # a session's request: its KV is kept as the session's prefix
 
 
 @dataclass
@@ -83,6 +84,7 @@ class RequestRunner:
                 top_logprobs_num=request.top_logprobs_num,
                 priority=request.priority,
                 rid=request.rid,
+                session_pin=request.session_pin,
             )
             try:
                 async with aclosing(chunks):

@@ -34,6 +34,24 @@ DEFAULT_STARTUP_TIMEOUT = 600.0
 _live_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
 
 
+SessionParams = dict[str, Any]
+SESSION_PARAMS_KEYS = ("id", "rid", "offset", "replace", "drop_previous_output")  # SGLang's SessionParams
+
+
+def checked_session_params(params: Any) -> Any:
+    """`params` when it is a session_params dict (or a list of them) with only SGLang's keys and an id; else a
+    ValueError naming what is wrong (the server checks the values)."""
+    for entry in params if isinstance(params, list) else [params]:
+        if not isinstance(entry, dict):
+            raise ValueError(f"session_params must be a dict (or a list of dicts, one per prompt); got {entry!r}")
+        unknown = sorted(set(entry) - set(SESSION_PARAMS_KEYS))
+        if unknown:
+            raise ValueError(f"session_params has unknown key(s) {unknown}; the keys are {', '.join(SESSION_PARAMS_KEYS)}")
+        if "id" not in entry:
+            raise ValueError("session_params needs an id: the session's, from open_session")
+    return params
+
+
 class RuntimeLaunchError(RuntimeError):
     """The server process exited or did not become ready in time."""
 
@@ -130,13 +148,38 @@ class Runtime:
 
     # ------------------------------------------------------------------ SGLang's Runtime API
 
-    def generate(self, prompt: str | list[str], sampling_params: dict[str, Any] | None = None,
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None,
                  return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
-                 top_logprobs_num: int | list[int] | None = None) -> str:
-        """POST /generate; returns the response as a JSON string, as SGLang's Runtime.generate does."""
-        body = {"text": prompt, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
-                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+                 top_logprobs_num: int | list[int] | None = None, *, input_ids: list[int] | list[list[int]] | None = None,
+                 rid: str | list[str] | None = None, session_params: SessionParams | list[SessionParams] | None = None) -> str:
+        """POST /generate; returns the response as a JSON string, as SGLang's Runtime.generate does. As SGLang's
+        Engine.generate: `input_ids` instead of a prompt, the request's `rid`, and `session_params` (a dict of
+        id, rid, offset, replace, drop_previous_output; one per prompt of a batch, or one for all) to continue
+        a request of a session that open_session opened; its response's meta_info["id"] is the rid to continue."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give a prompt or input_ids (one of them)")
+        body: dict[str, Any] = {"text": prompt} if input_ids is None else {"input_ids": input_ids}
+        body.update(sampling_params=sampling_params or {}, return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
+        if rid is not None:
+            body["rid"] = rid
+        if session_params is not None:
+            body["session_params"] = checked_session_params(session_params)
         return json.dumps(http_json(self.url + "/generate", self.api_key, body=body, timeout=self._client_timeout))
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,
+                     timeout: float | None = None) -> str:
+        """POST /open_session (SGLang's Engine.open_session): a session holding at most `capacity_of_str_len` tokens,
+        closed after `timeout` idle seconds (default: the server's); returns its id. While it is open the runtime
+        keeps its latest request's KV in the prefix cache after every other prefix."""
+        body = {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id, "streaming": streaming,
+                "timeout": timeout}
+        return str(http_json(self.url + "/open_session", self.api_key, body=body, timeout=self._client_timeout))
+
+    def close_session(self, session_id: str) -> None:
+        """POST /close_session (SGLang's Engine.close_session): later requests naming it are refused (404), and
+        its KV is evicted like any other."""
+        http_json(self.url + "/close_session", self.api_key, body={"session_id": session_id}, timeout=self._client_timeout)
 
     async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None) -> AsyncIterator[str]:
         """Stream the new text piece by piece (SGLang's Runtime.async_generate); over ZeroMQ here."""

@@ -213,6 +213,18 @@ def sampling_params_from_dict(params: dict[str, Any] | SamplingParams | None) ->
 
 # ---------------------------------------------------------------- client -> server
 
+# The longest a session's prefix stays pinned after its latest request (the HTTP front's sessions expire sooner).
+MAX_SESSION_IDLE_S = 86_400.0
+
+
+class SessionPin(msgspec.Struct, forbid_unknown_fields=True):
+    """The open session a request belongs to: when it finishes, its KV becomes the session's latest prefix,
+    evicted from the radix cache only after every unpinned prefix, until UnpinSessionReq names the session,
+    a later request of it finishes, or `idle_timeout_s` pass (mem_cache/session_pins.py)."""
+
+    id: RequestId
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_SESSION_IDLE_S)]
+
 
 class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Generate (or, with max_new_tokens=0, only prefill: a prefix-cache hint)."""
@@ -227,6 +239,7 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: Union[int, None] = None
+    session_pin: Union[SessionPin, None] = None
 
 
 class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -245,7 +258,14 @@ class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     rid: RequestId
 
 
-Request = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq]
+class UnpinSessionReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """The session ended (closed, expired): its prefix is evicted like any other. Answered InfoReply {"unpinned": bool}."""
+
+    rid: RequestId
+    session_id: RequestId
+
+
+Request = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, HealthReq, UnpinSessionReq]
 
 
 # ---------------------------------------------------------------- server -> client
@@ -278,7 +298,7 @@ class ErrorReply(msgspec.Struct, tag=True):
 
 
 class InfoReply(msgspec.Struct, tag=True):
-    """Answer to ServerInfoReq / FlushCacheReq / HealthReq / AbortReq: a free-form dict."""
+    """Answer to ServerInfoReq / FlushCacheReq / HealthReq / AbortReq / UnpinSessionReq: a free-form dict."""
 
     rid: str
     info: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import use_api_key
 
-REQUEST_TAGS = ("GenerateReq", "AbortReq", "FlushCacheReq", "ServerInfoReq", "HealthReq")
+REQUEST_TAGS = ("GenerateReq", "AbortReq", "FlushCacheReq", "ServerInfoReq", "HealthReq", "UnpinSessionReq")
 EDGE_INTS = (0, 1, -1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, 10**9)
 # Replies that mean validation let through something that then broke the runtime.
 INTERNAL_MARKERS = ("forward pass failed", "internal error")
@@ -119,10 +119,12 @@ def request_dicts() -> st.SearchStrategy:
         "logprob_start_len": small_ints,
         "top_logprobs_num": small_ints,
         "priority": st.none() | small_ints,
+        "session_pin": st.none() | st.fixed_dictionaries({"id": st.text(max_size=8), "idle_timeout_s": any_floats}),
     }
     generate = _request("GenerateReq", {**generate_fields, "sampling_params": sampling_params(wild=False)},
                         {**generate_fields, "sampling_params": sampling_params(wild=True)})
-    others = st.one_of(*(_request(tag, {}, {}) for tag in REQUEST_TAGS[1:]))
+    other_fields = {tag: {"session_id": st.text(max_size=8)} if tag == "UnpinSessionReq" else {} for tag in REQUEST_TAGS[1:]}
+    others = st.one_of(*(_request(tag, fields, fields) for tag, fields in other_fields.items()))
     unknown = st.fixed_dictionaries({"type": st.text(max_size=12), "rid": st.text(max_size=8)})
     return _weighted((4, generate), (3, plausible_generate()), (2, others), (1, unknown))
 
@@ -186,7 +188,7 @@ def run_fuzzed_request(core: Any, fields: dict) -> str:
     try:
         req = core.make_req("fuzz", msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
                             logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                            priority=msg.priority, stream=msg.stream)
+                            priority=msg.priority, stream=msg.stream, session_pin=msg.session_pin)
         core.submit(req)
     except ValueError as e:
         assert str(e), "a refusal must say why"

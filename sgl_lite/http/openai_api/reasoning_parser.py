@@ -9,12 +9,16 @@ The first `<think>` of an output is dropped and opens the reasoning; `</think>` 
 `<tool_call>` inside the reasoning closes it too and stays in the answer. An output that ends inside the
 reasoning is all reasoning. Like the tool-call parsers, every decision is taken at one character, so a
 stream split anywhere parses like the whole text.
+
+`reasoning_token_count` gives usage's reasoning_tokens from the output's token ids: each token's text fed to a
+parser of its own, the tokens counted up to the one that closes the reasoning (as SGLang counts them up to
+its end-of-think tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from sgl_lite.http.openai_api.tool_parsers import ContentDelta
 
@@ -82,6 +86,14 @@ class ReasoningParser:
         self._pending = ""
         return self._drain()
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self._inside
+
+    @property
+    def reasoning_ended(self) -> bool:
+        return self._ended
+
     def parse(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) of a whole output."""
         events = self.feed(text) + self.finish()
@@ -126,3 +138,14 @@ class ReasoningParser:
     def _drain(self) -> list[ReasoningEvent]:
         out, self._out = self._out, []
         return out
+
+
+def reasoning_token_count(request: ReasoningRequest, output_ids: list[int], token_text: Callable[[int], str]) -> int:
+    """How many of an output's tokens are its reasoning: those up to and including the token that closes it,
+    all of them when the output ends inside it, none when it never enters it."""
+    parser = request.parser()
+    for count, token_id in enumerate(output_ids, 1):
+        parser.feed(token_text(token_id))
+        if parser.reasoning_ended:
+            return count
+    return len(output_ids) if parser.in_reasoning else 0

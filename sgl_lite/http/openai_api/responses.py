@@ -31,7 +31,7 @@ from sgl_lite.http.openai_api.response_output import ResponseOutput
 from sgl_lite.http.openai_api.response_store import ResponseStore, StoredResponse
 from sgl_lite.http.openai_api.responses_input import input_messages
 from sgl_lite.http.openai_api.responses_protocol import ResponsesNamedToolChoice, ResponsesRequest
-from sgl_lite.http.openai_api.serving import OpenAIServing, PreparedChat, finish_reason_name, usage
+from sgl_lite.http.openai_api.serving import OpenAIServing, PreparedChat, finish_reason_name, reasoning_tokens, usage
 from sgl_lite.http.sse import sse_response
 
 ENDPOINT = "/v1/responses"
@@ -78,11 +78,12 @@ class _Turn:
         }
 
 
-def response_usage(meta_info: dict[str, Any]) -> dict[str, Any]:
+def response_usage(meta_info: dict[str, Any], reasoning: int | None = None) -> dict[str, Any]:
+    """The Responses API's usage; `reasoning`: the output's reasoning tokens (None: no reasoning parser split it)."""
     chat = usage([Generation("", [], meta_info)], 1)
     return {"input_tokens": chat["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning or 0},
             "total_tokens": chat["total_tokens"]}
 
 
@@ -137,13 +138,14 @@ class ResponsesServing:
         output.feed(generation.text)
         reason = finish_reason_name(generation.finish_reason)
         output.finish(cut=reason != "stop")
-        return JSONResponse(self._finish(turn, output, generation.meta_info, reason))
+        return JSONResponse(self._finish(turn, output, generation.meta_info, reason, generation.output_ids))
 
     async def _events(self, turn: _Turn) -> AsyncIterator[dict[str, Any]]:
         numbers = iter(range(1 << 62))
         output = ResponseOutput(turn.prepared.tools, turn.prepared.reasoning)
         meta_info: dict[str, Any] = {}
         reason = "stop"
+        output_ids: list[int] = []
         async with aclosing(self._runner.stream(turn.prepared.inputs[0])) as deltas:
             # Before any event: a runtime rejection becomes the HTTP status (sse.py).
             delta = await anext(deltas, None)
@@ -151,6 +153,7 @@ class ResponsesServing:
             yield {"type": "response.created", "sequence_number": next(numbers), "response": started}
             yield {"type": "response.in_progress", "sequence_number": next(numbers), "response": started}
             while delta is not None:
+                output_ids.extend(delta.output_ids)
                 for event in output.feed(delta.text):
                     yield {**event, "sequence_number": next(numbers)}
                 if delta.finish_reason is not None:
@@ -158,18 +161,21 @@ class ResponsesServing:
                 delta = await anext(deltas, None)
         for event in output.finish(cut=reason != "stop"):
             yield {**event, "sequence_number": next(numbers)}
-        response = self._finish(turn, output, meta_info, reason)  # stored before the client hears it is done
+        response = self._finish(turn, output, meta_info, reason, output_ids)  # stored before the client hears it is done
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         yield {"type": kind, "sequence_number": next(numbers), "response": response}
 
-    def _finish(self, turn: _Turn, output: ResponseOutput, meta_info: dict[str, Any], reason: str) -> dict[str, Any]:
+    def _finish(self, turn: _Turn, output: ResponseOutput, meta_info: dict[str, Any], reason: str,
+                output_ids: list[int]) -> dict[str, Any]:
         """The finished response object; stored with its conversation when the request asked for it."""
+        prepared = turn.prepared
+        token_usage = response_usage(meta_info, reasoning_tokens(prepared.reasoning, prepared.context, [output_ids]))
         if reason == "stop":
-            response = turn.response("completed", output.items, response_usage(meta_info))
+            response = turn.response("completed", output.items, token_usage)
         elif reason == "length":
-            response = turn.response("incomplete", output.items, response_usage(meta_info), "max_output_tokens")
+            response = turn.response("incomplete", output.items, token_usage, "max_output_tokens")
         else:  # ended by /abort_request: the output so far
-            response = turn.response("cancelled", output.items, response_usage(meta_info))
+            response = turn.response("cancelled", output.items, token_usage)
         if turn.body.stores:
             conversation = (*turn.conversation, output.assistant_message())
             self.store.put(turn.id, StoredResponse(response, conversation, turn.conversation_bytes + output.output_bytes))

@@ -23,7 +23,7 @@ from sgl_lite.http.guards.prompt_budget import PromptWork, chat_characters, chec
 from sgl_lite.http.model_context import ModelContext, ModelContextCache
 from sgl_lite.http.openai_api.logprobs import LogprobCursor, chat_logprobs, completion_logprobs, echoed_completion_logprobs
 from sgl_lite.http.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from sgl_lite.http.openai_api.reasoning_parser import REASONING_FORMATS, ReasoningRequest
+from sgl_lite.http.openai_api.reasoning_parser import REASONING_FORMATS, ReasoningRequest, reasoning_token_count
 from sgl_lite.http.openai_api.tool_output import StreamedChoice, assistant_message, finish_reason_with_calls
 from sgl_lite.http.openai_api.tools import ToolRequest, tool_request
 from sgl_lite.http.sse import sse_response
@@ -39,18 +39,32 @@ def finish_reason_name(finish_reason: dict[str, Any] | None) -> str:
     return _FINISH_REASONS.get((finish_reason or {}).get("type", "stop"), "stop")
 
 
-def usage(generations: list[Generation], prompts: int) -> dict[str, Any]:
-    """Token usage: prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+def usage(generations: list[Generation], prompts: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Token usage: prompt tokens once per prompt (not per choice), completion tokens of every choice, and (given
+    `reasoning_tokens`, where a reasoning parser split the outputs) how many of those were reasoning."""
     per_prompt = len(generations) // max(prompts, 1)
     firsts = [g.meta_info for g in generations[::per_prompt]] if generations else []
     prompt_tokens = sum(int(m.get("prompt_tokens") or 0) for m in firsts)
     completion_tokens = sum(int(g.meta_info.get("completion_tokens") or len(g.output_ids)) for g in generations)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(int(m.get("cached_tokens") or 0) for m in firsts)},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def reasoning_tokens(reasoning: ReasoningRequest | None, context: ModelContext, outputs: list[list[int]]) -> int | None:
+    """The reasoning tokens of outputs (token ids) split by `reasoning`; None without a split. Counted from each
+    token's text (token_text.py): 0 when the front cannot read the model's tokenizer.json."""
+    if reasoning is None:
+        return None
+    if not context.token_texts.available:
+        return 0
+    return sum(reasoning_token_count(reasoning, ids, context.token_texts.token_text) for ids in outputs)
 
 
 def check_message_count(messages: list[ChatMessage], limits: HttpLimits) -> None:
@@ -212,7 +226,8 @@ class OpenAIServing:
                 "logprobs": logprobs,
                 "finish_reason": finish_reason_with_calls(finish_reason_name(gen.finish_reason), num_calls),
             })
-        return JSONResponse(_envelope(response_id, "chat.completion", context, choices, usage(generations, 1)))
+        thought = reasoning_tokens(prepared.reasoning, context, [g.output_ids for g in generations])
+        return JSONResponse(_envelope(response_id, "chat.completion", context, choices, usage(generations, 1, thought)))
 
     async def _completions(self, body: CompletionRequest, on_stream_end: Callable[[str], None]) -> Response:
         context = await self._contexts.get()
@@ -259,6 +274,7 @@ class OpenAIServing:
         cursors = [LogprobCursor() for _ in inputs]
         streams = [StreamedChoice(tools, reasoning) for _ in inputs]
         finals: list[Generation | None] = [None] * len(inputs)
+        output_ids: list[list[int]] = [[] for _ in inputs]
         async with aclosing(self._runner.stream_many(inputs)) as deltas:
             first = await _first(deltas)  # before any event: a runtime rejection becomes the HTTP status
             for index in range(len(inputs)):
@@ -271,6 +287,7 @@ class OpenAIServing:
                     entries = cursors[index].take(delta.meta_info)
                     logprobs = {"content": chat_logprobs(entries, context.token_texts)}
                 pieces = streams[index].feed(delta.text)
+                output_ids[index].extend(delta.output_ids)
                 if delta.finish_reason is not None:
                     pieces += streams[index].finish()
                 if not pieces and logprobs and logprobs["content"]:
@@ -280,12 +297,14 @@ class OpenAIServing:
                                  {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": None})
                     logprobs = None
                 if delta.finish_reason is not None:
-                    finals[index] = Generation("", [], delta.meta_info)
+                    finals[index] = Generation("", output_ids[index], delta.meta_info)
                     reason = finish_reason_with_calls(finish_reason_name(delta.finish_reason), streams[index].num_calls)
                     yield _chunk(response_id, "chat.completion.chunk", context,
                                  {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         if include_usage:
-            yield _chunk(response_id, "chat.completion.chunk", context, None, usage([g for g in finals if g], 1))
+            done = [g for g in finals if g]
+            thought = reasoning_tokens(reasoning, context, [g.output_ids for g in done])
+            yield _chunk(response_id, "chat.completion.chunk", context, None, usage(done, 1, thought))
 
     async def _completion_events(self, context: ModelContext, response_id: str, inputs: list[GenerationInput],
                                  echoes: list[str], want_logprobs: bool, include_usage: bool,

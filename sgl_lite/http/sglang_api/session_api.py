@@ -4,7 +4,9 @@ Shapes as SGLang 0.5.23 defines them (OpenSessionReqInput, CloseSessionReqInput,
 /generate request with `session_params` runs as the whole prompt its session makes of it (sessions.py):
 the earlier request's tokens, then its own (`text` is tokenized here, as the runtime would; a leading BOS
 is dropped from an appended turn, as SGLang does). Its output is recorded when it ends, so that a later
-request may continue it; a request that fails leaves no trace in its session.
+request may continue it; a request that fails leaves no trace in its session. Each runs with the session as
+its `session_pin`: the runtime keeps the KV of the session's latest finished request last in its radix cache,
+until the session closes or expires (SessionStore.on_end unpins it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from sgl_lite.http.guards.limits import parse_body
 from sgl_lite.http.guards.prompt_budget import PromptWork
 from sgl_lite.http.model_context import ModelContextCache
 from sgl_lite.http.sglang_api.sessions import Continuation, Session, SessionRequest, SessionStore
-from sgl_lite.runtime.protocol import MAX_RID_CHARS
+from sgl_lite.runtime.protocol import MAX_RID_CHARS, SessionPin
 
 # How long a request that replaces a running one waits for that one's abort to end it.
 REPLACE_WAIT_S = 30.0
@@ -140,6 +142,7 @@ class SessionBinder:
                 session, node, prompt_ids = await self._begin(want, generation)
                 turns.add(index, session, node)
                 generation.text, generation.input_ids = None, prompt_ids
+                generation.session_pin = SessionPin(session.id, session.timeout_s)
         except BaseException:
             turns.close()
             raise

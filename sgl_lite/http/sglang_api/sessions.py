@@ -13,6 +13,10 @@ input it added and its output), so a chain of turns holds each token once.
 Bounded: at most `max_sessions` open sessions; a session holds at most its `capacity_of_str_len`
 tokens (a running request counts its input plus max_new_tokens until it ends); a session with no
 running request expires after its idle timeout. Used only from the HTTP event loop, so no lock.
+
+A session that ends (closed, or expired: noticed at the store's next use) is passed to `on_end`, which the
+app points at the runtime's unpin_session, so its prefix stops being kept last in the radix cache; the
+runtime also drops a pin by itself after the session's idle timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from sgl_lite.http.errors import HttpError, bad_request
+from sgl_lite.runtime.protocol import MAX_SESSION_IDLE_S
 
 MAX_OPEN_SESSIONS = 256
 # The largest capacity_of_str_len (tokens) one session may ask for: 4 bytes a token in the front's memory.
@@ -205,13 +210,16 @@ class SessionStore:
     """The open sessions of one HTTP front (see the module docstring)."""
 
     def __init__(self, max_sessions: int = MAX_OPEN_SESSIONS, max_capacity: int = MAX_SESSION_TOKENS,
-                 idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
-        if max_sessions < 1 or max_capacity < 1 or idle_timeout_s <= 0:
-            raise ValueError("a session store holds at least one session of one token, for some time")
+                 idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 on_end: Callable[[str], None] = lambda session_id: None) -> None:
+        if max_sessions < 1 or max_capacity < 1 or not 0 < idle_timeout_s <= MAX_SESSION_IDLE_S:
+            raise ValueError(f"a session store holds at least one session of one token, for some time (at most "
+                             f"{MAX_SESSION_IDLE_S:g} s, the longest the runtime keeps a session's prefix)")
         self.max_sessions = max_sessions
         self.max_capacity = max_capacity
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
+        self.on_end = on_end  # told the id of every session that closes or expires
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -245,6 +253,7 @@ class SessionStore:
             raise session_not_found(session_id)
         session.requests.clear()
         session.latest = None
+        self.on_end(session_id)
 
     def get(self, session_id: str) -> Session:
         self._expire()
@@ -258,3 +267,4 @@ class SessionStore:
         now = self.clock()
         for session_id in [s.id for s in self._sessions.values() if s.expired(now)]:
             del self._sessions[session_id]
+            self.on_end(session_id)

@@ -53,7 +53,7 @@ class RuntimeClient:
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                  sampling_params: dict[str, Any] | SamplingParams | None = None, **options: Any) -> Finished:
-        """Blocking generate; options: return_logprob, logprob_start_len, top_logprobs_num, priority, rid."""
+        """Blocking generate; options: return_logprob, logprob_start_len, top_logprobs_num, priority, rid, session_pin."""
         rid, request = self._generate_req(text, input_ids, sampling_params, stream=False, **options)
         replies: queue.Queue[Item] = queue.Queue()
         self._submit(rid, request, replies.put, is_generate=True)
@@ -157,6 +157,15 @@ class RuntimeClient:
 
     def server_info(self) -> dict[str, Any]:
         return self._call(protocol.ServerInfoReq(self._new_rid()))
+
+    def unpin_session(self, session_id: str) -> None:
+        """The session that requests named in `session_pin` ended: the runtime evicts its prefix like any other
+        from now on. Sent at once and never waited for; the runtime handles this client's later requests after
+        it (one connection, in order)."""
+        if not 1 <= len(session_id) <= protocol.MAX_RID_CHARS:
+            raise RuntimeRequestError(f"session_id must have 1 to {protocol.MAX_RID_CHARS} characters; got {len(session_id)}")
+        rid = self._new_rid()
+        self._submit(rid, protocol.UnpinSessionReq(rid, session_id), lambda reply: None, is_generate=False)
 
     def is_connected(self) -> bool:
         """True while the connection to the runtime is established and answering ZMTP heartbeats:

@@ -67,7 +67,8 @@ def reachable_address(address: str, base_url: str) -> str:
 
 
 def http_json(url: str, api_key: str | None, body: Any = None, timeout: float = 60.0) -> Any:
-    """GET (or POST `body` as JSON) and decode the JSON answer; errors name the server and its message."""
+    """GET (or POST `body` as JSON) and decode the JSON answer (None for an empty one); errors name the server and
+    its message."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -75,7 +76,8 @@ def http_json(url: str, api_key: str | None, body: Any = None, timeout: float = 
     request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            answer = response.read()
+            return json.loads(answer) if answer else None
     except urllib.error.HTTPError as e:
         raise RuntimeRequestError(f"{url} answered {e.code}: {_error_message(e)}",
                                   "unauthorized" if e.code == 401 else "bad_request") from None

@@ -66,7 +66,8 @@ class ReqKV:
             req.tier_hold = None
 
     def release(self, req: Req) -> None:
-        """Give the request's computed KV to the radix tree (or free it) and return its row."""
+        """Give the request's computed KV to the radix tree (or free it) and return its row; a finished request
+        of a session pins its KV as the session's latest prefix (mem_cache/session_pins.py)."""
         self.release_hold(req)
         if req.req_pool_idx is None:
             return
@@ -75,8 +76,16 @@ class ReqKV:
             row = self.req_to_token.table[req.req_pool_idx]
             self.tier.write(req.fill_ids[: req.kv_len], row[: req.kv_len])
         self.tree_cache.cache_finished_req(req)
+        if req.session_pin is not None and req.finished and req.kv_len and not self.tree_cache.disable:
+            # The tree holds all kv_len tokens now: the match ends exactly at their last node.
+            node = self.tree_cache.match_prefix(req.fill_ids[: req.kv_len]).last_node
+            self.tree_cache.pins.pin(req.session_pin.id, node, req.session_pin.idle_timeout_s)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    def unpin_session(self, key: str) -> bool:
+        """The session `key` ended: its prefix is evicted like any other from now on (False: it had no pin)."""
+        return self.tree_cache.pins.release(key)
 
     def ensure_free(self, num_tokens: int) -> bool:
         """Evict until `num_tokens` slots are free; False (evicting nothing) when free + evictable is short."""
@@ -132,7 +141,8 @@ class ReqKV:
         )
 
     def _spill(self, leaf: TreeNode) -> None:
-        """write_back: the whole blocks ending in `leaf`, the path above it still in the pool, go to disk."""
+        """write_back: the blocks ending in `leaf` (the partial one at its end too), the path above it still in
+        the pool, go to disk."""
         keys, values, node = [], [], leaf
         while node is not None and node is not self.tree_cache.root_node:
             keys.append(node.key)
@@ -143,9 +153,9 @@ class ReqKV:
         self.tier.write(tokens, torch.cat(values[::-1]), from_pos=leaf.depth - len(leaf.key))
 
     def spill_all(self) -> None:
-        """Queue every whole block the tree holds and the tier does not (shutdown)."""
+        """Queue every block the tree holds and the tier does not, a partial one at each node's end (shutdown)."""
         if self.tier is not None:
-            for node in list(self.tree_cache._iter_nodes()):
+            for node in list(self.tree_cache.iter_nodes()):
                 if node is not self.tree_cache.root_node:
                     self._spill(node)
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgl_lite.runtime.protocol import SamplingParams
+from sgl_lite.runtime.protocol import SamplingParams, SessionPin
 
 
 class FinishKind(str, enum.Enum):
@@ -58,6 +58,9 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # The open session whose latest prefix this request's KV becomes when it finishes: pinned in the radix
+    # tree (mem_cache/session_pins.py).
+    session_pin: SessionPin | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

@@ -1,8 +1,8 @@
 """Requests whose cacheable prefix continues on the disk tier wait here, outside the queue, while it loads.
 
-A request arriving with at least one more whole block on disk than the tree holds (`KVTier.loadable`) is held:
-its matched prefix is locked (`req.tier_hold`, so the part the load continues cannot be evicted meanwhile) and
-the tier reads the blocks on its thread. Each step `collect` installs the finished loads: fresh slots (evicting
+A request arriving with more of its prefix on disk than the tree holds (`KVTier.loadable`: whole blocks, then a
+partial last block it has every token of) is held: its matched prefix is locked (`req.tier_hold`, so the part the
+load continues cannot be evicted meanwhile) and the tier reads the blocks on its thread. Each step `collect` installs the finished loads: fresh slots (evicting
 as any allocation does), the blocks' KV copied in, the tokens inserted into the tree, the hold moved onto the new
 node; the request then joins the queue and matches the whole prefix like any other. Admission drops the hold
 once its own lock is taken (`ReqKV.start`); an abort drops it here. Loads that cannot start (staging full) wait
@@ -50,18 +50,18 @@ class TierLoads:
         return any(ticket is None or ticket.done.is_set() for ticket in self.loading.values())
 
     def hold_if_on_disk(self, req: Req) -> bool:
-        """Start loading `req`'s prefix when the disk holds a whole block more of it than the tree; True
-        when it did (the request is now this object's until `collect` returns it)."""
+        """Start loading `req`'s prefix when the disk holds more of it than the tree; True when it did (the
+        request is now this object's until `collect` returns it)."""
         tree = self.kv.tree_cache
         key = prefix_match_key(req)
-        if tree.disable or len(key) < self.tier.block_tokens or self.tier.store.num_blocks == 0:
+        if tree.disable or not key or self.tier.store.num_blocks == 0:
             return False  # the cheap checks first: nothing on disk could continue this prefix
         match = tree.match_prefix(key)
-        first, keys = self.tier.loadable(key, match.length)
-        if (first + len(keys)) * self.tier.block_tokens - match.length < self.tier.block_tokens:
+        run = self.tier.loadable(key, match.length)
+        if not run.keys:
             return False
         self.kv.hold(req, match.last_node)
-        self.loading[req] = self.tier.start_load(key, first, keys) if self.tier.can_stage(len(keys)) else None
+        self.loading[req] = self.tier.start_load(key, run) if self.tier.can_stage(run) else None
         return True
 
     def collect(self) -> list[Req]:
@@ -73,12 +73,12 @@ class TierLoads:
         for req, ticket in list(self.loading.items()):
             if ticket is None:
                 key = prefix_match_key(req)
-                first, keys = self.tier.loadable(key, req.tier_hold.depth)
-                if not keys:
+                run = self.tier.loadable(key, req.tier_hold.depth)
+                if not run.keys:
                     del self.loading[req]
                     ready.append(req)
-                elif self.tier.can_stage(len(keys)):
-                    self.loading[req] = self.tier.start_load(key, first, keys)
+                elif self.tier.can_stage(run):
+                    self.loading[req] = self.tier.start_load(key, run)
                 continue
             if not ticket.done.is_set():
                 continue
@@ -92,8 +92,8 @@ class TierLoads:
 
     def _install(self, req: Req, ticket: LoadTicket) -> int | None:
         """Put the loaded blocks into the pool and the tree; the tokens installed (0: dropped), None: later."""
-        b, tree = self.tier.block_tokens, self.kv.tree_cache
-        end = (ticket.first_block + len(ticket.blocks)) * b
+        tree = self.kv.tree_cache
+        end = ticket.loaded_end
         key = prefix_match_key(req)[:end]
         match = tree.match_prefix(key)  # at least the held prefix; more if another request computed it meanwhile
         count = end - match.length
@@ -113,7 +113,7 @@ class TierLoads:
                 return 0
             slots = self.kv.allocator.alloc(count)
             assert slots is not None, "ensure_free promised the room"
-            scatter_blocks(self.tier.pool, ticket.blocks, match.length - ticket.first_block * b, slots)
+            scatter_blocks(self.tier.pool, ticket.blocks, match.length - ticket.start, slots)
             cached = tree.insert(key, torch.cat((match.slots, slots)))
             assert cached == match.length, "the tree changed between the match and the insert"
             self.kv.hold(req, tree.match_prefix(key).last_node)

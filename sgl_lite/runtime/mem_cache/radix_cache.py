@@ -16,6 +16,9 @@ Invariants (checked by `check_integrity`):
 All tokens of one node always share their access history: a match or insert that ends inside an
 edge splits it first. So LRU per node is LRU per token.
 
+Open sessions' latest prefixes are pinned (`pins`, session_pins.py): eviction takes pinned leaves only
+after every unpinned one.
+
 An optional `TreeObserver` (tree_observer.py) hears about every structural change (new leaf, split, eviction, reset),
 so that an index of waiting requests (waiting_index.py) can follow the tree without re-matching.
 """
@@ -32,6 +35,7 @@ import torch
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache import tree_checks
 from sgl_lite.runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from sgl_lite.runtime.mem_cache.session_pins import SessionPins
 
 if TYPE_CHECKING:
     from sgl_lite.runtime.mem_cache.tree_observer import TreeObserver
@@ -87,6 +91,7 @@ class RadixCache:
         # Called with each leaf about to be evicted, its KV and its path's still in the pool (the disk tier's
         # write_back spill).
         self.before_evict: Callable[[TreeNode], None] | None = None
+        self.pins = SessionPins()
         self.reset()
 
     # ---------------------------------------------------------------- state
@@ -94,7 +99,7 @@ class RadixCache:
     def reset(self) -> None:
         """Drop the whole tree. Frees no slot: the caller clears the allocator too (flush when idle)."""
         if getattr(self, "root_node", None) is not None:
-            for node in self._iter_nodes():
+            for node in self.iter_nodes():
                 node.evicted = True
         self._next_id = 0
         self._tick = 0
@@ -102,6 +107,7 @@ class RadixCache:
         self._evictable_size = 0
         self._protected_size = 0
         self._num_nodes = 1
+        self.pins.clear()
         if self.observer is not None:
             self.observer.on_reset()
 
@@ -214,14 +220,16 @@ class RadixCache:
         return delta
 
     def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves, least recently used first, until >= num_tokens are gone (or none is left)."""
+        """Evict unlocked leaves, unpinned before pinned, least recently used first, until >= num_tokens are
+        gone (or none is left)."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self._lru_time(n), n.id, n) for n in self._iter_nodes() if self._is_evictable_leaf(n)]
+        self.pins.drop_expired()
+        heap = [(self.pins.holds(n), self._lru_time(n), n.id, n) for n in self.iter_nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
         evicted = 0
         while evicted < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            _, _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             if self.before_evict is not None:
@@ -233,12 +241,13 @@ class RadixCache:
             self._evictable_size -= len(leaf.key)
             self._num_nodes -= 1
             leaf.evicted, leaf.parent = True, None
+            self.pins.on_evict(leaf, parent)
             if self.observer is not None:
                 self.observer.on_evict(leaf, parent)
-            # A parent's access time is >= its children's (and it inherits their waiting requests),
-            # so pops stay in LRU order.
+            # A parent's access time is >= its children's (and it inherits their waiting requests), and a pinned
+            # child's pin moved to it, so pops stay in (pinned, LRU) order.
             if self._is_evictable_leaf(parent):
-                heapq.heappush(heap, (self._lru_time(parent), parent.id, parent))
+                heapq.heappush(heap, (self.pins.holds(parent), self._lru_time(parent), parent.id, parent))
         return evicted
 
     # ---------------------------------------------------------------- request integration
@@ -355,7 +364,8 @@ class RadixCache:
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return node is not self.root_node and not node.children and node.lock_ref == 0
 
-    def _iter_nodes(self) -> Iterator[TreeNode]:
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node of the tree, the root first, each once (depth first; the tree must not change meanwhile)."""
         stack = [self.root_node]
         while stack:
             node = stack.pop()

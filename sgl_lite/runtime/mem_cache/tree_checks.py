@@ -15,7 +15,7 @@ def check_integrity(cache: RadixCache) -> None:
     """Raise AssertionError naming the first broken invariant (see radix_cache.py's docstring)."""
     evictable = protected = count = 0
     seen: list[torch.Tensor] = []
-    for node in cache._iter_nodes():
+    for node in cache.iter_nodes():
         count += 1
         assert node.lock_ref >= 0, f"{node!r} has negative lock_ref"
         assert not node.evicted, f"{node!r} is in the tree but marked evicted"
@@ -41,6 +41,8 @@ def check_integrity(cache: RadixCache) -> None:
         unique = torch.unique(slots)
         assert unique.numel() == slots.numel(), f"{slots.numel() - unique.numel()} slot(s) appear on two nodes"
         assert int(slots.min()) >= 1 and int(slots.max()) <= cache.allocator.num_slots, "tree holds an invalid slot"
+    for node in cache.pins.nodes():
+        assert not node.evicted and node.parent is not None, f"a session pin names {node!r}, which is not in the tree"
 
 def pretty_print(cache: RadixCache) -> str:
     lines = [f"RadixCache(nodes={cache._num_nodes}, evictable={cache._evictable_size}, protected={cache._protected_size})"]

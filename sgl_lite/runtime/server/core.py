@@ -29,7 +29,7 @@ from sgl_lite.runtime.managers.stop_checker import output_ids_for_text, trim_sto
 from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.model_executor.fault_injection import install_fault_injection
 from sgl_lite.runtime.model_executor.kv_tier_setup import make_kv_tier
-from sgl_lite.runtime.protocol import SamplingParams, to_sampling_params
+from sgl_lite.runtime.protocol import SamplingParams, SessionPin, to_sampling_params
 from sgl_lite.runtime.sampling.jump_forward import RETOKENIZE_TAIL_TOKENS, is_constrained
 from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, stop_hold_back_chars
 from sgl_lite.runtime.server_args import ServerArgs
@@ -140,8 +140,12 @@ class RuntimeCore:
         return self.scheduler.live_request_ids()
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache; False (and nothing done) while requests are in flight."""
+        """Empty the radix cache (the sessions' pins too); False (and nothing done) while requests are in flight."""
         return self.scheduler.flush_cache()
+
+    def unpin_session(self, key: str) -> bool:
+        """The session `key` (as the requests' session_pin named it) ended: its prefix is evicted like any other."""
+        return self.scheduler.kv.unpin_session(key)
 
     def check_invariant(self) -> None:
         """AssertionError unless every KV slot and request row is accounted for."""
@@ -185,6 +189,7 @@ class RuntimeCore:
         top_logprobs_num: int = 0,
         priority: int | None = None,
         stream: bool = False,
+        session_pin: SessionPin | None = None,
     ) -> Req:
         """Tokenize one request after the cheap size checks (ValueError names the field); `submit` queues
         it, validating the rest (managers/validation.py)."""
@@ -193,7 +198,7 @@ class RuntimeCore:
                                                    logprob_start_len=logprob_start_len)
         ids = list(self.tokenizer(text)["input_ids"]) if text is not None else list(input_ids)  # type: ignore[arg-type]
         return Req(
-            rid=rid, input_ids=ids, sampling_params=params, priority=priority, stream=stream,
+            rid=rid, input_ids=ids, sampling_params=params, priority=priority, stream=stream, session_pin=session_pin,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
             top_logprobs_num=top_logprobs_num if return_logprob else 0,
         )

@@ -262,6 +262,8 @@ class RuntimeServer:
             self._send(identity, protocol.InfoReply(msg.rid, self._core.server_info()))
         elif isinstance(msg, protocol.HealthReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"ok": True}))
+        elif isinstance(msg, protocol.UnpinSessionReq):  # session ids are the runtime's (as SGLang's), not per client
+            self._send(identity, protocol.InfoReply(msg.rid, {"unpinned": self._core.unpin_session(msg.session_id)}))
 
     def _add_generate(self, identity: bytes, msg: protocol.GenerateReq) -> None:
         key = self._key(identity, msg.rid)
@@ -269,11 +271,9 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply(msg.rid, f"request id {msg.rid!r} is already in flight"))
             return
         try:
-            req = self._core.prepare(
-                key, msg.text, msg.input_ids, msg.sampling_params,
-                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
-            )
+            req = self._core.prepare(key, msg.text, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
+                                     logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
+                                     priority=msg.priority, stream=msg.stream, session_pin=msg.session_pin)
         except ValueError as e:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
             return

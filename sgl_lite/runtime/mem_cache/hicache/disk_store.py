@@ -1,8 +1,10 @@
 """The disk tier's files: one KV block a file, bounded in bytes, least recently used dropped first.
 
-Layout: `<storage dir>/<fingerprint>/<block key>.kv`. The fingerprint (model_executor/kv_fingerprint.py) names
-the weights, dtypes, KV layout and tokenizer, so another model's blocks sit in another folder and are never
-listed, let alone loaded. A file is a header line of JSON (format, fingerprint, key, the block's tokens, payload
+Layout: `<storage dir>/<fingerprint>/<block key>.kv` for a whole block, `<block key>.<tokens>.<parent key or
+root>.kv` for a partial last block (block_keys.py): its name says which block it follows and how many tokens it
+holds, so the partial blocks that may continue a prefix are found without reading a file, after a restart too.
+The fingerprint (model_executor/kv_fingerprint.py) names the weights, dtypes, KV layout and tokenizer, so another
+model's blocks sit in another folder and are never listed, let alone loaded. A file is a header line of JSON (format, fingerprint, key, the block's tokens, payload
 bytes, CRC-32) and the payload, the block's K and V as raw bytes. It is written to a temporary name and renamed,
 so a reader sees a whole file or none; a torn one left by a crash is caught on load (size, CRC) and deleted.
 
@@ -10,8 +12,8 @@ On start the folder is listed (names and sizes only, oldest modification first) 
 restart are found; files over the capacity are deleted oldest first. Every I/O error is logged and returned
 as a miss (`None` / `False`), never raised: the caller recomputes what it could not load.
 
-Thread safety: the index is guarded by a lock; `read` and `write` run on the tier's I/O threads while the
-scheduler asks `present` and `contains`.
+Thread safety: the index is guarded by a lock; `read`, `write` and `discard` run on the tier's I/O threads while
+the scheduler asks `present`, `contains` and `partials`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,31 @@ logger = logging.getLogger(__name__)
 FORMAT = "sgl_lite-kv-block-1"
 SUFFIX = ".kv"
 MAX_HEADER_BYTES = 1 << 16
+ROOT_NAME = "root"  # a partial first block's parent in its file name (its key is block_keys.ROOT, empty)
+
+
+@dataclass
+class StoredBlock:
+    """One file of the index: its bytes and, for a partial block, the key it follows and its token count."""
+
+    size: int
+    after: str | None = None  # None: a whole block
+    tokens: int = 0
+
+    def file_name(self, key: str) -> str:
+        if self.after is None:
+            return f"{key}{SUFFIX}"
+        return f"{key}.{self.tokens}.{self.after or ROOT_NAME}{SUFFIX}"
+
+
+def parse_file_name(stem: str, size: int) -> tuple[str, StoredBlock] | None:
+    """(key, block) of a block file's name without its suffix; None for a name the store does not write."""
+    parts = stem.split(".")
+    if len(parts) == 1:
+        return stem, StoredBlock(size)
+    if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) > 0:
+        return parts[0], StoredBlock(size, "" if parts[2] == ROOT_NAME else parts[2], int(parts[1]))
+    return None
 
 
 class DiskKVStore:
@@ -42,7 +70,8 @@ class DiskKVStore:
         self.capacity_bytes = capacity_bytes
         self._fault = fault
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
+        self._index: OrderedDict[str, StoredBlock] = OrderedDict()  # least recently used first
+        self._partials: dict[str, dict[str, int]] = {}  # parent key -> {partial block key: its tokens}
         self._bytes = 0
         self.io_errors = 0
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -61,10 +90,12 @@ class DiskKVStore:
                 stat = path.stat()
             except OSError:
                 continue
-            entries.append((stat.st_mtime_ns, path.stem, stat.st_size))
-        for _, key, size in sorted(entries):
-            self._index[key] = size
-            self._bytes += size
+            parsed = parse_file_name(path.stem, stat.st_size)
+            if parsed is not None:
+                entries.append((stat.st_mtime_ns, *parsed))
+        for _, key, block in sorted(entries, key=lambda entry: entry[0]):
+            self._drop(key)  # one key under two names (not written by this store): the newer one stays
+            self._add(key, block)
         self._make_room(0)
         if self._index:
             logger.info("hierarchical cache: %d blocks (%.1f MiB) on disk in %s", len(self._index),
@@ -84,6 +115,11 @@ class DiskKVStore:
                 count += 1
             return count
 
+    def partials(self, parent: str) -> list[tuple[str, int]]:
+        """(key, tokens) of the stored partial blocks that follow the block keyed `parent`."""
+        with self._lock:
+            return list(self._partials.get(parent, {}).items())
+
     @property
     def num_blocks(self) -> int:
         return len(self._index)
@@ -92,30 +128,49 @@ class DiskKVStore:
     def bytes_used(self) -> int:
         return self._bytes
 
+    def _add(self, key: str, block: StoredBlock) -> None:
+        """Index a block as the most recently used (lock held, or during the scan)."""
+        self._index[key] = block
+        self._bytes += block.size
+        if block.after is not None:
+            self._partials.setdefault(block.after, {})[key] = block.tokens
+
+    def _drop(self, key: str, delete_file: bool = True) -> None:
+        """Unindex a block and delete its file (lock held, or during the scan)."""
+        block = self._index.pop(key, None)
+        if block is None:
+            return
+        self._bytes -= block.size
+        if block.after is not None:
+            siblings = self._partials[block.after]
+            del siblings[key]
+            if not siblings:
+                del self._partials[block.after]
+        if delete_file:
+            (self.folder / block.file_name(key)).unlink(missing_ok=True)
+
     def _make_room(self, size: int) -> None:
         """Drop least recently used files until `size` more bytes fit (lock held, or during the scan)."""
         while self._index and self._bytes + size > self.capacity_bytes:
-            key, old = self._index.popitem(last=False)
-            self._bytes -= old
-            (self.folder / f"{key}{SUFFIX}").unlink(missing_ok=True)
+            self._drop(next(iter(self._index)))
 
-    def _forget(self, key: str) -> None:
+    def discard(self, key: str) -> None:
+        """Delete a block (a partial block a longer write superseded)."""
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._bytes -= size
-        (self.folder / f"{key}{SUFFIX}").unlink(missing_ok=True)
+            self._drop(key)
 
     # ------------------------------------------------------------------ I/O
 
-    def write(self, key: str, tokens: Sequence[int], payload: memoryview) -> bool:
-        """Store one block; False (logged) when it does not fit the capacity or the disk fails."""
+    def write(self, key: str, tokens: Sequence[int], payload: memoryview, partial_after: str | None = None) -> bool:
+        """Store one block (a partial one when `partial_after` names the block it follows); False (logged) when
+        it does not fit the capacity or the disk fails."""
         header = json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "tokens": list(tokens),
                              "payload_bytes": payload.nbytes, "crc32": zlib.crc32(payload)}).encode() + b"\n"
         size = len(header) + payload.nbytes
         if size > self.capacity_bytes:
             return False
-        path = self.folder / f"{key}{SUFFIX}"
+        block = StoredBlock(size, partial_after, len(tokens) if partial_after is not None else 0)
+        path = self.folder / block.file_name(key)
         temp = self.folder / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         with self._lock:
             self._make_room(size)
@@ -131,16 +186,19 @@ class DiskKVStore:
             self._count_error("write", key, e)
             return False
         with self._lock:
-            old = self._index.pop(key, None)
-            self._bytes += size - (old or 0)
-            self._index[key] = size
+            self._drop(key, delete_file=False)  # the same key names the same file: the rename replaced it
+            self._add(key, block)
             self._make_room(0)
         return True
 
     def read(self, key: str, tokens: Sequence[int], payload_bytes: int) -> bytearray | None:
         """The block's payload, checked against its header, its tokens and its CRC; None (the file deleted
         when it is bad) otherwise."""
-        path = self.folder / f"{key}{SUFFIX}"
+        with self._lock:
+            block = self._index.get(key)
+        if block is None:
+            return None  # dropped since it was found (capacity, or superseded)
+        path = self.folder / block.file_name(key)
         try:
             if self._fault is not None:
                 self._fault("read")
@@ -155,12 +213,14 @@ class DiskKVStore:
                     elif zlib.crc32(payload) != header["crc32"]:
                         problem = "CRC mismatch"
         except (OSError, ValueError) as e:  # ValueError: a header that is not JSON
+            if isinstance(e, FileNotFoundError) and not self.contains(key):
+                return None  # dropped while this read opened it: a miss, not a failing disk
             self._count_error("read", key, e)
-            self._forget(key)
+            self.discard(key)
             return None
         if problem is not None:
             logger.warning("hierarchical cache: block %s is unusable (%s); deleted, its tokens recomputed", key, problem)
-            self._forget(key)
+            self.discard(key)
             return None
         with self._lock:
             if key in self._index:

@@ -30,7 +30,8 @@ def storage_dtype(pool: KVPool) -> torch.dtype:
 
 
 def gather_blocks(pool: KVPool, slots: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    """The KV of `slots` (a whole number of blocks, in token order) as a CPU tensor [blocks, *block_shape]."""
+    """The KV of `slots` (a whole number of blocks, in token order) as a CPU tensor [blocks, *block_shape]; a
+    partial block is gathered alone, as one block of its own length."""
     if slots.numel() % block_tokens:
         raise ValueError(f"gather_blocks: {slots.numel()} slots are not a whole number of {block_tokens}-token blocks")
     num_blocks = slots.numel() // block_tokens
@@ -44,15 +45,21 @@ def gather_blocks(pool: KVPool, slots: torch.Tensor, block_tokens: int) -> torch
 
 
 def scatter_blocks(pool: KVPool, blocks: list[torch.Tensor], skip: int, slots: torch.Tensor) -> None:
-    """Write tokens [skip, skip + len(slots)) of the concatenated `blocks` into `slots` of every layer."""
-    joined = torch.stack(blocks).permute(1, 2, 0, 3, 4, 5)  # [layers, 2, blocks, tokens, heads, dim]
-    layers, _, num_blocks, block_tokens = joined.shape[:4]
-    if skip < 0 or skip + slots.numel() > num_blocks * block_tokens:
-        raise ValueError(f"scatter_blocks: tokens [{skip}, {skip + slots.numel()}) outside {num_blocks} blocks")
-    flat = joined.reshape(layers, 2, num_blocks * block_tokens, pool.kv_heads, pool.head_dim)
+    """Write tokens [skip, skip + len(slots)) of the concatenated `blocks` (each [layers, 2, tokens, heads, dim],
+    the last one possibly a partial block) into `slots` of every layer. Each block is copied straight from its
+    own memory into its slots, a layer and a side at a time: the load is never stacked or permuted first."""
+    total = sum(block.shape[2] for block in blocks)
+    if skip < 0 or skip + slots.numel() > total:
+        raise ValueError(f"scatter_blocks: tokens [{skip}, {skip + slots.numel()}) outside the blocks' {total}")
     device = pool.k[0].device
     index = slots.to(device)
-    for layer in range(pool.num_layers):
-        for side, cache in enumerate((pool.k[layer], pool.v[layer])):
-            rows = flat[layer, side, skip : skip + slots.numel()].to(device)
-            storage_view(cache).index_copy_(0, index, rows)
+    start, written = 0, 0  # where this block starts among the blocks' tokens; slots filled so far
+    for block in blocks:
+        first, end = max(skip - start, 0), min(skip + slots.numel() - start, block.shape[2])
+        if first < end:
+            rows = index[written : written + end - first]
+            for layer in range(pool.num_layers):
+                for side, cache in enumerate((pool.k[layer], pool.v[layer])):
+                    storage_view(cache).index_copy_(0, rows, block[layer, side, first:end].to(device))
+            written += end - first
+        start += block.shape[2]

@@ -1,9 +1,13 @@
 """KVTier: what the scheduler asks of the disk tier, with the disk I/O on two threads of its own.
 
-- `write(tokens, slots)`: the whole blocks of a prefix not yet stored are gathered from the pool now (the slots
-  may be freed right after) and written by the write thread. Blocks past a backlog of `max_staged_bytes` are
-  dropped (counted), the last ones first: the tier falls behind, the scheduler never waits for a disk.
-- `loadable(tokens, matched)`: the stored blocks that continue a prefix the tree holds `matched` tokens of.
+- `write(tokens, slots)`: the blocks of a prefix not yet stored, its partial last block included, are gathered
+  from the pool now (the slots may be freed right after) and written by the write thread. Blocks past a backlog
+  of `max_staged_bytes` are dropped (counted), the last ones first: the tier falls behind, the scheduler never
+  waits for a disk. A block written supersedes the partial blocks at its place whose tokens it starts with:
+  they are deleted, so a prefix that grows keeps one partial block on disk, not one per length it had.
+- `loadable(tokens, matched)`: the stored blocks that continue a prefix the tree holds `matched` tokens of: its
+  whole blocks in a row, then the longest partial block after them whose every token `tokens` has (a partial
+  block ends a run: its key names a prefix the request must hold all of).
 - `start_load(...)`: the read thread reads them into memory (a `LoadTicket`); the scheduler copies them into
   the pool (`scatter_blocks`) when the ticket is done, so other requests keep decoding meanwhile. A read stops
   at the first missing or bad block; the ticket then holds the blocks before it.
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sgl_lite.runtime.mem_cache.hicache.block_keys import BLOCK_TOKENS, block_keys
+from sgl_lite.runtime.mem_cache.hicache.block_keys import BLOCK_TOKENS, ROOT, block_keys, chain_key
 from sgl_lite.runtime.mem_cache.hicache.disk_store import DiskKVStore
 from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, block_shape, gather_blocks, storage_dtype
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
@@ -33,10 +37,21 @@ WRITE_POLICIES = ("write_through", "write_back")
 
 
 @dataclass
-class LoadTicket:
-    """Blocks [first_block, first_block + len(keys)) of a prefix being read; `blocks` is set when `done`."""
+class StoredRun:
+    """Stored blocks continuing a prefix: tokens [start, end), block-aligned `start`, the last block partial
+    when `end` is not aligned. No keys: nothing stored continues the prefix."""
 
-    first_block: int
+    start: int
+    end: int
+    keys: list[str]
+
+
+@dataclass
+class LoadTicket:
+    """The blocks of a `StoredRun` being read; `blocks` ([layers, 2, tokens, heads, dim] each) fill as they are
+    read and are complete when `done`."""
+
+    start: int
     keys: list[str]
     tokens: list[list[int]]  # each block's tokens (checked against the file's header)
     nbytes: int
@@ -44,6 +59,11 @@ class LoadTicket:
     blocks: list[torch.Tensor] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+
+    @property
+    def loaded_end(self) -> int:
+        """The token the blocks read so far end at."""
+        return self.start + sum(len(tokens) for tokens in self.tokens[: len(self.blocks)])
 
 
 class KVTier:
@@ -55,7 +75,8 @@ class KVTier:
         self.store = store
         self.write_policy = write_policy
         self.block_tokens = block_tokens
-        self.block_bytes = block_bytes(pool, block_tokens)
+        self.token_bytes = block_bytes(pool, 1)
+        self.block_bytes = self.token_bytes * block_tokens
         self.max_staged_bytes = max(max_staged_bytes, self.block_bytes)
         self._lock = threading.Lock()
         self._writing: set[str] = set()  # keys queued or being written
@@ -72,57 +93,85 @@ class KVTier:
     # ------------------------------------------------------------------ writes
 
     def write(self, tokens: list[int], slots: torch.Tensor, from_pos: int = 0) -> int:
-        """Queue the whole blocks of `tokens` (whose KV is in `slots`) that end after `from_pos` and are not
-        stored yet; return how many."""
-        keys = block_keys(tokens, block_tokens=self.block_tokens)
-        first = from_pos // self.block_tokens
+        """Queue the blocks of `tokens` (whose KV is in `slots`), the partial last one included, that end after
+        `from_pos` and are not stored yet; return how many."""
+        b = self.block_tokens
+        keys = block_keys(tokens, block_tokens=b)
+        parents = [ROOT, *keys]  # parents[i]: the key block i follows
+        tail = len(tokens) - len(keys) * b
+        if tail:
+            keys.append(chain_key(parents[-1], tokens[-tail:]))
         with self._lock:
-            todo = [i for i in range(first, len(keys)) if keys[i] not in self._writing and not self.store.contains(keys[i])]
+            todo = [i for i in range(from_pos // b, len(keys))
+                    if keys[i] not in self._writing and not self.store.contains(keys[i])]
+            lengths = [min(len(tokens) - i * b, b) for i in todo]
             # The leading blocks first: a block is of use only after every block before it.
-            room = max(self.max_staged_bytes - self._write_backlog, 0) // self.block_bytes
-            self.write_dropped_tokens += max(len(todo) - room, 0) * self.block_tokens
-            todo = todo[:room]
+            room, kept = max(self.max_staged_bytes - self._write_backlog, 0) // self.token_bytes, 0
+            while kept < len(todo) and lengths[kept] <= room:
+                room -= lengths[kept]
+                kept += 1
+            self.write_dropped_tokens += sum(lengths[kept:])
+            todo = todo[:kept]
             if not todo:
                 return 0
             self._writing.update(keys[i] for i in todo)
-            self._write_backlog += len(todo) * self.block_bytes
-        b = self.block_tokens
-        index = torch.cat([slots[i * b : (i + 1) * b] for i in todo])
-        data = gather_blocks(self.pool, index, b)
-        for j, i in enumerate(todo):
-            self._writer.submit(self._write_one, keys[i], tokens[i * b : (i + 1) * b], data[j])
+            self._write_backlog += sum(lengths[:kept]) * self.token_bytes
+        whole = [i for i in todo if (i + 1) * b <= len(tokens)]
+        data = list(gather_blocks(self.pool, torch.cat([slots[i * b : (i + 1) * b] for i in whole]), b)) if whole else []
+        if len(whole) < len(todo):  # the partial last block, gathered as one block of its own length
+            data.extend(gather_blocks(self.pool, slots[len(tokens) - tail : len(tokens)], tail))
+        for i, block in zip(todo, data):
+            self._writer.submit(self._write_one, keys[i], parents[i], tokens[i * b : (i + 1) * b], block)
         return len(todo)
 
-    def _write_one(self, key: str, tokens: list[int], block: torch.Tensor) -> None:
+    def _write_one(self, key: str, parent: str, tokens: list[int], block: torch.Tensor) -> None:
         try:
-            if self.store.write(key, tokens, memoryview(block.view(torch.uint8).numpy()).cast("B")):
+            partial_after = parent if len(tokens) < self.block_tokens else None
+            if self.store.write(key, tokens, memoryview(block.view(torch.uint8).numpy()).cast("B"), partial_after):
                 with self._lock:
                     self.spilled_tokens += len(tokens)
+                self._supersede(parent, tokens)
         finally:
             with self._lock:
                 self._writing.discard(key)
-                self._write_backlog -= self.block_bytes
+                self._write_backlog -= len(tokens) * self.token_bytes
+
+    def _supersede(self, parent: str, tokens: list[int]) -> None:
+        """Delete the partial blocks after `parent` that the block of `tokens`, just stored, starts with: every
+        prefix they could serve, this block serves as far or further (write thread)."""
+        for key, length in self.store.partials(parent):
+            if length < len(tokens) and chain_key(parent, tokens[:length]) == key:
+                self.store.discard(key)
 
     # ------------------------------------------------------------------ loads
 
-    def loadable(self, tokens: list[int], matched: int) -> tuple[int, list[str]]:
-        """(first block, keys) of the stored whole blocks of `tokens` continuing the `matched` tokens the tree
-        holds (`tokens`: what may come from the cache, policy.prefix_match_key)."""
-        first = matched // self.block_tokens
-        limit = len(tokens) // self.block_tokens
-        if first >= limit:
-            return first, []
-        keys = block_keys(tokens, limit, self.block_tokens)[first:]
-        return first, keys[: self.store.present(keys)]
-
-    def can_stage(self, num_blocks: int) -> bool:
-        with self._lock:
-            return self._staged == 0 or self._staged + num_blocks * self.block_bytes <= self.max_staged_bytes
-
-    def start_load(self, tokens: list[int], first_block: int, keys: list[str]) -> LoadTicket:
+    def loadable(self, tokens: list[int], matched: int) -> StoredRun:
+        """The stored blocks of `tokens` continuing the `matched` tokens the tree holds (`tokens`: what may come
+        from the cache, policy.prefix_match_key); none unless they reach past `matched`."""
         b = self.block_tokens
-        ticket = LoadTicket(first_block, keys, [tokens[(first_block + j) * b : (first_block + j + 1) * b] for j in range(len(keys))],
-                            len(keys) * self.block_bytes)
+        first = matched // b
+        keys = block_keys(tokens, block_tokens=b)
+        run = keys[first:][: self.store.present(keys[first:])]
+        after = first + len(run)  # the first block not stored whole: a partial block may stand there
+        parent, end = keys[after - 1] if after else ROOT, after * b
+        tail: tuple[int, str] | None = None  # (tokens, key) of the longest partial block the request covers
+        for key, length in self.store.partials(parent):
+            if length <= len(tokens) - end and (tail is None or length > tail[0]) \
+                    and chain_key(parent, tokens[end : end + length]) == key:
+                tail = (length, key)
+        if tail is not None and end + tail[0] > matched:
+            run.append(tail[1])
+            end += tail[0]
+        return StoredRun(first * b, end, run)
+
+    def can_stage(self, run: StoredRun) -> bool:
+        with self._lock:
+            return self._staged == 0 or self._staged + (run.end - run.start) * self.token_bytes <= self.max_staged_bytes
+
+    def start_load(self, tokens: list[int], run: StoredRun) -> LoadTicket:
+        b = self.block_tokens
+        ticket = LoadTicket(run.start, run.keys, [tokens[i : min(i + b, run.end)] for i in range(run.start, run.end, b)],
+                            (run.end - run.start) * self.token_bytes)
         with self._lock:
             self._staged += ticket.nbytes
         self._reader.submit(self._read, ticket)
@@ -130,13 +179,14 @@ class KVTier:
 
     def _read(self, ticket: LoadTicket) -> None:
         try:
-            shape, dtype = block_shape(self.pool, self.block_tokens), storage_dtype(self.pool)
+            dtype = storage_dtype(self.pool)
             for key, tokens in zip(ticket.keys, ticket.tokens):
                 if ticket.cancelled:
                     break
-                payload = self.store.read(key, tokens, self.block_bytes)
+                payload = self.store.read(key, tokens, len(tokens) * self.token_bytes)
                 if payload is None:
                     break
+                shape = block_shape(self.pool, len(tokens))
                 ticket.blocks.append(torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
         except Exception:  # never leave a ticket undone: the scheduler would wait for it forever
             logger.exception("hierarchical cache: a load failed; its tokens are recomputed")
