@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from runner_bench import DTYPE_FLAGS, RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, pyplot, save_png  # noqa: E402
 from sgl_lite.runtime.layers.attention import TorchNativeBackend, create_backend  # noqa: E402
 from sgl_lite.runtime.layers.linear import (  # noqa: E402
     GemvLinear,
@@ -322,13 +322,8 @@ def main() -> None:
                                "load_average": load, "read_bandwidth": bandwidth,
                                "read_bandwidth_probes": probes, "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['phase'].split()[0]} b{r['batch']}\n{r['variant']}" for r in rows]
     xs = range(len(rows))

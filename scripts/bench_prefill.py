@@ -35,7 +35,7 @@ from bench_model import matmul_limit  # noqa: E402
 from runner_bench import RunnerBench  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, pyplot, save_png  # noqa: E402
 from sgl_lite.runtime.layers.onednn import amx_matmuls  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import resolve_model_path  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -111,13 +111,8 @@ def main() -> None:
     out.write_text(json.dumps({"model": str(model_dir), "amx": amx_matmuls(), "load_average": os.getloadavg()[0],
                                "args": vars(args), "results": rows}, indent=2))
     print(f"\nwrote {out}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['variant']}\n+{r['extend']}" for r in rows]

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file, pyplot, save_png  # noqa: E402
 from sgl_lite.runtime.model_executor import loader  # noqa: E402
 from sgl_lite.runtime.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_lite.runtime.server.core import RuntimeCore, eos_ids_of  # noqa: E402
@@ -207,13 +207,8 @@ def main() -> None:
     print(f"\nwrote {out}")
     if args.profile_batch:
         profile_steps(core, args.profile_batch, args.prompt_len, 8)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"b{r['batch']}" for r in rows]

@@ -25,6 +25,19 @@ def output_file(path: str | Path) -> Path:
     return out
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files, no display), or None, said once, without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot")
+        return None
+    return plt
+
+
 def save_png(fig: Any, report: str | Path) -> Path:
     """Lay out a matplotlib figure and save it beside a JSON report (same name, .png); returns the path."""
     path = Path(report).with_suffix(".png")
