@@ -114,6 +114,12 @@ def gemv_max_rows(kernel: str) -> int | None:
     return GEMV_MAX_ROWS
 
 
+def prefill_rows_on_onednn(kernel: str | None, batch_invariant: bool) -> bool:
+    """Whether a prefill forward hands oneDNN the calls of `kernel` above AMX_PREFILL_GEMV_MAX_ROWS rows:
+    the AVX512-BF16 kernel on a CPU with AMX, unless the weights are packed batch invariant."""
+    return kernel == "avx512_bf16" and amx_matmuls() and not batch_invariant
+
+
 @functools.cache
 def bf16_gemv_fma() -> bool:
     """Whether the AVX512-BF16 kernel computes with float32 FMAs on this CPU (its probe found them faster
@@ -151,7 +157,7 @@ class GemvLinear:
         else:
             gemv = w.reshape(n // GEMV_COLUMNS, GEMV_COLUMNS, k).permute(0, 2, 1).contiguous()
         limit = gemv_max_rows(kernel)
-        amx_prefill = packed_dense is not None and kernel == "avx512_bf16" and amx_matmuls() and not batch_invariant
+        amx_prefill = packed_dense is not None and prefill_rows_on_onednn(kernel, batch_invariant)
         return cls(gemv, packed_dense, limit, AMX_PREFILL_GEMV_MAX_ROWS if amx_prefill else limit)
 
     def takes(self, rows: int, prefill: bool = False) -> bool:
@@ -203,8 +209,8 @@ def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32,
     the kernel takes every call - with AMX, every call of a decode forward, and of a prefill forward when
     `batch_invariant` - as that copy would only cost memory); else oneDNN's copy, or None (F.linear)."""
     kernel = gemv_kernel(weight)
-    amx_prefill = kernel == "avx512_bf16" and amx_matmuls() and not batch_invariant
-    wants_dense = onednn and (kernel is None or gemv_max_rows(kernel) is not None or amx_prefill)
+    wants_dense = onednn and (kernel is None or gemv_max_rows(kernel) is not None
+                              or prefill_rows_on_onednn(kernel, batch_invariant))
     dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint) if wants_dense else None
     return GemvLinear.pack(weight, dense, batch_invariant) if kernel is not None else dense
 
