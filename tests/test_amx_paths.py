@@ -47,15 +47,16 @@ def test_sdpa_extend_matches_a_naive_reference(kv: str) -> None:
 
 
 @pytest.mark.skipif(not amx_matmuls(), reason="no AMX here: the backend keeps every extend on its kernel")
-def test_the_cpu_kernel_backend_sends_long_extends_to_sdpa_on_amx() -> None:
+def test_the_cpu_kernel_backend_sends_long_extends_of_a_float32_pool_to_sdpa_on_amx() -> None:
+    """A float32 pool (no AMX kernel for it): long extends through SDPA, short ones through the extend kernel."""
     if not loader.has_op("paged_decode_attention"):
         pytest.skip("the CPU decode kernel is not built")
     pool, meta, q, k, v = random_batch(6, PREFIX_LENS, EXTEND_LENS, 8, 2, d=32)
     backend = CpuKernelBackend(8, 2, 32, torch.ops.sgl_lite.paged_decode_attention)
     backend.prepare(meta)
-    assert len(backend._sdpa_extends) == 3 and not backend._extends  # the 1-token row is a decode row
     for layer in range(2):
         out = backend.forward(layer, q, k, v, pool)
+        assert len(backend._sdpa_extends) == 3  # the 1-token row is a decode row
         assert (out - naive_attention(meta, layer, q, pool)).abs().max() < 1e-5
 
 

@@ -20,9 +20,10 @@ from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 @pytest.fixture(autouse=True)
 def extends_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every extend through the kernel: on a CPU with AMX the backend hands long ones to SDPA
-    (tests/test_amx_paths.py checks that path)."""
+    """Every extend through the kernel: on a CPU with AMX the backend hands bf16 ones to the AMX kernel
+    (tests/test_amx_extend_attention.py) and long ones over other pools to SDPA (tests/test_amx_paths.py)."""
     monkeypatch.setattr(cpu_kernel, "amx_matmuls", lambda: False)
+    monkeypatch.setattr(cpu_kernel, "amx_extend_kernel_takes", lambda *dtypes_and_dim: False)
 
 EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
     "prefill": ([0, 0], [9, 40], 9, 3, 64),

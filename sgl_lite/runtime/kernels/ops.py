@@ -60,6 +60,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _ops.extend_attention(q.contiguous(), k_cache, v_cache, requests, kv_indices, scale, out)
 
 
+def amx_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, requests: torch.Tensor,
+                         kv_indices: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """As extend_attention, on AMX tiles: bf16 q, out and pool, head_dim a multiple of 32."""
+    _ops.amx_extend_attention(q.contiguous(), k_cache, v_cache, requests, kv_indices, scale, out)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, scale: float, qo_indptr: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: each row's queries (one, or 1 + draft tokens by qo_indptr) over its paged K/V."""

@@ -45,6 +45,8 @@
 #include <vector>
 
 #include "bf16_arithmetic.h"
+#include "exp2_vectors.h"
+#include "extend_requests.h"
 #include "fp8_vectors.h"
 
 #if defined(__AVX512F__)
@@ -65,10 +67,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool has_extend_kernel() { return SGL_LITE_HAS_EXTEND_KERNEL; }
 
-// An extend request, as the op's `requests` rows give it (checked on every target, the kernel only with AVX-512).
-struct Request {
-  int64_t q_start, num_new, kv_begin, kv_len;
-};
+using Request = sgl_lite::ExtendRequest;
 
 #if SGL_LITE_HAS_EXTEND_KERNEL
 
@@ -76,25 +75,8 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// 2^x for x <= 0 in 16 lanes: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to f^6
-// (relative error < 2e-7, about an ulp), times 2^n by VSCALEFPS, which also underflows to 0 exactly. Inputs
-// below -200 (masked keys' -inf included) are clamped there: 0. The scores are kept in base 2 (the query
-// scale carries log2(e)), so this is the softmax's exp with nine instructions where exp(x) took seventeen.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln(2)^k / k!, k = 6 down to 0
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-constexpr float kLog2e = 1.44269504088896341f;
+using sgl_lite::exp2_lanes;
+using sgl_lite::kLog2e;
 
 // 16 stored K/V elements as float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -154,10 +136,10 @@ inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t
     // every row sees key 0, so the running max is finite from the first block on
     const __m512 old_max = _mm512_loadu_ps(s.max.data() + r0);
     const __m512 new_max = _mm512_max_ps(old_max, block_max);
-    const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (2^-inf)
+    const __m512 alpha = exp2_lanes(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (2^-inf)
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
+      const __m512 p = exp2_lanes(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
       _mm512_storeu_ps(st + j * R + r0, p);
       sum = _mm512_add_ps(sum, p);
     }
@@ -375,32 +357,9 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 void extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& requests,
                       const at::Tensor& kv_indices, double scale, at::Tensor& out) {
   TORCH_CHECK(has_extend_kernel(), "extend_attention: this build has no AVX-512 (check sgl_lite::extend_attention_supported first)");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "extend_attention runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes(),
-              "extend_attention: q and out must be [N, Hq, D], k_cache and v_cache [slots, Hkv, D]");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "extend_attention: q, out, k_cache and v_cache must be contiguous");
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "extend_attention: dtypes differ");
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && D <= kMaxHeadDim && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup,
-              "extend_attention: head_dim must match the cache, and Hq be a multiple of Hkv (at most ", kMaxGroup, " per KV head)");
-  TORCH_CHECK(requests.scalar_type() == at::kLong && requests.dim() == 2 && requests.size(1) == 4 && requests.is_contiguous(),
-              "extend_attention: requests must be int64 [E, 4]");
-  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.is_contiguous(), "extend_attention: kv_indices must be contiguous int64");
-  const int64_t* rq = requests.data_ptr<int64_t>();
+  const std::vector<Request> reqs = sgl_lite::checked_extend_requests("extend_attention", q, k_cache, v_cache, requests, kv_indices,
+                                                                       out, kMaxHeadDim, kMaxGroup);
   const int64_t* indices = kv_indices.data_ptr<int64_t>();
-  const int64_t slots = k_cache.size(0);
-  std::vector<Request> reqs;
-  for (int64_t e = 0; e < requests.size(0); ++e) {
-    const Request r{rq[4 * e], rq[4 * e + 1], rq[4 * e + 2], rq[4 * e + 3]};
-    TORCH_CHECK(r.num_new >= 1 && r.q_start >= 0 && r.q_start + r.num_new <= N && r.kv_len >= r.num_new && r.kv_begin >= 0 &&
-                    r.kv_begin + r.kv_len <= kv_indices.numel(),
-                "extend_attention: request ", e, " has q rows or KV slots out of range");
-    for (int64_t i = r.kv_begin; i < r.kv_begin + r.kv_len; ++i) {  // a foreign slot would read foreign memory
-      TORCH_CHECK(indices[i] >= 0 && indices[i] < slots, "extend_attention: kv_indices holds a slot outside [0, ", slots, ")");
-    }
-    reqs.push_back(r);
-  }
   if (reqs.empty()) return;
 #if SGL_LITE_HAS_EXTEND_KERNEL
   const float s = static_cast<float>(scale);

@@ -8,9 +8,12 @@ from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA que
 it as one row of several queries, which share its reads of K/V and each give the bits of that token
 decoded alone. Prefill and extend chunks (an agent's next turn over its cached conversation)
 go through kernels/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
-metadata, where it is built (AVX-512); else the torch path. An 8-bit pool is widened in registers by both
-kernels; a prompt with nothing cached still attends its own K/V unrounded there (the torch path), as
-documented for `--kv-cache-dtype`, and every later token reads the pool.
+metadata, where it is built (AVX-512); else the torch path. On a CPU with AMX, extends of bf16 queries over
+a bf16 pool go through kernels/csrc/amx_extend_attention.cpp instead (the products on the tile units,
+faster at every extend length), and long extends over other pools through torch's SDPA (amx_extend.py).
+An 8-bit pool is widened in registers by both AVX-512 kernels; a prompt with nothing cached still attends
+its own K/V unrounded there (the torch path), as documented for `--kv-cache-dtype`, and every later token
+reads the pool.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def extend_kernel_available() -> bool:
     return runs_here("extend_attention")
 
 
+@functools.cache
+def amx_extend_kernel_available() -> bool:
+    """Whether kernels/csrc/amx_extend_attention.cpp is built here and this process may use AMX tiles."""
+    from sgl_lite.runtime.kernels.loader import runs_here
+
+    return runs_here("amx_extend_attention")
+
+
+def amx_extend_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether extends run on the AMX kernel: bf16 queries over a bf16 pool, head_dim a multiple of 32."""
+    return q_dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_extend_kernel_available()
+
+
 def kernel_supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0 and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP
 
@@ -67,35 +83,43 @@ class CpuKernelBackend(TorchNativeBackend):
             )
         self._op = op
         self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
-        self._sdpa_extends: list[amx_extend.SdpaExtend] = []  # long extends torch's SDPA takes (AMX CPUs)
+        self._sdpa_extends: list[amx_extend.SdpaExtend] | None = None  # long extends torch's SDPA takes (AMX, other dtypes)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._extend_table = None
-        self._sdpa_extends = []
-        if amx_matmuls() and self._extends:
-            long = [r for r in self._extends if r.end - r.start >= amx_extend.MIN_ROWS]
-            self._sdpa_extends = [amx_extend.plan(r.start, r.end, r.kv_slots, r.prefix) for r in long]
-            self._extends = [r for r in self._extends if r.end - r.start < amx_extend.MIN_ROWS]
+        self._sdpa_extends = None
         if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
-            short = {r.start for r in self._extends}
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
-            rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens)
-                    if e > 1 and i not in meta.verify_rows and qo[i] in short]
+            rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens) if e > 1 and i not in meta.verify_rows]
             self._extend_table = torch.tensor(rows, dtype=torch.int64)
 
     def _extend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor) -> None:
-        for req in self._sdpa_extends:
-            amx_extend.attend(req, q, k, v, k_cache, v_cache, self.scale, out)
         if not self._extends:
             return
-        if self._extend_table is None:
-            super()._extend_all(q, k, v, k_cache, v_cache, out)
-            return
         table = self._extend_table
+        if table is not None and amx_extend_kernel_takes(q.dtype, k_cache.dtype, self.head_dim):
+            ops.amx_extend_attention(q, k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
+            return
+        extends = self._extends
+        if amx_matmuls():  # long extends through SDPA, whose blocks' products run on the tiles
+            if self._sdpa_extends is None:  # planned once per forward (their masks), on the first layer
+                long = [r for r in extends if r.end - r.start >= amx_extend.MIN_ROWS]
+                self._sdpa_extends = [amx_extend.plan(r.start, r.end, r.kv_slots, r.prefix) for r in long]
+            for req in self._sdpa_extends:
+                amx_extend.attend(req, q, k, v, k_cache, v_cache, self.scale, out)
+            extends = [r for r in extends if r.end - r.start < amx_extend.MIN_ROWS]
+            if table is not None:
+                table = table[table[:, 1] < amx_extend.MIN_ROWS]
+        if not extends:
+            return
+        if table is None:
+            for req in extends:
+                self._extend_attention(q, k, v, k_cache, v_cache, req, out)
+            return
         if k_cache.dtype in FP8_KV_DTYPES.values():  # a prompt with nothing cached attends its own unrounded K/V
-            for req in self._extends:
+            for req in extends:
                 if req.prefix == 0:
                     self._extend_attention(q, k, v, k_cache, v_cache, req, out)
             table = table[table[:, 3] > table[:, 1]]  # the rows of requests with a cached prefix (kv length > new)
