@@ -81,19 +81,23 @@ def test_a_prefill_forward_takes_its_own_row_limit(monkeypatch: pytest.MonkeyPat
             assert torch.equal(linear(x, weight, None, form), GemvLinear.pack(weight, None)(x, weight, None))
 
 
-@pytest.mark.skipif(not w8a8.onednn_int8_rows(), reason="no AMX and oneDNN int8 linear here")
+@pytest.mark.skipif(not w8a8.amx_int8_rows(), reason="no AMX tiles here (or the ops are not built)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_onednn_int8_rows_give_the_kernel_bits(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("n", "k", "rows"), [(96, 256, 49), (80, 192, 300), (88, 128, 33)])
+def test_amx_int8_rows_give_the_kernel_bits(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+    """Calls above AMX_KERNEL_MAX_ROWS on csrc/amx_w8a8_gemm.cpp: the torch reference's and the VNNI kernel's
+    bits, with groups of three column blocks and a last group of two (80), padded columns (88), rows past a
+    slab and not a whole unit."""
     torch.manual_seed(3)
-    weight = torch.randn(96, 256).to(dtype)
+    weight = torch.randn(n, k).to(dtype)
     form = w8a8.W8A8Int8(weight)
-    assert form.onednn_weight is not None
-    rows = w8a8.AMX_KERNEL_MAX_ROWS + 17
-    x = torch.randn(rows, 256).to(dtype) * 4
+    assert form.amx_rows and rows > w8a8.AMX_KERNEL_MAX_ROWS
+    x = torch.randn(rows, k).to(dtype) * 4
     x[3] = 0  # an all-zero row quantizes to zeros
-    bias = torch.randn(96)
+    bias = torch.randn(n)
     for b in (None, bias):
-        many = form.matmul(x, b)  # above the kernel's rows: oneDNN's sums
+        many = form.matmul(x, b)  # above the kernel's rows: the AMX kernel's sums
+        assert many.shape == (rows, n)
         assert torch.equal(many, form.reference_matmul(x, b))
         few = torch.cat([form.matmul(x[i : i + 8], b) for i in range(0, rows, 8)])  # the VNNI kernel's
         assert torch.equal(many, few)

@@ -48,10 +48,10 @@ def w8a8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _ops.w8a8_quantize_rows(x.contiguous())
 
 
-def w8a8_scale_sums(sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """A w8a8 matmul's output from its exact integer sums as float32 [M, N], rounded as w8a8_gemm rounds."""
-    return _ops.w8a8_scale_sums(sums, row_scale, col_scale, bias, dtype)
+def amx_w8a8_gemm(xq: torch.Tensor, row_scale: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """w8a8_gemm's result on AMX tiles from rows quantized by w8a8_quantize_rows (K a multiple of 64)."""
+    return _ops.amx_w8a8_gemm(xq, row_scale, packed_weight, bias, dtype)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, requests: torch.Tensor,

@@ -29,7 +29,7 @@ from sgl_lite.runtime.layers.linear import (
     linear,
     quantize_linear,
 )
-from sgl_lite.runtime.layers.quantization.w8a8 import W8A16Int8
+from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope, rope_inv_freq, rope_parameters
 from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
@@ -143,6 +143,8 @@ class LlamaDecoderLayer(nn.Module):
         for form in self.packed.values():
             if isinstance(form, QuantizedLinear) and form.takes(rows):
                 if not form.quantized.fused_decode_weight:
+                    return None
+                if isinstance(form.quantized, W8A8Int8) and form.quantized.amx_takes(rows):  # op by op, on AMX tiles
                     return None
                 weights.append(form.quantized.packed)
                 continue

@@ -279,10 +279,8 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::
   return int8_gemm<2>("w8a16_gemm", x, packed, bias);
 }
 
-// The two ends of a w8a8 matmul whose integer products another library computes (oneDNN's int8 matmul on
-// AMX tiles, layers/quantization/w8a8.py): each row of x quantized as the kernel quantizes it, stored as
-// q + 128 in [M, K] bytes with its scale; then y = sums * (column scale * row scale) (+ bias), rounded as the
-// kernel rounds, from the exact sums as float32 [M, N]. With these, a row gets the kernel's bits.
+// Each row of x quantized as the kernel quantizes it, stored as q + 128 in [M, K] bytes, with its scale: the
+// rows amx_w8a8_gemm.cpp multiplies on AMX tiles, so that a row gets the kernel's bits from both.
 std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(has_vnni(), "w8a8_quantize_rows: this build has no AVX512-VNNI");
   const auto dtype = x.scalar_type();
@@ -305,49 +303,10 @@ std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x) {
   return {q, scale};
 }
 
-at::Tensor w8a8_scale_sums(const at::Tensor& sums, const at::Tensor& row_scale, const at::Tensor& col_scale,
-                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  TORCH_CHECK(has_vnni(), "w8a8_scale_sums: this build has no AVX512-VNNI");
-  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == at::kFloat && sums.is_contiguous(), "w8a8_scale_sums: sums must be contiguous float32 [M, N]");
-  const int64_t m = sums.size(0), n = sums.size(1);
-  TORCH_CHECK(n % kCols == 0, "w8a8_scale_sums: N must be a multiple of 16; got ", n);
-  TORCH_CHECK(row_scale.numel() == m && row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                  col_scale.numel() == n && col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous(),
-              "w8a8_scale_sums: row_scale float32 [M] and col_scale float32 [N] expected");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "w8a8_scale_sums: float32 or bf16 output");
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "w8a8_scale_sums: bias must be [N]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor out = at::empty({m, n}, sums.options().dtype(out_dtype));
-#if SGL_LITE_HAS_VNNI
-  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  const float *s = sums.data_ptr<float>(), *rows = row_scale.data_ptr<float>(), *cols = col_scale.data_ptr<float>();
-  const auto run = [&](auto* os) {
-    at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const __m512 rs = _mm512_set1_ps(rows[r]);
-        for (int64_t c = 0; c < n; c += kCols) {
-          __m512 y = _mm512_mul_ps(_mm512_loadu_ps(s + r * n + c), _mm512_mul_ps(_mm512_loadu_ps(cols + c), rs));
-          __asm__("" : "+v"(y));  // two roundings, as the kernel's tile rounds (no FMA contraction)
-          if (b != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(b + c));
-          store(y, os + r * n + c);
-        }
-      }
-    });
-  };
-  if (out_dtype == at::kFloat) run(out.data_ptr<float>());
-  else run(out.data_ptr<c10::BFloat16>());
-#endif
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sgl_lite, m) {
   m.def("w8a8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
-  m.def("w8a8_scale_sums(Tensor sums, Tensor row_scale, Tensor col_scale, Tensor? bias, ScalarType out_dtype) -> Tensor");
   m.def("w8a8_gemm_supported() -> bool", &has_vnni);
   m.def("w8a8_gemm(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor");
   m.def("w8a16_gemm(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor");
@@ -357,5 +316,4 @@ TORCH_LIBRARY_IMPL(sgl_lite, CPU, m) {
   m.impl("w8a8_gemm", &w8a8_gemm);
   m.impl("w8a16_gemm", &w8a16_gemm);
   m.impl("w8a8_quantize_rows", &w8a8_quantize_rows);
-  m.impl("w8a8_scale_sums", &w8a8_scale_sums);
 }

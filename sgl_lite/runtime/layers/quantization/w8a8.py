@@ -9,10 +9,10 @@ it (the model's own parameter stays).
 
 `reference_matmul` is the same arithmetic in torch (torch._int_mm): the tests' oracle, bit for bit, and the
 path where the kernel is not built (CPUs without AVX512-VNNI, BW and VL). On a CPU with AMX, calls of more
-than AMX_KERNEL_MAX_ROWS rows take oneDNN's int8 matmul over a prepacked copy of the weight, which runs on
-the tile units and outruns VPDPBUSD on a prefill's many rows (docs/performance.md, "On CPUs with AMX"): the
-kernel's own ops quantize the rows before it and scale its exact sums after it, so a row gets the same bits
-from both paths.
+than AMX_KERNEL_MAX_ROWS rows take csrc/amx_w8a8_gemm.cpp, which multiplies on the tile units over the same
+packed weight and outruns VPDPBUSD on a prefill's many rows (docs/performance.md, "On CPUs with AMX"): the
+rows quantized by the kernel's own op, exact integer sums and the kernel's epilogue, so a row gets the same
+bits from both paths.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ _COLUMNS = 16  # output columns per packed block; rows are padded to a multiple
 _K_GROUP = 4  # k per VPDPBUSD lane; K is padded to a multiple
 _VECTOR = _COLUMNS * _K_GROUP  # bytes per packed vector: 16 columns x 4 k
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# With AMX, calls of more rows than this run on oneDNN's int8 matmul, fewer on the kernel.
-AMX_KERNEL_MAX_ROWS = 32
-_ONE = torch.tensor(1.0)
-_OFFSET = torch.tensor(128, dtype=torch.int64)  # the activations' zero point: stored as q + 128, as the kernel does
+# With AMX, calls of more rows than this run on the AMX kernel, fewer on the VNNI kernel (which streams
+# the weights a little faster at a few rows; the AMX kernel's rate grows with the rows from there).
+AMX_KERNEL_MAX_ROWS = 8
+_AMX_K_MULTIPLE = 64  # the AMX kernel's tile step along K
 
 
 @functools.cache
@@ -43,12 +43,11 @@ def w8a8_kernel_available() -> bool:
 
 
 @functools.cache
-def onednn_int8_rows() -> bool:
-    """Whether calls of many rows take oneDNN's int8 matmul: AMX tiles, the kernel's row ops, oneDNN's int8 linear."""
-    from sgl_lite.runtime.kernels.loader import has_op
+def amx_int8_rows() -> bool:
+    """Whether calls of many rows take csrc/amx_w8a8_gemm.cpp: AMX tiles here, and the kernels' ops built."""
+    from sgl_lite.runtime.kernels.loader import has_op, runs_here
 
-    return (amx_matmuls() and w8a8_kernel_available() and has_op("w8a8_quantize_rows")
-            and hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+    return amx_matmuls() and w8a8_kernel_available() and has_op("w8a8_quantize_rows") and runs_here("amx_w8a8_gemm")
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +72,7 @@ class W8A8Int8:
     vector (kernels/column_groups.py). Rows are padded to a multiple of 16 (their outputs sliced off)."""
 
     kernel = "w8a8_gemm"  # the op of csrc/w8a8_gemm.cpp that multiplies by `packed`
-    eight_bit_rows = True  # activations in 8 bits: oneDNN's int8 matmul can take its calls of many rows
+    eight_bit_rows = True  # activations in 8 bits: the AMX kernel can take its calls of many rows
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
@@ -82,12 +81,7 @@ class W8A8Int8:
         q_rows = torch.round(w / self.scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
         # [N, K] int8 for the torch reference; kept only where it is the path (no kernel), else unpacked on demand
         self._q: torch.Tensor | None = None if w8a8_kernel_available() else q_rows
-        # oneDNN's prepacked copy for calls of many rows (one more int8 copy of the weight), with unit scales
-        # and zero points: it returns the exact sums, which the kernel's epilogue op scales
-        self.onednn_weight: torch.Tensor | None = None
-        if self.eight_bit_rows and onednn_int8_rows() and k % 4 == 0 and n % _COLUMNS == 0:
-            self.onednn_weight = torch.ops.onednn.qlinear_prepack(q_rows, None)
-            self._unit_scales, self._zero_points = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+        self.amx_rows = self.eight_bit_rows and k % _AMX_K_MULTIPLE == 0 and amx_int8_rows()  # calls of many rows on AMX
         self.pad = -n % _COLUMNS
         k4 = -(-k // _K_GROUP)
         q = torch.zeros(n + self.pad, k4 * _K_GROUP, dtype=torch.int8)
@@ -121,19 +115,18 @@ class W8A8Int8:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not w8a8_kernel_available() or x.dtype not in _KERNEL_DTYPES:
             return self.reference_matmul(x, bias)
-        if x.shape[0] > AMX_KERNEL_MAX_ROWS and self.onednn_weight is not None and x.dtype != torch.float16:
-            return self.onednn_matmul(x, bias)
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = ops.small_row_matmul(self.kernel, x, self.packed, bias)
+        if self.amx_takes(x.shape[0]) and x.dtype != torch.float16:
+            q, row_scale = ops.w8a8_quantize_rows(x)
+            out = ops.amx_w8a8_gemm(q, row_scale, self.packed, bias, x.dtype)
+        else:
+            out = ops.small_row_matmul(self.kernel, x, self.packed, bias)
         return out[:, : self.out_features] if self.pad else out
 
-    def onednn_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The kernel's arithmetic with oneDNN's int8 matmul computing the sums (exact, as float32)."""
-        q, row_scale = ops.w8a8_quantize_rows(x)
-        sums = torch.ops.onednn.qlinear_pointwise.tensor(q, _ONE, _OFFSET, self.onednn_weight, self._unit_scales, self._zero_points,
-                                                         None, 1.0, 0, torch.float32, "none", [], "")
-        return ops.w8a8_scale_sums(sums, row_scale, self.scales, bias, x.dtype)
+    def amx_takes(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs on csrc/amx_w8a8_gemm.cpp (its bits are the VNNI kernel's)."""
+        return self.amx_rows and rows > AMX_KERNEL_MAX_ROWS
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: exact int32 sums, then sum * (row scale * column scale) + bias."""
