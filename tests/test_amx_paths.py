@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_attention import naive_attention, random_batch
 
-from sgl_lite.runtime.kernels import loader
+from sgl_lite.runtime.kernels import loader, ops
 from sgl_lite.runtime.layers import linear as linear_module
 from sgl_lite.runtime.layers.attention import amx_extend
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
@@ -83,11 +83,11 @@ def test_a_prefill_forward_takes_its_own_row_limit(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.skipif(not w8a8.amx_int8_rows(), reason="no AMX tiles here (or the ops are not built)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("n", "k", "rows"), [(96, 256, 49), (80, 192, 300), (88, 128, 33)])
+@pytest.mark.parametrize(("n", "k", "rows"), [(96, 256, 49), (80, 192, 300), (88, 128, 33), (64, 4096, 300)])
 def test_amx_int8_rows_give_the_kernel_bits(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
     """Calls above AMX_KERNEL_MAX_ROWS on csrc/amx_w8a8_gemm.cpp: the torch reference's and the VNNI kernel's
-    bits, with groups of three column blocks and a last group of two (80), padded columns (88), rows past a
-    slab and not a whole unit."""
+    bits, with groups of three column blocks, a last group of two (80) or one (64: a pair of blocks across two
+    groups), padded columns (88), rows not a whole unit, and two slabs of rows (K = 4,096: 256-row slabs)."""
     torch.manual_seed(3)
     weight = torch.randn(n, k).to(dtype)
     form = w8a8.W8A8Int8(weight)
@@ -101,6 +101,20 @@ def test_amx_int8_rows_give_the_kernel_bits(dtype: torch.dtype, n: int, k: int, 
         assert torch.equal(many, form.reference_matmul(x, b))
         few = torch.cat([form.matmul(x[i : i + 8], b) for i in range(0, rows, 8)])  # the VNNI kernel's
         assert torch.equal(many, few)
+
+
+@pytest.mark.skipif(not w8a8.amx_int8_rows(), reason="no AMX tiles here (or the ops are not built)")
+def test_a_k_the_amx_int8_kernel_cannot_step_keeps_the_vnni_kernel() -> None:
+    """K = 96 is no whole number of 64-k tile steps: the form keeps every call on the VNNI kernel (the
+    reference's bits), and the op itself refuses such rows by name."""
+    torch.manual_seed(4)
+    form = w8a8.W8A8Int8(torch.randn(32, 96))
+    assert not form.amx_rows
+    x = torch.randn(40, 96)
+    assert torch.equal(form.matmul(x), form.reference_matmul(x))
+    q, row_scale = ops.w8a8_quantize_rows(x)
+    with pytest.raises(RuntimeError, match="amx_w8a8_gemm: K must be a positive multiple of 64"):
+        ops.amx_w8a8_gemm(q, row_scale, form.packed, None, torch.float32)
 
 
 def test_prefill_rows_are_what_a_forward_with_a_prompt_has() -> None:

@@ -15,7 +15,7 @@ from test_attention import CASES, naive_attention, random_batch
 
 from sgl_lite.runtime.layers.attention import AttentionBackend, AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.attention.batch_invariant import BatchInvariantBackend
-from sgl_lite.runtime.layers.attention.cpu_kernel import extend_kernel_available
+from sgl_lite.runtime.layers.attention.cpu_kernel import amx_extend_kernel_takes, extend_kernel_available
 from sgl_lite.runtime.layers.linear import GemvLinear, cpu_packed_linear_supported, dense_forms, linear
 from sgl_lite.runtime.layers.onednn import amx_matmuls
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -83,11 +83,12 @@ def test_rows_independent_of_cache_split_and_batch(backend_cls: Callable[[int, i
     same = {name: torch.equal(rows, full) for name, rows in variants.items()}
     if backend_cls is BatchInvariantBackend:
         assert all(same.values()), same
-    elif extend_kernel_available() and not amx_matmuls():
-        # The default backend's extend kernel computes a row from its own keys in fixed blocks (csrc/extend_attention.cpp):
-        # splitting or batching a prompt changes nothing. Decoding the last tokens one by one goes through the decode
-        # kernel, whose sums run in another order, so that variant may differ in bf16: what the flag is for. (With AMX,
-        # long extends go through torch's SDPA, whose rows follow the call's shape: the flag's case too.)
+    elif amx_extend_kernel_takes(torch.bfloat16, torch.bfloat16, D) or (extend_kernel_available() and not amx_matmuls()):
+        # The default backend's extend kernels compute a row from its own keys in fixed blocks (csrc/extend_attention.cpp,
+        # and csrc/amx_extend_attention.cpp for bf16 on AMX): splitting or batching a prompt changes nothing. Decoding the
+        # last tokens one by one goes through the decode kernel, whose sums run in another order, so that variant may
+        # differ in bf16: what the flag is for. (On AMX without the AMX kernel, long extends go through torch's SDPA,
+        # whose rows follow the call's shape: the flag's case too.)
         assert same["cached prefix + suffix"] and same["chunked"] and same["batched with others"], same
 
 

@@ -136,7 +136,8 @@ class LlamaDecoderLayer(nn.Module):
         """The qkv, o, gate_up and down weights of the kernels that all four matmuls of a `rows`-row call run
         when the fused layer takes them (a small-row kernel's, or the AVX2 int4 kernel's; a quantized form
         hands calls above its own row limit to its dense form) and RMSNorm has its C++ op; else None, and
-        the layer runs op by op."""
+        the layer runs op by op (so do w8a8 steps whose calls the AMX int8 kernel takes, which the fused layer
+        does not call)."""
         if not self.input_layernorm.cpu_op or not has_op("decode_layer"):
             return None
         weights = []
@@ -144,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
             if isinstance(form, QuantizedLinear) and form.takes(rows):
                 if not form.quantized.fused_decode_weight:
                     return None
-                if isinstance(form.quantized, W8A8Int8) and form.quantized.amx_takes(rows):  # op by op, on AMX tiles
+                if isinstance(form.quantized, W8A8Int8) and form.quantized.amx_takes(rows, self.input_layernorm.weight.dtype):
                     return None
                 weights.append(form.quantized.packed)
                 continue

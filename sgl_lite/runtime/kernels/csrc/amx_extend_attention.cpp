@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -295,14 +296,17 @@ bool amx_extend_supported() {
 void amx_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& requests,
                           const at::Tensor& kv_indices, double scale, at::Tensor& out) {
   TORCH_CHECK(amx_extend_supported(), "amx_extend_attention: no AMX tiles here (check sgl_lite::amx_extend_attention_supported first)");
-  const auto reqs = sgl_lite::checked_extend_requests("amx_extend_attention", q, k_cache, v_cache, requests, kv_indices, out,
-                                                      kMaxHeadDim, kMaxGroup);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
               "amx_extend_attention: q and the KV cache must be bf16");
-  TORCH_CHECK(q.size(2) % 32 == 0, "amx_extend_attention: head_dim must be a multiple of 32; got ", q.size(2));
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0 && q.size(2) % 32 == 0, "amx_extend_attention: head_dim must be a positive multiple of 32; got q of ",
+              q.sizes());
+  const float s = static_cast<float>(scale);  // what the kernel computes with: a positive normal float32
+  TORCH_CHECK(s >= std::numeric_limits<float>::min() && std::isfinite(s), "amx_extend_attention: scale must be positive and finite; got ", scale);
+  const auto reqs = sgl_lite::checked_extend_requests("amx_extend_attention", q, k_cache, v_cache, requests, kv_indices, out,
+                                                      kMaxHeadDim, kMaxGroup);
   if (reqs.empty()) return;
 #if SGL_LITE_HAS_AMX_EXTEND
-  run(q, k_cache, v_cache, reqs, kv_indices.data_ptr<int64_t>(), static_cast<float>(scale), out);
+  run(q, k_cache, v_cache, reqs, kv_indices.data_ptr<int64_t>(), s, out);
 #endif
 }
 

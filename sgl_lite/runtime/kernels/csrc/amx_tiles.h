@@ -1,4 +1,4 @@
-// AMX tile basics for sgl_lite's tile kernels (amx_extend_attention.cpp): the process's permission to use
+// AMX tile basics for sgl_lite's tile kernels (amx_extend_attention.cpp, amx_w8a8_gemm.cpp): the process's permission to use
 // the tile state, one tile configuration, and a 16 x 16 transpose of 32-bit words (VNNI operands).
 // Included only where the compiler targets AMX (__AMX_TILE__) on Linux.
 #pragma once
@@ -20,7 +20,8 @@ inline bool tiles_granted() {
   return granted;
 }
 
-// Every tile is 16 rows x 64 bytes: A 16 x 32 bf16, B 16 pairs x 16 x 2 bf16, C 16 x 16 float32.
+// Every tile is 16 rows x 64 bytes: in bf16, A 16 x 32, B 16 pairs x 16 x 2, C 16 x 16 float32; in int8,
+// A 16 x 64 bytes, B 16 quads x 16 x 4 bytes, C 16 x 16 int32.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};

@@ -162,7 +162,7 @@ at::Tensor amx_w8a8_gemm(const at::Tensor& xq, const at::Tensor& row_scale, cons
   const int64_t blocks = packed_weight.size(0), n = blocks * kCols;
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "amx_w8a8_gemm: bias must be [N] for the packed N = ", n);
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "amx_w8a8_gemm: bias must be [N] for the packed N = ", n);
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({m, n}, xq.options().dtype(out_dtype));

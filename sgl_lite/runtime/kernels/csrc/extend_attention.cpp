@@ -379,19 +379,10 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         TORCH_CHECK(false, "extend_attention: an 8-bit float KV cache takes float32 or bf16 queries");
     }
   }
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      if (kv == at::kFloat) return dispatch_dim<float, float>(q, k_cache, v_cache, reqs, indices, s, out);
-      break;
-    case at::kBFloat16:
-      if (kv == at::kBFloat16) return dispatch_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, reqs, indices, s, out);
-      break;
-    case at::kHalf:
-      if (kv == at::kHalf) return dispatch_dim<c10::Half, c10::Half>(q, k_cache, v_cache, reqs, indices, s, out);
-      break;
-    default:
-      break;
-  }
+  const auto qt = q.scalar_type();
+  if (qt == at::kFloat && kv == at::kFloat) return dispatch_dim<float, float>(q, k_cache, v_cache, reqs, indices, s, out);
+  if (qt == at::kBFloat16 && kv == at::kBFloat16) return dispatch_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, reqs, indices, s, out);
+  if (qt == at::kHalf && kv == at::kHalf) return dispatch_dim<c10::Half, c10::Half>(q, k_cache, v_cache, reqs, indices, s, out);
   TORCH_CHECK(false, "extend_attention: q and the KV cache must share a dtype (float32, bf16 or fp16), or the cache hold 8-bit floats");
 #endif
 }

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -39,8 +40,10 @@ inline std::vector<ExtendRequest> checked_extend_requests(const char* op, const 
   std::vector<ExtendRequest> reqs;
   for (int64_t e = 0; e < requests.size(0); ++e) {
     const ExtendRequest r{rq[4 * e], rq[4 * e + 1], rq[4 * e + 2], rq[4 * e + 3]};
-    TORCH_CHECK(r.num_new >= 1 && r.q_start >= 0 && r.q_start + r.num_new <= N && r.kv_len >= r.num_new && r.kv_begin >= 0 &&
-                    r.kv_begin + r.kv_len <= kv_indices.numel(),
+    // each sum compared as a difference: hostile values near INT64_MAX must not wrap around the check
+    TORCH_CHECK(r.num_new >= 1 && r.q_start >= 0 && r.q_start <= N && r.num_new <= N - r.q_start && r.kv_len >= r.num_new &&
+                    r.kv_begin >= 0 && r.kv_begin <= kv_indices.numel() && r.kv_len <= kv_indices.numel() - r.kv_begin &&
+                    r.kv_len <= INT32_MAX,
                 op, ": request ", e, " has q rows or KV slots out of range");
     for (int64_t i = r.kv_begin; i < r.kv_begin + r.kv_len; ++i) {
       TORCH_CHECK(indices[i] >= 0 && indices[i] < slots, op, ": kv_indices holds a slot outside [0, ", slots, ")");

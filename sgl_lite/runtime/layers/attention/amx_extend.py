@@ -1,6 +1,6 @@
 """Extend attention through torch's scaled_dot_product_attention, for CPUs whose oneDNN runs bf16 matmuls
-on AMX tiles (layers/onednn.amx_matmuls), over the pools the AMX extend kernel does not read (float32 and
-8-bit ones; kernels/csrc/amx_extend_attention.cpp takes bf16).
+on AMX tiles (layers/onednn.amx_matmuls), over the pools the AMX extend kernel does not read (float32, fp16
+and 8-bit ones; kernels/csrc/amx_extend_attention.cpp takes bf16).
 
 There torch's CPU flash attention computes its blocks' QK^T and PV products on the tile units and outruns
 kernels/csrc/extend_attention.cpp (AVX-512 arithmetic) on long extends over a cached prefix, by more than

@@ -63,8 +63,9 @@ def amx_extend_kernel_available() -> bool:
 
 
 def amx_extend_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether extends run on the AMX kernel: bf16 queries over a bf16 pool, head_dim a multiple of 32."""
-    return q_dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_extend_kernel_available()
+    """Whether extends run on the AMX kernel: bf16 queries over a bf16 pool, head_dim a multiple of 32 (up
+    to MAX_HEAD_DIM), this CPU's tiles."""
+    return q_dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM and amx_extend_kernel_available()
 
 
 def kernel_supports(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -89,7 +90,7 @@ class CpuKernelBackend(TorchNativeBackend):
         super().prepare(meta)
         self._extend_table = None
         self._sdpa_extends = None
-        if self._extends and self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available():
+        if self._extends and (self._avx512_extends() or amx_extend_kernel_takes(torch.bfloat16, torch.bfloat16, self.head_dim)):
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
             rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens) if e > 1 and i not in meta.verify_rows]
             self._extend_table = torch.tensor(rows, dtype=torch.int64)
@@ -114,7 +115,7 @@ class CpuKernelBackend(TorchNativeBackend):
                 table = table[table[:, 1] < amx_extend.MIN_ROWS]
         if not extends:
             return
-        if table is None:
+        if table is None or not self._avx512_extends():
             for req in extends:
                 self._extend_attention(q, k, v, k_cache, v_cache, req, out)
             return
@@ -126,6 +127,10 @@ class CpuKernelBackend(TorchNativeBackend):
             if not len(table):
                 return
         ops.extend_attention(q, k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
+
+    def _avx512_extends(self) -> bool:
+        """Whether kernels/csrc/extend_attention.cpp takes this head size here."""
+        return self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available()
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:
         # A verification row is one kernel row of several queries: they share its reads of K/V.

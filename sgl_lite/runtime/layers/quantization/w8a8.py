@@ -12,7 +12,8 @@ path where the kernel is not built (CPUs without AVX512-VNNI, BW and VL). On a C
 than AMX_KERNEL_MAX_ROWS rows take csrc/amx_w8a8_gemm.cpp, which multiplies on the tile units over the same
 packed weight and outruns VPDPBUSD on a prefill's many rows (docs/performance.md, "On CPUs with AMX"): the
 rows quantized by the kernel's own op, exact integer sums and the kernel's epilogue, so a row gets the same
-bits from both paths.
+bits from both paths (where K is a multiple of 64 and the activations float32 or bf16; elsewhere every call
+stays on the VNNI kernel).
 """
 
 from __future__ import annotations
@@ -117,16 +118,17 @@ class W8A8Int8:
             return self.reference_matmul(x, bias)
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        if self.amx_takes(x.shape[0]) and x.dtype != torch.float16:
+        if self.amx_takes(x.shape[0], x.dtype):
             q, row_scale = ops.w8a8_quantize_rows(x)
             out = ops.amx_w8a8_gemm(q, row_scale, self.packed, bias, x.dtype)
         else:
             out = ops.small_row_matmul(self.kernel, x, self.packed, bias)
         return out[:, : self.out_features] if self.pad else out
 
-    def amx_takes(self, rows: int) -> bool:
-        """Whether a call of `rows` rows runs on csrc/amx_w8a8_gemm.cpp (its bits are the VNNI kernel's)."""
-        return self.amx_rows and rows > AMX_KERNEL_MAX_ROWS
+    def amx_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a call of `rows` rows of `dtype` runs on csrc/amx_w8a8_gemm.cpp (float32 or bf16 output; its
+        bits are the VNNI kernel's)."""
+        return self.amx_rows and rows > AMX_KERNEL_MAX_ROWS and dtype in (torch.float32, torch.bfloat16)
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: exact int32 sums, then sum * (row scale * column scale) + bias."""
