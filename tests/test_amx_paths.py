@@ -12,6 +12,7 @@ from sgl_lite.runtime.kernels import loader, ops
 from sgl_lite.runtime.layers import linear as linear_module
 from sgl_lite.runtime.layers.attention import amx_extend
 from sgl_lite.runtime.layers.attention.cpu_kernel import CpuKernelBackend
+from sgl_lite.runtime.layers.attention.torch_native import ExtendReq
 from sgl_lite.runtime.layers.linear import AMX_PREFILL_GEMV_MAX_ROWS, GEMV_MAX_ROWS, GemvLinear, gemv_supported, linear
 from sgl_lite.runtime.layers.onednn import amx_matmuls
 from sgl_lite.runtime.layers.quantization import w8a8
@@ -41,8 +42,8 @@ def test_sdpa_extend_matches_a_naive_reference(kv: str) -> None:
         out = torch.zeros_like(q)
         for i, (prefix, extend) in enumerate(zip(PREFIX_LENS, EXTEND_LENS)):
             if extend > 1:
-                req = amx_extend.plan(qo[i], qo[i + 1], meta.padded_kv_indices[i, : seq[i]], prefix)
-                amx_extend.attend(req, q, k, v, pool.k[layer], pool.v[layer], 32**-0.5, out)
+                req = ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=meta.padded_kv_indices[i, : seq[i]], prefix=prefix)
+                amx_extend.attend(req, amx_extend.causal_mask(req), q, k, v, pool.k[layer], pool.v[layer], 32**-0.5, out)
                 assert (out[qo[i] : qo[i + 1]] - expected[qo[i] : qo[i + 1]]).abs().max() < 1e-5, f"request {i}"
 
 

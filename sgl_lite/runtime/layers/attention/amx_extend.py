@@ -13,36 +13,27 @@ attends this forward's own K/V rows, unrounded by an 8-bit pool, as the other pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
+
+from sgl_lite.runtime.layers.attention.torch_native import ExtendReq
 
 # Extends of fewer new tokens stay on the extend kernel: a short agent turn's few query rows do not fill
 # the tiles, and the gather copy is then the larger cost.
 MIN_ROWS = 64
 
 
-@dataclass
-class SdpaExtend:
-    start: int  # first q row of the request in the batch
-    end: int
-    kv_slots: torch.Tensor  # int64 [prefix + extend]: the request's pool slots, in position order
-    prefix: int
-    mask: torch.Tensor | None  # bool [extend, prefix + extend]: True where attended; None without a prefix
+def causal_mask(req: ExtendReq) -> torch.Tensor | None:
+    """bool [extend, prefix + extend], True where `req`'s rows attend; None without a prefix (SDPA's is_causal)."""
+    if not req.prefix:
+        return None
+    extend = req.end - req.start
+    return torch.ones(extend, req.prefix + extend, dtype=torch.bool, device=req.kv_slots.device).tril_(diagonal=req.prefix)
 
 
-def plan(start: int, end: int, kv_slots: torch.Tensor, prefix: int) -> SdpaExtend:
-    extend = end - start
-    mask = None
-    if prefix:
-        mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=kv_slots.device).tril_(diagonal=prefix)
-    return SdpaExtend(start, end, kv_slots, prefix, mask)
-
-
-def attend(req: SdpaExtend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           scale: float, out: torch.Tensor) -> None:
-    """Write the attention of `req`'s rows of q [T, Hq, D] into `out`: over this forward's k, v [T, Hkv, D]
+def attend(req: ExtendReq, mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Write the attention of `req`'s rows of q [T, Hq, D] into `out` (`mask`: its causal_mask): over this forward's k, v [T, Hkv, D]
     rows without a prefix, else over K/V [slots, Hkv, D] read from the pool (8-bit pools widened to q's
     dtype after the gather)."""
     if req.prefix == 0:
@@ -53,6 +44,6 @@ def attend(req: SdpaExtend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     values = values.to(q.dtype).transpose(0, 1).unsqueeze(0)
     query = q[req.start : req.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
     gqa = query.shape[1] != keys.shape[1]
-    result = F.scaled_dot_product_attention(query, keys, values, attn_mask=req.mask, is_causal=req.mask is None,
+    result = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
                                             scale=scale, enable_gqa=gqa)
     out[req.start : req.end] = result[0].transpose(0, 1)

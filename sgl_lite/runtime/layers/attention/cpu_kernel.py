@@ -27,7 +27,7 @@ import torch
 from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.layers.attention import amx_extend
 from sgl_lite.runtime.layers.attention.base import AttentionMetadata, DecodeKernelInputs
-from sgl_lite.runtime.layers.attention.torch_native import TorchNativeBackend
+from sgl_lite.runtime.layers.attention.torch_native import ExtendReq, TorchNativeBackend
 from sgl_lite.runtime.layers.onednn import amx_matmuls
 from sgl_lite.runtime.mem_cache.memory_pool import FP8_KV_DTYPES, KVPool
 
@@ -84,12 +84,15 @@ class CpuKernelBackend(TorchNativeBackend):
             )
         self._op = op
         self._extend_table: torch.Tensor | None = None  # int64 [E, 4] for the extend kernel (see prepare)
-        self._sdpa_extends: list[amx_extend.SdpaExtend] | None = None  # long extends torch's SDPA takes (AMX, other dtypes)
+        # Where a forward's extends go when the AMX kernel does not take its pool: long ones to SDPA with their
+        # causal masks, short ones to the extend kernel's table; split on the forward's first layer
+        self._sdpa_extends: list[tuple[ExtendReq, torch.Tensor | None]] | None = None
+        self._short_extends: tuple[list[ExtendReq], torch.Tensor | None] | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         self._extend_table = None
-        self._sdpa_extends = None
+        self._sdpa_extends = self._short_extends = None
         if self._extends and (self._avx512_extends() or amx_extend_kernel_takes(torch.bfloat16, torch.bfloat16, self.head_dim)):
             qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
             rows = [(qo[i], e, kv[i], kv[i + 1] - kv[i]) for i, e in enumerate(meta.extend_lens) if e > 1 and i not in meta.verify_rows]
@@ -103,16 +106,11 @@ class CpuKernelBackend(TorchNativeBackend):
         if table is not None and amx_extend_kernel_takes(q.dtype, k_cache.dtype, self.head_dim):
             ops.amx_extend_attention(q, k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
             return
-        extends = self._extends
-        if amx_matmuls():  # long extends through SDPA, whose blocks' products run on the tiles
-            if self._sdpa_extends is None:  # planned once per forward (their masks), on the first layer
-                long = [r for r in extends if r.end - r.start >= amx_extend.MIN_ROWS]
-                self._sdpa_extends = [amx_extend.plan(r.start, r.end, r.kv_slots, r.prefix) for r in long]
-            for req in self._sdpa_extends:
-                amx_extend.attend(req, q, k, v, k_cache, v_cache, self.scale, out)
-            extends = [r for r in extends if r.end - r.start < amx_extend.MIN_ROWS]
-            if table is not None:
-                table = table[table[:, 1] < amx_extend.MIN_ROWS]
+        if self._short_extends is None:
+            self._split_extends()
+        for req, mask in self._sdpa_extends:
+            amx_extend.attend(req, mask, q, k, v, k_cache, v_cache, self.scale, out)
+        extends, table = self._short_extends
         if not extends:
             return
         if table is None or not self._avx512_extends():
@@ -127,6 +125,18 @@ class CpuKernelBackend(TorchNativeBackend):
             if not len(table):
                 return
         ops.extend_attention(q, k_cache, v_cache, table, self._meta.kv_indices, self.scale, out)
+
+    def _split_extends(self) -> None:
+        """With AMX, long extends through SDPA (whose blocks' products run on the tiles), the rest on the
+        extend kernel; without it, every extend on the kernel."""
+        amx = amx_matmuls()
+        long = [r for r in self._extends if amx and r.end - r.start >= amx_extend.MIN_ROWS]
+        self._sdpa_extends = [(r, amx_extend.causal_mask(r)) for r in long]
+        table = self._extend_table
+        if long and table is not None:
+            table = table[table[:, 1] < amx_extend.MIN_ROWS]
+        short = [r for r in self._extends if not (amx and r.end - r.start >= amx_extend.MIN_ROWS)]
+        self._short_extends = (short, table)
 
     def _avx512_extends(self) -> bool:
         """Whether kernels/csrc/extend_attention.cpp takes this head size here."""

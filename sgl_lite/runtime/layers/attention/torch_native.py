@@ -63,7 +63,7 @@ class _QueryTile:
 
 
 @dataclass
-class _ExtendReq:
+class ExtendReq:
     start: int  # first q row
     end: int
     kv_slots: torch.Tensor  # int64 [prefix + extend]
@@ -102,7 +102,7 @@ class TorchNativeBackend(AttentionBackend):
         self.group = num_q_heads // num_kv_heads
         self._meta: AttentionMetadata | None = None
         self._decode: _DecodeGroup | None = None
-        self._extends: list[_ExtendReq] = []
+        self._extends: list[ExtendReq] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -116,7 +116,7 @@ class TorchNativeBackend(AttentionBackend):
             if extend <= 1 or i in verify:
                 continue
             slots = meta.padded_kv_indices[i, : seq_lens[i]]
-            self._extends.append(_ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, prefix=prefix))
+            self._extends.append(ExtendReq(start=qo[i], end=qo[i + 1], kv_slots=slots, prefix=prefix))
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _DecodeGroup:
         """Index rows and padding mask of the decode queries of requests `single` (batch indices)."""
@@ -171,7 +171,7 @@ class TorchNativeBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        req: _ExtendReq,
+        req: ExtendReq,
         out: torch.Tensor,
     ) -> None:
         """Write the attention of one request's new rows into `out` (rows req.start..req.end)."""
