@@ -52,10 +52,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import convert_gguf  # noqa: E402
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
 from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
+from sgl_lite.runtime.mem_cache.memory_pool import KVPool  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, LoaderError, resolve_model_path  # noqa: E402
 
 PEERS = ROOT / "scripts" / "peers"
@@ -101,7 +103,7 @@ def kv_cache_tokens(folder: Path, gib: int) -> int:
     config = json.loads((folder / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return gib * 2**30 // (2 * config["num_hidden_layers"] * kv_heads * head_dim * 2)
+    return gib * 2**30 // KVPool.bytes_per_slot(config["num_hidden_layers"], kv_heads, head_dim, torch.bfloat16)
 
 
 def launch_args(name: str, served: Served) -> list[str]:
