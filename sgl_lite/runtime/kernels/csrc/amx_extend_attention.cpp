@@ -8,7 +8,8 @@
 // walks the keys in blocks of 32 with flash attention's online softmax, the rows in the 16 lanes of a vector:
 //   S^T [32 keys][16 rows] in two C tiles: TDPBF16PS over D / 32 steps (A: 16 key rows x 32 dims as
 //   stored, B: the tile's queries transposed in pairs of dims), a block ahead of its softmax;
-//   the softmax down the keys in float32, in base 2 (exp2_vectors.h), no horizontal sums;
+//   the softmax down the keys in float32, in base 2 (exp2_vectors.h), no horizontal sums, whole blocks of
+//   32 keys (past the last row's position, keys are hidden like any other: no short blocks);
 //   P^T rounded to bf16 and paired by keys (B), and O^T [64 dims][16 rows] += V^T P^T (A: 16 dims x 32
 //   keys) in four C tiles that hold O^T for the whole walk (heads wider than 64 walk once per 64 dims).
 // The products run on the tile units; what is left is the softmax's arithmetic. Why: torch's SDPA ran these
@@ -51,6 +52,7 @@ constexpr int64_t kMaxHeadDim = 256;         // a multiple of 32 up to this
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMinItemRows = 64;         // the fewest rows an item is split into for the threads
 constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kPrefetchBlocks = 2;       // how many blocks of 32 keys ahead a walk prefetches
 
 #if SGL_LITE_HAS_AMX_EXTEND
 
@@ -175,18 +177,27 @@ void attend_dims(const TileRows& t, int64_t d0, float scale, Scratch& s, c10::BF
   const int64_t last_key = last_seen[kRows - 1];
   block_scores(0, s.st);
   for (int64_t k0 = 0, b = 0; k0 <= last_key; k0 += kKeys, ++b) {
-    const int64_t n = std::min(kKeys, last_key + 1 - k0);
     float* st = s.st + (b % 2) * kKeys * kRows;  // the two halves of s.st take turns
     if (k0 + kKeys <= last_key) block_scores(k0 + kKeys, s.st + (1 - b % 2) * kKeys * kRows);
-    if (k0 + kKeys - 1 > last_seen[0]) {  // keys past some row's position: hidden from it
-      for (int64_t j = 0; j < n; ++j) {
+    // keys past some row's position are hidden from it (-inf); past the last row's, from all: a short last
+    // block is a whole one whose tail weighs 0
+    const bool masked = k0 + kKeys - 1 > last_seen[0];
+    if (masked) {
+      for (int64_t j = 0; j < kKeys; ++j) {
         const __mmask16 hidden = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int32_t(k0 + j)), seen);
         _mm512_store_ps(st + j * kRows, _mm512_mask_blend_ps(hidden, _mm512_load_ps(st + j * kRows), neg_inf));
       }
     }
-    __m512 maxes[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains: a max's latency, not its rate, bound one
-    for (int64_t j = 0; j < n; ++j) maxes[j % 4] = _mm512_max_ps(maxes[j % 4], _mm512_load_ps(st + j * kRows));
-    const __m512 block_max = _mm512_max_ps(_mm512_max_ps(maxes[0], maxes[1]), _mm512_max_ps(maxes[2], maxes[3]));
+    // whole blocks, unrolled: the maxes and sums stay in registers (four and two chains: latency, not rate)
+    __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kKeys; j += 4) {
+      m0 = _mm512_max_ps(m0, _mm512_load_ps(st + j * kRows));
+      m1 = _mm512_max_ps(m1, _mm512_load_ps(st + (j + 1) * kRows));
+      m2 = _mm512_max_ps(m2, _mm512_load_ps(st + (j + 2) * kRows));
+      m3 = _mm512_max_ps(m3, _mm512_load_ps(st + (j + 3) * kRows));
+    }
+    const __m512 block_max = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
     // rows whose scores passed their reference take a new one (each row's own: the others' rows never decide it)
     const __mmask16 passed = _mm512_cmp_ps_mask(block_max, _mm512_add_ps(ref, slack), _CMP_GT_OQ);
     if (passed != 0) {
@@ -201,16 +212,26 @@ void attend_dims(const TileRows& t, int64_t d0, float scale, Scratch& s, c10::BF
       }
     }
     const __m512 offset = _mm512_mul_ps(ref, c);
-    __m512 sums[2] = {sum, _mm512_setzero_ps()};
+    // the exponential takes finite inputs: hidden keys' -inf clamped to -200 (a probability of 0)
+    const __m512 floor_x = _mm512_set1_ps(masked ? -200.f : -std::numeric_limits<float>::max());
+    __m512 sum0 = sum, sum1 = _mm512_setzero_ps();
+    // the K and V^T lines of the block kPrefetchBlocks on, into L1 over the block's probabilities: the tile
+    // loads then find them there, not in L2
+    const int64_t ahead = std::min(k0 + kPrefetchBlocks * kKeys, last_key);
+    const char* k_ahead = reinterpret_cast<const char*>(s.k.data() + (ahead / kKeys * kKeys) * D);
+    const char* v_ahead = reinterpret_cast<const char*>(s.vt.data() + (ahead / kBlock * D + d0) * kBlockWords + (ahead / kKeys * kKeys % kBlock) / 2);
+    const int64_t k_lines = kKeys * D * 2 / 64, v_lines = 16 * T;  // V^T: a 64-byte line per dim
+#pragma GCC unroll 16
     for (int64_t p = 0; p < kKeys / 2; ++p) {
-      const int64_t j = 2 * p;
-      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-      if (j < n) even = sgl_lite::exp2_lanes_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + j * kRows), c, offset));
-      if (j + 1 < n) odd = sgl_lite::exp2_lanes_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + (j + 1) * kRows), c, offset));
-      sums[p % 2] = _mm512_add_ps(sums[p % 2], _mm512_add_ps(even, odd));
+      for (int64_t l = p; l < k_lines; l += kKeys / 2) _mm_prefetch(k_ahead + l * 64, _MM_HINT_T0);
+      for (int64_t l = p; l < v_lines; l += kKeys / 2) _mm_prefetch(v_ahead + l * kBlockWords * 4, _MM_HINT_T0);
+      const __m512 even = sgl_lite::exp2_lanes_bf16(_mm512_max_ps(_mm512_fmsub_ps(_mm512_load_ps(st + 2 * p * kRows), c, offset), floor_x));
+      const __m512 odd = sgl_lite::exp2_lanes_bf16(_mm512_max_ps(_mm512_fmsub_ps(_mm512_load_ps(st + (2 * p + 1) * kRows), c, offset), floor_x));
+      if (p % 2 == 0) sum0 = _mm512_add_ps(sum0, _mm512_add_ps(even, odd));
+      else sum1 = _mm512_add_ps(sum1, _mm512_add_ps(even, odd));
       _mm512_store_si512(s.pp + p * kRows, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
     }
-    sum = _mm512_add_ps(sums[0], sums[1]);
+    sum = _mm512_add_ps(sum0, sum1);
     _tile_loadd(7, s.pp, 64);  // O^T += V^T P^T, A: 16 dims x 32 keys of V^T
     const uint32_t* vt = s.vt.data() + (k0 / kBlock * D + d0) * kBlockWords + (k0 % kBlock) / 2;
     constexpr int64_t stride = kBlockWords * sizeof(uint32_t);
