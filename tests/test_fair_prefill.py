@@ -46,16 +46,16 @@ def expected(r: Req) -> list[int]:
     return reference_output(r.input_ids, r.sampling_params.max_new_tokens, VOCAB)
 
 
-def steps_until_prefilled_behind_a_hog(**args) -> tuple[int, Scheduler, list[Req]]:
-    """Queue HOG_PROMPTS long prompts, let the first be chunked, then send a short request: the steps
-    until the short one has its first token."""
+def steps_until_prefilled_behind_a_hog(steps_before: int = 3, **args) -> tuple[int, Scheduler, list[Req]]:
+    """Queue HOG_PROMPTS long prompts, let them run `steps_before` steps, then send a short request: the
+    steps until the short one has its first token."""
     sched = make(**args)
     hog = [req(f"hog{i}", LONG_PROMPT, 4, seed=i) for i in range(HOG_PROMPTS)]
     for r in hog:
         sched.add_request(r)
-    for _ in range(3):
+    for _ in range(steps_before):
         step(sched)
-    assert sched.chunked_req is hog[0]
+    assert sched.chunked_req is not None
     short = req("short", 6, 5, seed=99)
     sched.add_request(short)
     steps = 0
@@ -66,13 +66,37 @@ def steps_until_prefilled_behind_a_hog(**args) -> tuple[int, Scheduler, list[Req
     return steps, sched, [*hog, short]
 
 
-def test_a_short_request_behind_long_prompts_is_prefilled_within_two_prefill_rounds() -> None:
-    steps, sched, reqs = steps_until_prefilled_behind_a_hog()
-    # At most a chunk-first round, a decode step, then the shared round that takes it.
-    assert steps <= 3, steps
-    assert sched.chunked_req is not None  # while the long prompts are still being prefilled
+@pytest.mark.parametrize("steps_before", range(3, 9))
+def test_a_short_request_behind_long_prompts_is_prefilled_in_the_next_prefill_round(steps_before: int) -> None:
+    # Whatever the phase of the alternation it arrives in: at most a decode step, then the round that
+    # takes it (its arrival makes that round a shared one, not a chunk-first one).
+    steps, sched, reqs = steps_until_prefilled_behind_a_hog(steps_before)
+    assert steps <= 2, steps
+    assert any(not r.output_ids for r in reqs[:-1])  # while the long prompts are still being prefilled
     drain(sched)
     assert all(r.output_ids == expected(r) for r in reqs)
+
+
+def test_a_stream_of_newcomers_leaves_the_chunked_prompt_rounds_of_its_own() -> None:
+    # Three 5-token requests before every step fill each shared round's 16-token budget but a token:
+    # were every round shared on their account, the long prompt would advance a token or two a round.
+    # It gets every third round whole: its other 9 chunks within 27 rounds (steps: nothing decodes).
+    sched = make()
+    long = req("long", 10 * CHUNK, 2, seed=5)
+    sched.add_request(long)
+    step(sched)
+    assert sched.chunked_req is long
+    shorts: list[Req] = []
+    steps = 0
+    while not long.output_ids:
+        for _ in range(3):
+            shorts.append(req(f"s{len(shorts)}", 5, 1, seed=100 + len(shorts)))
+            sched.add_request(shorts[-1])
+        step(sched)
+        steps += 1
+        assert steps <= 28, (steps, long.kv_len)
+    drain(sched)
+    assert long.output_ids == expected(long) and all(r.output_ids == expected(r) for r in shorts)
 
 
 def test_without_fair_prefill_the_short_request_waits_for_every_long_prompt() -> None:

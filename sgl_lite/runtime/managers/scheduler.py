@@ -332,6 +332,8 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
     def _enqueue(self, req: Req) -> None:
         self._waiting[req] = None
         self.policy.on_enqueue(req)
+        if self.prefill_turns is not None and self.chunked_req is not None:
+            self.prefill_turns.queued_since_shared = True
 
     def _dequeue(self, req: Req) -> None:
         del self._waiting[req]

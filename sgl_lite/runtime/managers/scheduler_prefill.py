@@ -9,14 +9,15 @@ prefix computed earlier in the same batch), then allocates their slots. After th
 
 Fair prefill (sgl_lite's, off with --disable-fair-prefill): while a long prompt is chunked, it no
 longer holds every step. Its prefill rounds alternate between SGLang's (the chunk first, with the
-whole chunk budget) and shared rounds, where the waiting requests whose whole remaining prompt fits
+whole chunk budget) and shared rounds (also the next round after a request is queued, up to two in a
+row: `PrefillTurns`), where the waiting requests whose whole remaining prompt fits
 the chunk budget go first, in policy order, skipping those that would need chunking themselves (only
 one prompt is chunked at a time), and the chunk takes what is left. And a decode step of the running
 requests follows every prefill round that leaves a prompt longer than a chunk still chunked (unless
 --enable-mixed-chunk runs their decode inside it). So a short request that arrives behind any number
-of long prompts is prefilled within two prefill rounds, and running requests keep decoding, while the
-long prompt still gets at least every other round (docs/scheduling.md, section 6). While someone else
-runs or waits, a chunk also takes no more tokens than the measured prefill rate computes in a target
+of long prompts is prefilled in the next prefill round (the one after, when two shared rounds just ran),
+and running requests keep decoding, while the long prompt still gets at least every third round
+(docs/scheduling.md, section 6). While someone else runs or waits, a chunk also takes no more tokens than the measured prefill rate computes in a target
 step time (prefill_pacing.py, PrefillAdder's `chunk_cap`), so a round is short on a slow or loaded machine.
 """
 
@@ -48,15 +49,28 @@ logger = logging.getLogger("sgl_lite.runtime.managers.scheduler")
 SHARED_ROUND_SCAN = 512
 
 
+# Shared rounds in a row that newcomers may ask for before the chunk gets a round of its own.
+MAX_SHARED_IN_A_ROW = 2
+
+
 @dataclass
 class PrefillTurns:
-    """Fair prefill's turns while a prompt is chunked (module docstring)."""
+    """Fair prefill's turns while a prompt is chunked (module docstring): rounds alternate, and a request
+    queued since the last shared round makes the next round shared too (it need not wait behind a
+    chunk-first round), up to MAX_SHARED_IN_A_ROW in a row, so a stream of newcomers cannot hold the
+    chunk to what they leave of the shared rounds."""
 
     shared_next: bool = False  # the next prefill round with a chunk in flight is a shared round
     decode_next: bool = False  # the next step decodes the running requests
+    queued_since_shared: bool = False  # a request was queued while a chunk was in flight, since the last shared round
+    shared_in_a_row: int = 0
 
     def take_shared_round(self) -> bool:
-        shared, self.shared_next = self.shared_next, not self.shared_next
+        shared = self.shared_next or (self.queued_since_shared and self.shared_in_a_row < MAX_SHARED_IN_A_ROW)
+        self.shared_in_a_row = self.shared_in_a_row + 1 if shared else 0
+        self.shared_next = not shared
+        if shared:
+            self.queued_since_shared = False
         return shared
 
 
