@@ -20,13 +20,15 @@ With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, a
 --systems: a flag's effect beside the named configurations and the peers, in one run.
 
 With --model-path PATH (an alias, random-<shape>, a .gguf file or an HF folder) every system serves that
-model: sgl_lite with `--model-path PATH`, vLLM on the HF folder it resolves to, llama_bf16 / llama_q8_0 on
-a GGUF made from that folder once by llama.cpp's converter (scripts/peers/convert_gguf.py); `llama` is the
+model: sgl_lite with `--model-path PATH`, vLLM on the HF folder it resolves to, llama_bf16 / llama_q8_0 /
+llama_q4_0 on a GGUF made from that folder once by llama.cpp's converter (Q4_0: quantized from the bf16 one by
+llama-quantize; scripts/peers/convert_gguf.py), the peers of sgl_lite at equal bits (bf16, w8a8_int8,
+w4a16_int4); `llama` is the
 default model's own Q4_1 GGUF only. --kv-cache-gib (default 4 with --model-path) gives vLLM and sgl_lite
 the same KV bytes: vLLM's --kv-cache-memory-bytes, sgl_lite's --max-total-tokens of bf16 K/V.
 --llama-no-repack starts llama-server with its weights as the GGUF stores them (start.sh --no-repack):
 on some CPUs with AMX its kernels for repacked quantized weights crash at the first forward.
-Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
+Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,llama_q4_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
        [--rounds 2] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
        [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
        [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
@@ -71,15 +73,17 @@ SYSTEMS = {  # name -> how to start it: a peer of scripts/peers, or `sgl-lite se
     "llama": ("peer", "llama", 8014),
     "llama_bf16": ("peer", "llama", 8014),
     "llama_q8_0": ("peer", "llama", 8014),
+    "llama_q4_0": ("peer", "llama", 8014),
     "sgl_lite": ("serve", [], SGL_PORT),
     "sgl_lite_ngram": ("serve", ["--speculative-algorithm", "ngram"], SGL_PORT),
     "sgl_lite_int4": ("serve", ["--quantization", "w4a16_int4"], SGL_PORT),
     "sgl_lite_w8a8": ("serve", ["--quantization", "w8a8_int8"], SGL_PORT),
     "sgl_lite_w8a8_ngram": ("serve", ["--quantization", "w8a8_int8", "--speculative-algorithm", "ngram"], SGL_PORT),
 }
-GGUF_TYPES = {"llama_bf16": "bf16", "llama_q8_0": "q8_0"}  # llama-server on the model's GGUF of this type
+GGUF_TYPES = {"llama_bf16": "bf16", "llama_q8_0": "q8_0", "llama_q4_0": "q4_0"}  # llama-server on the model's GGUF of this type
 LABELS = {"vllm": "vLLM-CPU (bf16, prefix caching)", "llama": "llama-server (Q4_1 GGUF)",
           "llama_bf16": "llama-server (bf16 GGUF)", "llama_q8_0": "llama-server (Q8_0 GGUF)",
+          "llama_q4_0": "llama-server (Q4_0 GGUF)",
           "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_ngram": "sgl_lite serve --speculative-algorithm ngram",
           "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4",
           "sgl_lite_w8a8": "sgl_lite serve --quantization w8a8_int8",
@@ -98,12 +102,17 @@ class Served:
     llama_no_repack: bool = False
 
 
-def kv_cache_tokens(folder: Path, gib: int) -> int:
-    """How many tokens `gib` GiB of bf16 K and V hold for the model of `folder` (every layer, every KV head)."""
+def kv_bytes_per_token(folder: Path) -> int:
+    """Bytes of bf16 K and V one token takes for the model of `folder` (every layer, every KV head)."""
     config = json.loads((folder / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return gib * 2**30 // KVPool.bytes_per_slot(config["num_hidden_layers"], kv_heads, head_dim, torch.bfloat16)
+    return KVPool.bytes_per_slot(config["num_hidden_layers"], kv_heads, head_dim, torch.bfloat16)
+
+
+def kv_cache_tokens(folder: Path, gib: int) -> int:
+    """How many tokens `gib` GiB of bf16 K and V hold for the model of `folder`."""
+    return gib * 2**30 // kv_bytes_per_token(folder)
 
 
 def launch_args(name: str, served: Served) -> list[str]:
@@ -153,15 +162,11 @@ def start(name: str, log: Path, served: Served) -> tuple[subprocess.Popen | None
         print(f"{name}: not started ({e})")
         return None, url
     if kind == "peer":
-        if not (PEERS / "start.sh").exists():
+        try:
+            return start_peer(what, extra), url
+        except PeerNotStarted as e:
+            print(f"{name}: not started ({e})")
             return None, url
-        # start.sh backgrounds the server in its own session and prints its pid once it answers
-        done = subprocess.run(["bash", str(PEERS / "start.sh"), what, *extra], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"{name}: not started ({done.stderr.strip() or done.stdout.strip()})")  # start.sh's own errors say what to do
-            return None, url
-        pid = int(done.stdout.split("pid")[-1].strip())
-        return _Detached(pid), url
     proc = subprocess.Popen([sys.executable, "-m", "sgl_lite", "serve", "--port", str(port), *what, *extra],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     if not _wait_ready(url, 300):
@@ -169,6 +174,19 @@ def start(name: str, log: Path, served: Served) -> tuple[subprocess.Popen | None
         print(f"{name}: not ready, see {log}")
         return None, url
     return proc, url
+
+
+class PeerNotStarted(RuntimeError):
+    """start.sh could not start a peer; the message is start.sh's own error, which says what to do."""
+
+
+def start_peer(what: str, extra: list[str]) -> _Detached:
+    """Peer `what` (vllm or llama) started by scripts/peers/start.sh with `extra` flags, once it answers."""
+    # start.sh backgrounds the server in its own session and prints its pid once it answers
+    done = subprocess.run(["bash", str(PEERS / "start.sh"), what, *extra], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PeerNotStarted(done.stderr.strip() or done.stdout.strip())
+    return _Detached(int(done.stdout.split("pid")[-1].strip()))
 
 
 class _Detached:
@@ -286,7 +304,7 @@ def main() -> None:
         parser.error(f"--kv-cache-gib takes 0 to 99 GiB, not {args.kv_cache_gib}")
     if "llama" in names and args.model_path not in (None, DEFAULT_MODEL):
         parser.error(f"system llama serves the default model's own Q4_1 GGUF; with --model-path {args.model_path} "
-                     f"measure llama_bf16 or llama_q8_0 (GGUFs converted from it)")
+                     f"measure llama_bf16, llama_q8_0 or llama_q4_0 (GGUFs made from it)")
     gib = args.kv_cache_gib if args.kv_cache_gib is not None else (4 if args.model_path else 0)
     served = Served(args.model_path, gib or None, args.chat_history, args.llama_no_repack)
     for flags in map(shlex.split, args.serve_args):

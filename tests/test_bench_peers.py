@@ -1,7 +1,7 @@
 """scripts/bench_peers.py's parts that need no peer: what each system is started with for --model-path and
 --kv-cache-gib, its row label, its argument checks, and scripts/peers/convert_gguf.py's cached GGUF (written
-through a temporary name, never half-written, clear errors when the converter or a package is missing),
-run against a stand-in converter script in a llama.cpp-shaped tree."""
+through a temporary name, never half-written, clear errors when the converter or a package is missing; Q4_0
+from the bf16 file by llama-quantize), run against stand-in converter and quantize scripts in a llama.cpp-shaped tree."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,7 +93,7 @@ def test_labels_name_the_model_the_kv_bytes_and_the_gguf_type(peers) -> None:
 @pytest.mark.parametrize(("argv", "said"), [
     (["--systems", "llama", "--model-path", "random-1.7b"], "system llama serves the default model's own Q4_1 GGUF"),
     (["--kv-cache-gib", "100"], "--kv-cache-gib takes 0 to 99 GiB, not 100"),
-    (["--systems", "vllm,llama_q4_0"], "unknown systems ['llama_q4_0']"),
+    (["--systems", "vllm,llama_q2_k"], "unknown systems ['llama_q2_k']"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv: list[str], said: str) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
@@ -128,6 +129,34 @@ def test_a_failed_conversion_leaves_no_file_and_says_what_the_converter_said(pee
     assert "not started" in _started_output(peers, "llama_bf16", model, tmp_path)
 
 
+# Stands in for llama-quantize SOURCE OUT TYPE: writes the source's text and the type to OUT.
+_QUANTIZE = """#!/usr/bin/env python3
+import sys
+from pathlib import Path
+source, out, kind = sys.argv[1:4]
+Path(out).write_text(f"{Path(source).read_text()} -> {kind}")
+"""
+
+
+def test_q4_0_is_quantized_from_the_bf16_gguf_by_llama_quantize(peers, model: Path, tree: Path, tmp_path: Path) -> None:
+    with pytest.raises(peers.convert_gguf.ConversionError, match="no llama-quantize at .* run: bash scripts/peers/setup.sh"):
+        peers.convert_gguf.gguf_file(str(model), "q4_0")
+    tool = tmp_path / "peers" / "llama-quantize"
+    tool.write_text(_QUANTIZE)
+    tool.chmod(0o755)
+    assert peers.launch_args("llama_q4_0", peers.Served(str(model))) == ["--model", str(tmp_path / "cache" / "gguf" / "tiny-llama" / "q4_0.gguf")]
+    gguf = peers.convert_gguf.gguf_file(str(model), "q4_0")
+    assert gguf.read_text() == "bf16 True -> Q4_0"
+    assert [p.name for p in gguf.parent.iterdir() if "partial" in p.name] == []
+    tool.write_text("#!/bin/sh\nexit 1\n")  # a current file is not made again ...
+    assert peers.convert_gguf.gguf_file(str(model), "q4_0") == gguf
+    later = time.time() + 10
+    os.utime(model / "model.safetensors", (later, later))  # ... but newer weights remake bf16, then Q4_0
+    with pytest.raises(peers.convert_gguf.ConversionError, match="(?s)llama-quantize on .*bf16.gguf failed \\(exit 1"):
+        peers.convert_gguf.gguf_file(str(model), "q4_0")
+    assert gguf.read_text() == "bf16 True -> Q4_0"  # a failed run replaces nothing
+
+
 def _started_output(peers, name: str, model: Path, tmp_path: Path) -> str:
     """What bench_peers.start prints for a system it cannot start (it returns no process)."""
     out = io.StringIO()
@@ -146,5 +175,18 @@ def test_a_missing_converter_or_package_is_named(peers, model: Path, tree: Path,
     monkeypatch.setenv("PEERS", str(tmp_path / "empty"))
     with pytest.raises(peers.convert_gguf.ConversionError, match="no llama.cpp converter .* run: bash scripts/peers/setup.sh"):
         peers.convert_gguf.gguf_file(str(model), "bf16")
-    with pytest.raises(peers.convert_gguf.ConversionError, match="GGUF type 'q4_0' is not one of bf16, q8_0"):
-        peers.convert_gguf.gguf_path("tiny-llama", "q4_0")
+    with pytest.raises(peers.convert_gguf.ConversionError, match="GGUF type 'q2_k' is not one of bf16, q8_0, q4_0"):
+        peers.convert_gguf.gguf_path("tiny-llama", "q2_k")
+
+
+@pytest.mark.parametrize(("peer", "flags", "said"), [
+    ("vllm", ["--kv-cache-bytes", "12"], "--kv-cache-bytes takes a whole number of bytes from 1 MiB to 99 GiB, not '12'"),
+    ("vllm", ["--kv-cache-bytes", "1073741824", "--kv-cache-gib", "1"], "give --kv-cache-gib or --kv-cache-bytes, not both"),
+    ("vllm", ["--max-model-len", "0"], "--max-model-len takes a whole number of tokens from 1 to 131072, not '0'"),
+    ("llama", ["--max-model-len", "4096"], "--max-model-len is vllm's"),
+])
+def test_start_sh_refuses_bad_kv_and_length_flags_with_what_was_wrong(peers, model: Path, peer: str,
+                                                                      flags: list[str], said: str) -> None:
+    model_flag = ["--model", str(model)] if peer == "vllm" else []
+    with pytest.raises(peers.PeerNotStarted, match=f"^start.sh: {re.escape(said)}"):
+        peers.start_peer(peer, [*model_flag, *flags])

