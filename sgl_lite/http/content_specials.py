@@ -20,7 +20,10 @@ from __future__ import annotations
 import bisect
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sgl_lite.http.prompt_token_cache import PromptTokenCache
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no tokenizer gives them a special meaning
 
@@ -69,7 +72,9 @@ class SpecialTokenText:
     """A tokenizer's special tokens, and the encoding of a rendered chat in which the ones its messages
     wrote are plain text. `tokenizer` is a `tokenizers.Tokenizer`."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, prompt_cache: PromptTokenCache | None = None) -> None:
+        """`prompt_cache` (of the same tokenizer), when given, encodes the chats whose messages wrote no
+        special-token string."""
         from tokenizers import Tokenizer
 
         specials = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()
@@ -79,6 +84,7 @@ class SpecialTokenText:
         alternatives = sorted(specials, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
         self._tokenizer = tokenizer
+        self._prompt_cache = prompt_cache
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True  # special-token strings split into ordinary tokens
 
@@ -89,6 +95,8 @@ class SpecialTokenText:
     def encode(self, rendered: str, hidden: HiddenSpecials, add_special_tokens: bool) -> list[int]:
         """The ids of `rendered` (a template's output over messages passed through `hidden.hide`)."""
         text, spans = hidden.restore(rendered)
+        if not spans and not add_special_tokens and self._prompt_cache is not None:
+            return self._prompt_cache.encode(text)
         # encode_batch releases the GIL while it works (encode does not): the event loop keeps serving.
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if not spans:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from sgl_lite.http.content_specials import HiddenSpecials, SpecialTokenText
+from sgl_lite.http.prompt_token_cache import PromptTokenCache
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class TokenTexts:
         self._byte_level = False
         self._cache: dict[int, bytes] = {}
         self._special_text: SpecialTokenText | None = None
+        self._prompt_cache: PromptTokenCache | None = None  # chat prompts' ids reused turn to turn
         # The most characters a token decodes to (the longest vocabulary entry; byte-level: one per byte), as
         # the runtime bounds a prompt text by before tokenizing it; None without a tokenizer file.
         self.max_token_chars: int | None = None
@@ -61,12 +63,13 @@ class TokenTexts:
             self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
             self._byte_level = _has_byte_level_decoder(json.loads(tokenizer_file.read_text(encoding="utf-8")).get("decoder"))
             # Built here, once (this runs off the event loop, when the model context is fetched).
-            self._special_text = SpecialTokenText(self._tokenizer)
+            self._prompt_cache = PromptTokenCache(self._tokenizer)
+            self._special_text = SpecialTokenText(self._tokenizer, self._prompt_cache)
             self.max_token_chars = max((len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True)),
                                        default=1)
         except Exception as e:  # a corrupt or unknown tokenizer file must not take the API down
             logger.warning("could not load %s (%s); logprob tokens are named by id", tokenizer_file, e)
-            self._tokenizer = self._special_text = self.max_token_chars = None
+            self._tokenizer = self._special_text = self._prompt_cache = self.max_token_chars = None
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._cache.get(token_id)
@@ -132,6 +135,9 @@ class TokenTexts:
         if special is None:
             return None
         if hidden is None:
+            cache = self._prompt_cache
+            if cache is not None and not add_special_tokens:
+                return cache.encode
             return lambda text: self.encode(text, add_special_tokens)
         return lambda text: special.encode(text, hidden, add_special_tokens)
 
