@@ -74,7 +74,7 @@ def cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
+    except OSError:  # gone before the open (FileNotFoundError) or between open and read (ProcessLookupError)
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
