@@ -87,6 +87,27 @@ def test_beside_a_running_request_a_long_prompts_rounds_shrink_to_the_time_budge
     assert all(r.output_ids == expected(r) for r in (chat, long, *shorts))
 
 
+def test_a_round_that_takes_in_a_short_request_holds_the_chunk_to_its_floor() -> None:
+    sched, runner, chat = with_a_running_chat()
+    long = req("long", LONG, 3, seed=2)
+    sched.add_request(long)
+    for _ in range(6):
+        step(sched)
+    assert sched.chunked_req is long
+    short = req("short", 20, 3, seed=10)
+    sent = runner.clock.now
+    sched.add_request(short)
+    while not short.output_ids:
+        step(sched)
+    # The short request's round computes its prompt and at most MIN_CHUNK_TOKENS of the long one, so its
+    # first token waits for a decode step and that round, not for a whole paced step of the chunk.
+    (chunk, total), = [(ext, tot) for ext, tot in rounds_with(runner, "long") if ext < CAP - 1]
+    assert chunk == MIN_CHUNK_TOKENS and total == chunk + 20, (chunk, total)
+    assert runner.clock.now - sent <= (1 + 20 + MIN_CHUNK_TOKENS + 1) * SECONDS_PER_TOKEN
+    drain(sched)
+    assert all(r.output_ids == expected(r) for r in (chat, long, short))
+
+
 def test_a_lone_long_prompt_keeps_full_chunks() -> None:
     sched, runner = make()
     warm = req("warm", 8, 2, seed=3)

@@ -32,14 +32,15 @@ from dataclasses import dataclass, field
 from sgl_lite.runtime.speculative.step_cost import trimmed_point
 
 # What a chunk of a long prompt may take while others wait or decode. A short request arriving during
-# a chunk waits for the round under way, for a decode step, and at worst for the chunk-first round that
-# fair prefill's alternation puts before its shared round (scheduler_prefill.py): about three rounds
-# before its first token. 0.15 s each keeps that near half a second, within a few times a short
-# request's unloaded time to first token on a CPU, while a forward's fixed cost (tens of ms on a CPU,
-# far less on a GPU, where a chunk of --chunked-prefill-size takes less than this anyway) costs the
-# long prompt a modest share of its throughput (a shorter step costs it more: docs/safety.md).
+# a chunk waits for the round under way, for a decode step, and for its own round, which holds its
+# prompt and at most MIN_CHUNK_TOKENS of the chunk (scheduler_prefill.py): the round under way is most
+# of its wait. 0.15 s keeps that within a few times a short request's unloaded time to first token on a
+# CPU, while a forward's fixed cost (tens of ms on a CPU, far less on a GPU, where a chunk of
+# --chunked-prefill-size takes less than this anyway) costs the long prompt a modest share of its
+# throughput (a shorter step costs it more: docs/safety.md).
 TARGET_STEP_S = 0.15
-# Below this a chunk costs mostly the forward's fixed cost: the long prompt would barely advance.
+# Below this a chunk costs mostly the forward's fixed cost: the long prompt would barely advance. Also
+# what a chunk gets in a round that takes in waiting requests (they go first; the round stays short).
 MIN_CHUNK_TOKENS = 64
 WINDOW = 8  # prefill forwards kept: about a second of chunks at TARGET_STEP_S
 

@@ -12,7 +12,8 @@ longer holds every step. Its prefill rounds alternate between SGLang's (the chun
 whole chunk budget) and shared rounds (also the next round after a request is queued, up to two in a
 row: `PrefillTurns`), where the waiting requests whose whole remaining prompt fits
 the chunk budget go first, in policy order, skipping those that would need chunking themselves (only
-one prompt is chunked at a time), and the chunk takes what is left. And a decode step of the running
+one prompt is chunked at a time), and the chunk takes what is left (while chunks are sized by time, only
+MIN_CHUNK_TOKENS beside requests taken in: their round lasts about their own prefill). And a decode step of the running
 requests follows every prefill round that leaves a prompt longer than a chunk still chunked (unless
 --enable-mixed-chunk runs their decode inside it). So a short request that arrives behind any number
 of long prompts is prefilled in the next prefill round (the one after, when two shared rounds just ran),
@@ -31,6 +32,7 @@ from sgl_lite.runtime.managers.in_batch_sharing import BatchPrefixIndex, Borrow
 from sgl_lite.runtime.managers.policy import prefix_match_key
 from sgl_lite.runtime.managers.preemption import preemption_victims
 from sgl_lite.runtime.managers.prefill_adder import AddResult, PrefillAdder, computed_tokens, reserved_output
+from sgl_lite.runtime.managers.prefill_pacing import MIN_CHUNK_TOKENS
 from sgl_lite.runtime.managers.request import FinishKind, FinishReason, Req
 from sgl_lite.runtime.mem_cache.radix_cache import MatchResult
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput
@@ -96,6 +98,10 @@ class PrefillScheduling(_Base):
             adder.add_chunked_req(self.chunked_req)
         admitted = self._admit(adder, whole_only=shared)
         if shared:
+            if admitted and cap is not None:
+                # A round that takes in waiting requests stays short, so their first tokens come out after
+                # their own prefill rather than a whole paced step: the chunk rides along with a floor.
+                adder.chunk_cap = adder.prefill_tokens + MIN_CHUNK_TOKENS
             adder.add_chunked_req(self.chunked_req)  # after the waiting requests: it takes what they left
         if not adder.plans:
             return None, 0
