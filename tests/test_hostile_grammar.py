@@ -265,6 +265,28 @@ def test_a_compile_past_its_time_budget_is_refused(engine, tmp_path, monkeypatch
         server.stop()
 
 
+def test_runaway_compiles_queued_behind_busy_workers_are_refused_as_bad_requests_too(engine, tmp_path, monkeypatch):
+    """More runaway compiles than workers: those still queued when their time runs out are cancelled, and they get
+    the same 400 as the running ones (once, a cancelled compile's CancelledError became a 500)."""
+    raise_caps(engine, monkeypatch, grammar_compile_timeout=1.0)
+    server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
+    try:
+        with RuntimeClient(server.address, timeout=120) as client:
+            errors: list[BaseException] = []
+            regexes = [RUNAWAY_REGEX + suffix for suffix in "xyzw"]  # distinct specs: no shared compile
+            threads = [threading.Thread(target=_expect_error, args=(client, regex, errors)) for regex in regexes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(errors) == len(regexes)
+            assert all(isinstance(e, RuntimeRequestError) and e.code == "bad_request"
+                       and "--grammar-compile-timeout 1 s" in e.message for e in errors), errors
+        still_serving(server.address)
+    finally:
+        server.stop()
+
+
 def test_a_refused_runaway_compile_stops_using_cpu_and_the_runtime_keeps_serving(engine, tmp_path, monkeypatch):
     raise_caps(engine, monkeypatch, grammar_compile_timeout=3.0)
     server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")

@@ -269,9 +269,10 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
             if not future.done() and req.queue_enter_time >= deadline:
                 still_pending.append((req, future))
                 continue
+            timed_out = not future.done()  # before the release, which may cancel a compile nobody else waits for
             self.validator.release_grammar(req)
             try:
-                if not future.done():
+                if timed_out:
                     raise ValueError(f"the grammar did not compile within --grammar-compile-timeout {budget:g} s; "
                                      "simplify it (fewer alternatives, less nesting)")
                 req.grammar = future.result()
