@@ -269,3 +269,31 @@ def test_a_failed_chunked_prefill_releases_its_chunks(tokenizer):
     assert again.cached_tokens == 16
     assert again.output_ids == reference_output(list(range(2, 42)), 4, len(tokenizer))
 
+
+
+def test_an_abort_of_a_request_evicted_before_its_final_went_out_gets_no_second_final(tokenizer):
+    """A request evicted from the full queue by a more urgent one is finished at once and answered at the next
+    step; its client's AbortReq in between gets no answer of its own (once, "unknown request id" came first, and
+    the client took it for the final)."""
+    runner = ScriptedRunner(vocab_size=len(tokenizer), num_slots=256, max_running_requests=1)
+    core = make_core(tokenizer, runner, max_total_tokens=256, max_running_requests=1, max_queued_requests=1,
+                     enable_priority_scheduling=True)
+    server = RuntimeServer(core, core.args)
+    sent: list[protocol.Reply] = []
+    server._send = lambda identity, msg: sent.append(msg) or True  # type: ignore[method-assign]
+    params = protocol.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    server._dispatch(b"c", protocol.GenerateReq("running", input_ids=[5, 6, 7], sampling_params=params))
+    for req in server._step():  # "running" holds the one row
+        server._reply_for(req)
+    server._dispatch(b"c", protocol.GenerateReq("low", input_ids=[5, 6, 8], sampling_params=params, priority=1))
+    server._dispatch(b"c", protocol.GenerateReq("high", input_ids=[5, 6, 9], sampling_params=params, priority=9))
+    server._dispatch(b"c", protocol.AbortReq("low"))  # "low" was evicted: finished, not yet reported
+    while core.has_work():
+        for req in server._step():
+            server._reply_for(req)
+    finals = {rid: [m for m in sent if m.rid == rid and isinstance(m, (protocol.Finished, protocol.ErrorReply))]
+              for rid in ("running", "low", "high")}
+    assert [type(m) for m in finals["low"]] == [protocol.ErrorReply], finals["low"]
+    assert "higher priority" in finals["low"][0].message
+    assert [type(m) for m in finals["running"]] == [type(m) for m in finals["high"]] == [protocol.Finished]
+    assert_idle_without_leaks(core)

@@ -2,37 +2,36 @@
 
 A single thread owns the socket and the core. Pure transport: every request goes through the
 RuntimeCore's methods (submit, abort, step, flush_cache, stream_state), never the scheduler itself.
-Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise
-blocking up to IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for each
-changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted (except
-by its client's AbortReq: that one ends like a finished request, with the output so far and finish_reason
+Each loop iteration reads every waiting message (non-blocking while the core has work, otherwise blocking up to
+IDLE_POLL_MS so that shutdown requests are noticed), then runs one `core.step()` and replies to whoever asked for
+each changed request: TokenChunk (streams), then Finished, or ErrorReply when the request was aborted (except by
+its client's AbortReq: that one ends like a finished request, with the output so far and finish_reason
 {"type": "abort"}, as SGLang's /abort_request does).
 
-Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ
-identity: two clients may use the same rid, and a client can only abort its own requests.
+Request ids are chosen by clients, so the scheduler sees them prefixed with the client's ZeroMQ identity: two
+clients may use the same rid, and a client can only abort its own requests. Every request gets one final message:
+an AbortReq for one that ended before its final went out gets no answer of its own.
 
-Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a
-vanished identity raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client
-replies pile up without reading raises EAGAIN; the server then aborts all of that identity's requests
-and sends it nothing more until it reads again. To
-notice a dead client before its request would have produced output, identities with requests in
-flight get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
+Disconnects: ROUTER cannot see them directly. The socket is ROUTER_MANDATORY, so sending to a vanished identity
+raises EHOSTUNREACH, and sending to one that let --max-queued-replies-per-client replies pile up without reading
+raises EAGAIN; the server then aborts all of that identity's requests and sends it nothing more until it reads
+again. To notice a dead client before its request would have produced output, identities with requests in flight
+get a keepalive (an InfoReply with rid "", which clients ignore) every KEEPALIVE_S seconds.
 
-Liveness, the other way round, does not involve this thread: clients send ZMTP heartbeats (PINGs),
-which libzmq's I/O thread answers while this thread is inside a scheduler step of any length, so a
-long step never makes a client give up on the runtime. HealthReq, by contrast, is answered here,
-between steps: it tells that the runtime is ready to serve, not merely alive.
+Liveness, the other way round, does not involve this thread: clients send ZMTP heartbeats (PINGs), which libzmq's
+I/O thread answers while this thread is inside a scheduler step of any length, so a long step never makes a client
+give up on the runtime. HealthReq, by contrast, is answered here, between steps: it tells that the runtime is ready
+to serve, not merely alive.
 
-Hostile input: with --api-key, only peers whose handshake carried the key get a message this far
-(zap.py). One message is handled under a guard (_handle_guarded), so nothing it raises (a
-RecursionError decoding a deeply nested message, a bug) ends the loop; it gets an ErrorReply.
+Hostile input: with --api-key, only peers whose handshake carried the key get a message this far (zap.py). One
+message is handled under a guard (_handle_guarded), so nothing it raises (a RecursionError decoding a deeply
+nested message, a bug) ends the loop; it gets an ErrorReply.
 
-Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and
-names the cause); an error building one reply costs only that request; anything else raising from a
-scheduler step aborts every request in flight with the error, and the server keeps serving if the
-KV accounting still holds (else it shuts down, telling every client why). SIGTERM / SIGINT end the
-loop after the current step: every request still in flight gets ErrorReply("server shutting down",
-code "aborted") before the socket closes.
+Failures: a forward pass that raises costs only its batch's requests (the scheduler aborts them and names the
+cause); an error building one reply costs only that request; anything else raising from a scheduler step aborts
+every request in flight with the error, and the server keeps serving if the KV accounting still holds (else it
+shuts down, telling every client why). SIGTERM / SIGINT end the loop after the current step: every request still
+in flight gets ErrorReply("server shutting down", code "aborted") before the socket closes.
 """
 
 from __future__ import annotations
@@ -254,8 +253,10 @@ class RuntimeServer:
                              "cached_tokens": 0, "finish_reason": reason.to_json()}
                 for reply in self._final_replies(msg.rid, "", [], meta_info, ("", []) if pending.msg.stream else None):
                     self._send(identity, reply)
-            elif flight is None or not self._core.abort(key, by_client=True):
+            elif flight is None:  # in flight but finished (its report due next step): its final answers it
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
+            else:
+                self._core.abort(key, by_client=True)
         elif isinstance(msg, protocol.FlushCacheReq):
             self._send(identity, protocol.InfoReply(msg.rid, {"flushed": bool(self._core.flush_cache())}))
         elif isinstance(msg, protocol.ServerInfoReq):
@@ -363,12 +364,10 @@ class RuntimeServer:
     @staticmethod
     def _final_replies(rid: str, text: str, output_ids: list[int], meta_info: dict[str, Any],
                        last_delta: tuple[str, list[int]] | None) -> list[protocol.Reply]:
-        """Finished, after a stream's last TokenChunk (`last_delta`: the text and ids not streamed yet;
-        None when not streaming), which carries the finish_reason."""
+        """Finished, after a stream's last TokenChunk (`last_delta`: the text and ids not streamed yet; None when
+        not streaming), which carries the finish_reason."""
         final = protocol.Finished(rid, text, output_ids, meta_info)
-        if last_delta is None:
-            return [final]
-        return [protocol.TokenChunk(rid, last_delta[0], last_delta[1], meta_info), final]
+        return [final] if last_delta is None else [protocol.TokenChunk(rid, last_delta[0], last_delta[1], meta_info), final]
 
     def _keepalive(self) -> None:
         now = time.monotonic()
