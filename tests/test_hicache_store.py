@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sgl_lite.runtime.mem_cache.hicache.block_keys import ROOT, block_keys, chain_key
-from sgl_lite.runtime.mem_cache.hicache.disk_store import DiskKVStore
+from sgl_lite.runtime.mem_cache.hicache.disk_store import HEADER_ALIGN, DiskKVStore, checksum
 from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, gather_blocks, scatter_blocks
 from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
@@ -68,7 +68,7 @@ def test_capacity_drops_least_recently_used(tmp_path: Path) -> None:
     assert store.num_blocks == 3
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "tokens", "garbage"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "flip_word", "zeroed", "tokens", "garbage"])
 def test_a_bad_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
     store = DiskKVStore(tmp_path, "fp", 1 << 20)
     store.write("k", [5, 6], payload(500, 1))
@@ -76,13 +76,28 @@ def test_a_bad_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> Non
     raw = path.read_bytes()
     if damage == "truncate":
         path.write_bytes(raw[:-10])
-    elif damage == "flip":
+    elif damage == "flip":  # in the payload's tail, past its last whole 64-bit word
         path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    elif damage == "flip_word":
+        path.write_bytes(raw[:-250] + bytes([raw[-250] ^ 0x80]) + raw[-249:])
+    elif damage == "zeroed":
+        path.write_bytes(raw[:-300] + bytes(64) + raw[-236:])
     elif damage == "garbage":
         path.write_bytes(b"not a block\n" + raw)
     tokens = [5, 7] if damage == "tokens" else [5, 6]
     assert store.read("k", tokens, 500) is None
     assert not path.exists() and not store.contains("k") and store.bytes_used == 0
+
+
+def test_a_read_maps_the_payload_aligned_and_writable(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path, "fp", 1 << 20)
+    data = payload(4096 + 3, 2)
+    store.write("k", [5, 6], data)
+    raw = (store.folder / "k.kv").read_bytes()
+    assert raw.index(b"\n") + 1 == len(raw) - len(data) and (len(raw) - len(data)) % HEADER_ALIGN == 0
+    got = store.read("k", [5, 6], len(data))
+    assert got is not None and not got.readonly and bytes(got) == bytes(data)
+    assert checksum(got) == checksum(data) != checksum(payload(4096 + 3, 3))
 
 
 def test_a_restart_ignores_torn_writes(tmp_path: Path) -> None:
