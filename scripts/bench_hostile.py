@@ -52,7 +52,6 @@ from sgl_lite.bench.metrics import summarize  # noqa: E402
 from sgl_lite.bench.openai_chat_backend import OpenAIChatBackend  # noqa: E402
 from sgl_lite.bench.report import markdown_table, write_plots  # noqa: E402
 from sgl_lite.bench.workloads import TokenSampler  # noqa: E402
-from sgl_lite.http.guards.prompt_budget import BatchTokenLimit  # noqa: E402
 from sgl_lite.lang.launcher import Runtime  # noqa: E402
 from sgl_lite.runtime.model_executor import loader  # noqa: E402
 from sgl_lite.testing.hostile_load import HogPlan, HostileLoad  # noqa: E402
@@ -83,16 +82,6 @@ def parse_args() -> argparse.Namespace:
 def serve_kwargs(flags: str) -> dict[str, Any]:
     """`--serve-args` as the keyword arguments sgl.Runtime takes (parsed as `sgl-lite bench` parses them)."""
     return parse_config(shlex.split(flags)).server_args
-
-
-def hog_plan(args: argparse.Namespace, info: dict[str, Any]) -> HogPlan:
-    """Prompts of --hog-prompt-tokens (less what the context needs for the output), as many per batch as the
-    server's limit on one request's prompts allows."""
-    context = int(info["context_length"])
-    prompt_tokens = min(args.hog_prompt_tokens, context - 16)
-    limit = BatchTokenLimit.of_server(info.get("server_args") or {}, context)
-    prompts = max(1, limit.tokens // prompt_tokens) if limit is not None else 32
-    return HogPlan(streams=args.hog_streams, prompts=prompts, prompt_tokens=prompt_tokens)
 
 
 def warm_up(url: str, api_key: str | None) -> None:
@@ -186,7 +175,7 @@ def main() -> int:
     summaries, hostile = [], {}
     with Runtime(model_path, startup_timeout=900, **serve_kwargs(args.serve_args)) as rt:
         info = rt.client.server_info()
-        hog = hog_plan(args, info)
+        hog = HogPlan.for_server(info, args.hog_streams, args.hog_prompt_tokens)
         print(f"server at {rt.url}; hog: {hog}", flush=True)
         warm_up(rt.url, rt.api_key)
         backend = OpenAIChatBackend("chats", rt.url, tokenizer, api_key=rt.api_key)

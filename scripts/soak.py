@@ -17,6 +17,12 @@ Unless --no-hostile, hostile and careless clients run beside the normal ones the
 (sgl_lite/testing/hostile_clients.py: nested messages, over-long rids, a peer that never reads, over-limit
 stop strings and grammars on the wire; over-cap fan-out, over-limit bodies, slowloris headers and hang-ups
 before the first event over an HTTP front): each must get its error, and the checks above must still hold.
+Unless --no-hog-and-compile, a prefill hog (/generate batches of --hog-prompts prompts as long as the
+context, resent as soon as answered, after one batch over what one request may prefill, which must get its
+400) and a runaway grammar compile (refused after --grammar-compile-timeout, resent) run over the server's
+own HTTP API the whole time too (sgl_lite/testing/hostile_load.py): every hog batch must be answered 200 (or
+with an error the soak expects: the injected fault, the queue's cap, a more urgent request's abort), every
+compile refused with 400, and /health answer 200.
 Exit status 0 when every check passes; a JSON report goes to --output.
 """
 
@@ -26,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +46,8 @@ from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.testing.hostile_clients import HostileRun, hostile_server_args  # noqa: E402
-from sgl_lite.testing.kv_accounting import accounting_problems  # noqa: E402
+from sgl_lite.testing.hostile_load import HogPlan, HostileLoad, hostile_load_problems  # noqa: E402
+from sgl_lite.testing.kv_accounting import accounting_problems, idle_server_info  # noqa: E402
 from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
     check_records,
@@ -67,16 +75,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--killed-clients", type=int, default=5)
     p.add_argument("--fault-every", type=int, default=0, help="Inject a failing forward pass every N passes (0: off).")
     p.add_argument("--rss-every", type=int, default=1000, help="Sample the server's RSS after every N requests.")
-    p.add_argument("--rss-tolerance-mib", type=float, default=16.0)
+    p.add_argument("--rss-tolerance-mib", type=float, default=None,
+                   help="Default 16, or 32 with --hog-and-compile: beside the hog the server's RSS rises by steps to a "
+                        "plateau of 9-23 MiB whatever the number of requests (docs/safety.md).")
     p.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=True,
                    help="Run the hostile clients beside the normal ones (default: yes).")
+    p.add_argument("--hog-and-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run a prefill hog and a runaway grammar compile beside everything (default: yes).")
+    p.add_argument("--hog-prompts", type=int, default=4,
+                   help="Prompts per hog batch (fewer than one request may prefill: the queue has a cap).")
+    p.add_argument("--grammar-compile-timeout", type=float, default=2.0,
+                   help="The server's flag: how long the runaway compile runs before its 400.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=artifact_path("soak_report.json"))
     return p.parse_args()
 
 
+def hostile_load(rt: Runtime, args: argparse.Namespace, tolerated: tuple[str, ...]) -> HostileLoad:
+    """A hog of one batch in flight and one runaway compile, over the server's HTTP API, random prompt ids."""
+    info = rt.client.server_info()
+    rng = random.Random(args.seed)
+    vocab_size = int(info["vocab_size"])
+    hog = HogPlan.for_server(info, streams=1, prompt_tokens=args.context_length, max_prompts=args.hog_prompts)
+    return HostileLoad(rt.url, lambda n: [rng.randrange(vocab_size) for _ in range(n)], hog=hog,
+                       compile_streams=1, api_key=rt.api_key, tolerated=tolerated)
+
+
 def main() -> int:
     args = parse_args()
+    if args.rss_tolerance_mib is None:
+        args.rss_tolerance_mib = 32.0 if args.hog_and_compile else 16.0
     tmp = tempfile.TemporaryDirectory()
     model = args.model_path or str(make_tiny_model(Path(tmp.name) / "model"))
     config = SoakConfig(num_requests=args.requests, raw_workers=args.raw_workers, api_workers=args.api_workers,
@@ -90,18 +118,28 @@ def main() -> int:
                        max_queued_requests=args.max_queued_requests, chunked_prefill_size=64,
                        schedule_conservativeness=args.schedule_conservativeness, schedule_policy=args.schedule_policy,
                        enable_priority_scheduling=True, priority_aging_rate=args.priority_aging_rate,
-                       log_level="warning", **(hostile_server_args() if args.hostile else {}))
+                       log_level="warning", grammar_compile_timeout=args.grammar_compile_timeout)
+    caps = hostile_server_args(runaway_compiles=args.hog_and_compile)
+    if args.hostile or args.hog_and_compile:
+        server_args.update(caps)
     with Runtime(model_path=model, startup_timeout=600, client_timeout=600, **server_args) as rt:
         os.environ.pop(ENV_VAR, None)
         print(f"server pid {rt.pid} at {rt.address}; {args.requests} requests ...", flush=True)
-        with HostileRun(rt.address, seed=args.seed) if args.hostile else contextlib.nullcontext() as hostile:
+        tolerated = (*config.expected_abort_reasons, "the request queue is full")
+        load = hostile_load(rt, args, tolerated) if args.hog_and_compile else None
+        with HostileRun(rt.address, seed=args.seed, caps=caps) if args.hostile else contextlib.nullcontext() as hostile, \
+                load if load is not None else contextlib.nullcontext():
             result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())
-        info = rt.client.server_info()
+            if load is not None:
+                load.wait_answered(timeout_s=4 * args.grammar_compile_timeout + 60)
+        info = idle_server_info(rt.client, timeout=120.0)  # the hog's last batch ends once its abort is seen
     summary = result.summary()
     print("soak:", json.dumps(summary), flush=True)
     problems = list(result.problems) + check_records(result.records, config) + accounting_problems(info)
     if hostile is not None:
         problems += hostile.report.problems
+    if load is not None:
+        problems += hostile_load_problems(load.report())
     growth_mib = (result.rss_kib[-1] - result.rss_kib[0]) / 1024
     if growth_mib > args.rss_tolerance_mib:
         problems.append(f"server RSS grew {growth_mib:.1f} MiB (> {args.rss_tolerance_mib} MiB): {summary['rss_mib']}")
@@ -115,7 +153,8 @@ def main() -> int:
               "num_retractions": info["num_retractions"], "num_preemptions": info["num_preemptions"],
               "cache_hit_rate": info["cache_hit_rate"], "num_problems": len(problems), "problems": problems[:50],
               "server_args": server_args, "fault_every": args.fault_every,
-              "hostile_attempts": hostile.report.attempts if hostile is not None else {}}
+              "hostile_attempts": hostile.report.attempts if hostile is not None else {},
+              "hog_and_compile": load.report() if load is not None else {}}
     output_file(args.output).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "server_args")}), flush=True)
     for problem in problems[:20]:

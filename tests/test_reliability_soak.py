@@ -8,6 +8,7 @@ scripts/soak.py runs the same harness with thousands of requests.
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -16,7 +17,8 @@ from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hostile_clients import CASES, HostileRun, hostile_server_args
-from sgl_lite.testing.kv_accounting import accounting_problems
+from sgl_lite.testing.hostile_load import HogPlan, HostileLoad, hostile_load_problems
+from sgl_lite.testing.kv_accounting import accounting_problems, idle_server_info
 from sgl_lite.testing.soak import SoakConfig, run_soak
 from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
 
@@ -96,6 +98,40 @@ def test_soak_beside_hostile_clients(tiny_model):
     assert accounting_problems(info) == []
     growth_mib = (results[-1][1].rss_kib[-1] - results[0][1].rss_kib[0]) / 1024
     assert growth_mib <= RSS_TOLERANCE_MIB, f"server RSS grew {growth_mib:.1f} MiB"
+    records = [rec for _, result in results for rec in result.records]
+    with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
+        refs = reference_outputs(engine, records)
+    assert greedy_mismatches(records, refs) == []
+
+
+def test_soak_beside_a_prefill_hog_and_a_runaway_compile(tiny_model):
+    """A prefill hog and a runaway grammar compile over the server's HTTP API beside the normal clients (issue
+    53's hostile load, scripts/soak.py's default): every request still gets one final message and its greedy
+    output, the hog's batches their answers, each compile its 400 after the timeout, /health its 200s."""
+    results = []
+    with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=120, **SOAK_SERVER_ARGS,
+                 **hostile_server_args(runaway_compiles=True), grammar_compile_timeout=1.0) as rt:
+        info = rt.client.server_info()
+        rng = random.Random(4)
+        hog = HogPlan.for_server(info, streams=1, prompt_tokens=512, max_prompts=4)
+        tolerated = ("the request queue is full", "higher priority")
+        with HostileLoad(rt.url, lambda n: [rng.randrange(info["vocab_size"]) for _ in range(n)], hog=hog,
+                         compile_streams=1, api_key=rt.api_key, tolerated=tolerated) as load:
+            # Soak passes until the compile has been refused and a hog batch answered (the queue's cap may
+            # refuse a batch): at most 8.
+            while len(results) < 8 and not (load.wait_answered(timeout_s=0) and "200" in load.stats["hog"].statuses):
+                config = SoakConfig(num_requests=240, killed_client_processes=0, seed=20 + len(results))
+                results.append((config, run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())))
+        report = load.report()
+        info = idle_server_info(rt.client, timeout=60.0)  # the hog's last batch ends once its abort is seen
+    print("hostile load:", report, "soak passes:", [r.summary() for _, r in results])
+    assert hostile_load_problems(report) == []
+    assert report["hog"]["statuses"].get("200", 0) >= 1 and report["runaway compile"]["answered"] >= 1
+    assert "grammar" in report["runaway compile"]["messages"][0]
+    for config, result in results:
+        assert not result.problems, result.problems[:10]
+        assert check_records(result.records, config) == []
+    assert accounting_problems(info) == []
     records = [rec for _, result in results for rec in result.records]
     with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
         refs = reference_outputs(engine, records)

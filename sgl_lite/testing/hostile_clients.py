@@ -39,9 +39,11 @@ HEADER_TIMEOUT_S = 2.0
 _REPLY_WAIT_S = 60.0
 
 
-def hostile_server_args() -> dict[str, int]:
-    """Runtime flags the hostile cases go past: a short send queue per client, small grammar caps."""
-    return dict(max_queued_replies_per_client=64, max_grammar_chars=4096, max_json_schema_depth=16)
+def hostile_server_args(runaway_compiles: bool = False) -> dict[str, int]:
+    """Runtime flags the hostile cases go past: a short send queue per client, small grammar caps (with
+    `runaway_compiles`, room for hostile_load's runaway regex, which must reach the compiler)."""
+    return dict(max_queued_replies_per_client=64, max_grammar_chars=32 * 1024 if runaway_compiles else 4096,
+                max_json_schema_depth=16)
 
 
 @dataclass
@@ -223,12 +225,13 @@ class HostileRun:
     round under way then. `pause_s` between two cases keeps the hostile load beside the normal one, not
     instead of it."""
 
-    def __init__(self, address: str, api_key: str | None = None, seed: int = 0, pause_s: float = 0.2) -> None:
+    def __init__(self, address: str, api_key: str | None = None, seed: int = 0, pause_s: float = 0.2,
+                 caps: dict[str, int] | None = None) -> None:
         self.report = HostileReport()
         self._client = RuntimeClient(address, api_key=api_key, timeout=120)
         self._http = HttpServerThread(create_app(self._client, api_key=api_key, limits=HOSTILE_LIMITS),
                                       header_timeout_s=HEADER_TIMEOUT_S)
-        caps = hostile_server_args()
+        caps = caps or hostile_server_args()  # the runtime's flags: over-limit cases go just past them
         self.target = HostileTarget(address, self._http.host, self._http.port, api_key,
                                     caps["max_grammar_chars"], caps["max_json_schema_depth"])
         self._rng = random.Random(seed)

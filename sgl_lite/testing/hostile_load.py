@@ -22,6 +22,8 @@ from typing import Any, Awaitable, Callable
 
 import httpx2
 
+from sgl_lite.http.guards.prompt_budget import BatchTokenLimit
+
 # A 24 KB regex, under --max-grammar-chars, whose compile outlasts the default --grammar-compile-timeout.
 RUNAWAY_REGEX = "(a|aa|aaa|aaaa)*" * 1500 + "b<i>"
 _TIMEOUT_S = 600.0
@@ -54,7 +56,36 @@ class HogPlan:
     streams: int  # batches in flight at once
     prompts: int  # per batch
     prompt_tokens: int  # per prompt
+    over_limit_prompts: int = 0  # the batch sent first, which must be refused (0: none)
     max_new_tokens: int = 8
+
+    @classmethod
+    def for_server(cls, info: dict[str, Any], streams: int, prompt_tokens: int, max_prompts: int | None = None) -> HogPlan:
+        """Prompts of `prompt_tokens` (less what the context needs for the output), as many per batch as the
+        server (its server_info) allows one request's prompts, at most `max_prompts`; the over-limit batch
+        has one prompt more than the server allows."""
+        context = int(info["context_length"])
+        prompt_tokens = min(prompt_tokens, context - 2 * cls.max_new_tokens)
+        limit = BatchTokenLimit.of_server(info.get("server_args") or {}, context)
+        allowed = max(1, limit.tokens // prompt_tokens) if limit is not None else 32
+        return cls(streams=streams, prompts=min(allowed, max_prompts or allowed), prompt_tokens=prompt_tokens,
+                   over_limit_prompts=allowed + 1 if limit is not None else 0)
+
+
+def hostile_load_problems(report: dict[str, dict[str, Any]]) -> list[str]:
+    """What a HostileLoad's report shows went wrong: a hog batch not answered 200, the over-limit batch not
+    refused with 400, a runaway compile answered anything but 400 (or never answered), /health not 200;
+    answers the load was told to tolerate are not problems."""
+    expected = {"health": "200", "hog": "200", "hog over the limit": "400", "runaway compile": "400"}
+    problems = []
+    for name, stats in report.items():
+        wrong = {status: n for status, n in stats["statuses"].items()
+                 if status != expected[name] and not status.endswith(" tolerated")}
+        if wrong:
+            problems.append(f"{name}: answers {wrong} (expected {expected[name]}): {stats['messages']}")
+        if not stats["answered"]:
+            problems.append(f"{name}: {stats['sent']} sent, none answered")
+    return problems
 
 
 class HostileLoad:
@@ -62,17 +93,20 @@ class HostileLoad:
     their own thread. `draw_ids(n)`: n random token ids of the served model."""
 
     def __init__(self, url: str, draw_ids: Callable[[int], list[int]], *, hog: HogPlan | None = None,
-                 compile_streams: int = 0, health_every_s: float = 1.0, api_key: str | None = None) -> None:
+                 compile_streams: int = 0, health_every_s: float = 1.0, api_key: str | None = None,
+                 tolerated: tuple[str, ...] = ()) -> None:
         self.url = url.rstrip("/")
         self.draw_ids = draw_ids
         self.hog = hog
         self.compile_streams = compile_streams
         self.health_every_s = health_every_s
+        self.tolerated = tolerated  # error texts counted as "<status> tolerated" (an injected fault's)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.stats: dict[str, StreamStats] = {"health": StreamStats()}
         if hog is not None:
             self.stats["hog"] = StreamStats()
-            self.stats["hog over the limit"] = StreamStats()
+            if hog.over_limit_prompts:
+                self.stats["hog over the limit"] = StreamStats()
         if compile_streams:
             self.stats["runaway compile"] = StreamStats()
         self._loop = asyncio.new_event_loop()
@@ -89,6 +123,16 @@ class HostileLoad:
         if self._main is not None:
             self._loop.call_soon_threadsafe(self._main.cancel)
         self._thread.join(60)
+
+    def wait_answered(self, timeout_s: float) -> bool:
+        """Wait until every stream has had an answer (a short run may end before a runaway compile's
+        refusal); False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while any(not stats.seconds for stats in self.stats.values()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def report(self) -> dict[str, Any]:
         return {name: stats.to_json() for name, stats in self.stats.items()}
@@ -107,7 +151,8 @@ class HostileLoad:
                                       limits=httpx2.Limits(max_connections=None)) as client:
             streams = [self._health(client)]
             if self.hog is not None:
-                streams.append(self._over_limit_batch(client, self.hog))
+                if self.hog.over_limit_prompts:
+                    streams.append(self._over_limit_batch(client, self.hog))
                 streams += [self._hog(client, self.hog) for _ in range(self.hog.streams)]
             streams += [self._runaway_compile(client) for _ in range(self.compile_streams)]
             await asyncio.gather(*streams)
@@ -121,7 +166,10 @@ class HostileLoad:
             stats.record(type(e).__name__, time.perf_counter() - started, str(e))
             return
         ok = response.status_code == 200
-        stats.record(str(response.status_code), time.perf_counter() - started, "" if ok else response.text)
+        status = str(response.status_code)
+        if not ok and any(text in response.text for text in self.tolerated):
+            status += " tolerated"
+        stats.record(status, time.perf_counter() - started, "" if ok else response.text)
 
     def _batch(self, hog: HogPlan, prompts: int) -> dict[str, Any]:
         return {"input_ids": [self.draw_ids(hog.prompt_tokens) for _ in range(prompts)],
@@ -133,7 +181,7 @@ class HostileLoad:
             await self._timed(self.stats["hog"], lambda: client.post(self.url + "/generate", json=body))
 
     async def _over_limit_batch(self, client: httpx2.AsyncClient, hog: HogPlan) -> None:
-        body = self._batch(hog, hog.prompts + 1)
+        body = self._batch(hog, hog.over_limit_prompts)
         await self._timed(self.stats["hog over the limit"], lambda: client.post(self.url + "/generate", json=body))
 
     async def _runaway_compile(self, client: httpx2.AsyncClient) -> None:

@@ -27,18 +27,24 @@ def accounting_problems(info: dict[str, Any]) -> list[str]:
     return problems
 
 
-def assert_idle_without_leaks(runtime: HasServerInfo, timeout: float = 15.0) -> dict[str, Any]:
-    """Poll `runtime.server_info()` until the invariant holds; AssertionError naming what broke it after `timeout` s.
+def idle_server_info(runtime: HasServerInfo, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll `runtime.server_info()` until the invariant holds or `timeout` s pass; the last snapshot.
 
-    Polls because a client sees its reply before the server loop has released the request's slots.
-    Returns the last snapshot.
+    Polls because a client sees its reply before the server loop has released the request's slots (and a
+    request whose client hung up runs until the loop sees the abort).
     """
     deadline = time.monotonic() + timeout
     while True:
         info = runtime.server_info()
-        problems = accounting_problems(info)
-        if not problems:
+        if not accounting_problems(info) or time.monotonic() >= deadline:
             return info
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"runtime not idle or KV slots leaked after {timeout} s: {'; '.join(problems)}")
         time.sleep(0.05)
+
+
+def assert_idle_without_leaks(runtime: HasServerInfo, timeout: float = 15.0) -> dict[str, Any]:
+    """`idle_server_info`, with an AssertionError naming what broke the invariant after `timeout` s."""
+    info = idle_server_info(runtime, timeout)
+    problems = accounting_problems(info)
+    if problems:
+        raise AssertionError(f"runtime not idle or KV slots leaked after {timeout} s: {'; '.join(problems)}")
+    return info
