@@ -1,11 +1,18 @@
 """The grammar compile pool's scheduling (no xgrammar): at most `workers` jobs at once, a free worker goes
-to the client with the fewest compiles running, and a job nobody waits for is cancelled or killed."""
+to the client with the fewest compiles running, and a job nobody waits for is cancelled or killed (its worker
+process too when the kill comes while that process is still being started)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
+import subprocess
 import threading
+import time
+from multiprocessing.connection import Connection
 
 from sgl_lite.runtime.sampling.compile_pool import CompilePool
+from sgl_lite.runtime.sampling.compile_process import CompileCancelled, CompileProcess
 
 
 class BlockingRunner:
@@ -97,3 +104,56 @@ def test_the_client_of_a_request_is_its_connection_as_the_server_keys_it() -> No
 
     assert client_of("0a1b2c/my-rid") == "0a1b2c" and client_of("0a1b2c/a/b") == "0a1b2c"
     assert client_of("in-process-rid") == ""
+
+
+class SlowForkServer:
+    """A fork server whose fork waits for `go`: a worker process (a `sleep`) and its pipe, as the real one gives."""
+
+    def __init__(self) -> None:
+        self.forking, self.go = threading.Event(), threading.Event()
+        self.workers: list[subprocess.Popen] = []
+        self.ends: list[Connection] = []
+
+    def fork(self) -> tuple[int, Connection]:
+        self.forking.set()
+        self.go.wait(10)
+        worker = subprocess.Popen(["sleep", "60"])
+        self.workers.append(worker)
+        ours, theirs = multiprocessing.Pipe()
+        self.ends.append(theirs)
+        return worker.pid, ours
+
+
+def test_a_kill_while_the_worker_is_still_starting_ends_that_worker() -> None:
+    """write_off's kill can come while a job's worker process is still being forked (no pid yet): the compile
+    is cancelled and the new worker ended as soon as it exists (once, it compiled on, for up to its CPU limit)."""
+    server = SlowForkServer()
+    process = CompileProcess(server)  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def compile_one() -> None:
+        try:
+            process.compile("regex", "a+", 60.0)
+        except BaseException as e:  # noqa: BLE001 - what it raised is what the test checks
+            errors.append(e)
+
+    job = threading.Thread(target=compile_one)
+    job.start()
+    assert server.forking.wait(10)
+    process.kill()  # no worker yet
+    server.go.set()
+    job.join(10)
+    assert not job.is_alive() and len(errors) == 1 and isinstance(errors[0], CompileCancelled), errors
+    assert server.workers[0].wait(10) == -signal.SIGKILL and process.pid is None
+    server.go.clear()
+    server.go.set()  # the next job starts a worker of its own, and is not cancelled by the old kill
+    second = threading.Thread(target=compile_one)
+    second.start()
+    deadline = time.monotonic() + 10
+    while len(server.workers) < 2 or process.pid is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.kill()
+    server.ends[1].close()  # what the killed worker's end of the pipe does as it dies
+    second.join(10)
+    assert len(errors) == 2 and isinstance(errors[1], CompileCancelled) and server.workers[1].wait(10) == -signal.SIGKILL

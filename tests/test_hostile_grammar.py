@@ -283,6 +283,10 @@ def test_runaway_compiles_queued_behind_busy_workers_are_refused_as_bad_requests
             assert all(isinstance(e, RuntimeRequestError) and e.code == "bad_request"
                        and "--grammar-compile-timeout 1 s" in e.message for e in errors), errors
         still_serving(server.address)
+        deadline = time.monotonic() + 30
+        while compiling_pids(engine):  # the refused compiles' workers are killed: none is left for the next test
+            assert time.monotonic() < deadline, compiling_pids(engine)
+            time.sleep(0.05)
     finally:
         server.stop()
 

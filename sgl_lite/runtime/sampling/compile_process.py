@@ -128,6 +128,7 @@ class CompileProcess:
         self._pid: int | None = None
         self._conn: Connection | None = None
         self._killed = False
+        self._kill_pending = False  # `kill` came while the compile under way was still starting its worker
         self._closed = False
         self.starts = 0  # how many worker processes this handle started
 
@@ -156,14 +157,20 @@ class CompileProcess:
             # Its worker ended on its own: past the CPU-time limit (SIGXCPU), or crashed on this spec.
             raise ValueError(f"the grammar compile's worker ended: more than {cpu_seconds:g} s of CPU time, "
                              "or a crash on this spec; simplify it (fewer alternatives, less nesting)") from None
+        finally:
+            with self._lock:
+                self._kill_pending = False  # a kill that came once this job's worker was gone: not the next job's
         if reply.error is not None:
             raise ValueError(reply.error)
         assert reply.compiled is not None
         return reply.compiled
 
     def kill(self) -> None:
-        """End the worker now (its compile with it); the next `compile` starts a new one."""
+        """End the worker now (its compile with it); the next `compile` starts a new one. While the compile under
+        way is still starting its worker, that worker is ended as soon as it exists."""
         with self._lock:
+            if self._pid is None and self._conn is None:
+                self._kill_pending = True
             if self._pid is not None and not self._killed:
                 self._killed = True
                 try:
@@ -189,10 +196,15 @@ class CompileProcess:
         with self._lock:
             self._pid, self._conn, self._killed = pid, conn, False
             self.starts += 1
-            closed = self._closed
+            closed, cancelled, self._kill_pending = self._closed, self._kill_pending, False
         if closed:
             self.close()
             raise CompileCancelled("the grammar compile workers are shut down")
+        if cancelled:
+            self.kill()
+            with self._lock:
+                self._forget()
+            raise CompileCancelled("the grammar compile was cancelled")
         return conn
 
     def _forget(self) -> None:
