@@ -65,15 +65,20 @@ def with_a_running_chat(**args) -> tuple[Scheduler, TimedRunner, Req]:
     return sched, runner, chat
 
 
-# ---------------------------------------------------------------- the scheduler
-
-
-def test_beside_a_running_request_a_long_prompts_rounds_shrink_to_the_time_budget() -> None:
+def long_prompt_chunked_beside_a_chat() -> tuple[Scheduler, TimedRunner, Req, Req]:
     sched, runner, chat = with_a_running_chat()
     long = req("long", LONG, 3, seed=2)
     sched.add_request(long)
     for _ in range(6):
         step(sched)
+    return sched, runner, chat, long
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+def test_beside_a_running_request_a_long_prompts_rounds_shrink_to_the_time_budget() -> None:
+    sched, runner, chat, long = long_prompt_chunked_beside_a_chat()
     shorts = [req(f"s{i}", 20, 3, seed=10 + i) for i in range(3)]  # they share the long prompt's rounds
     for r in shorts:
         sched.add_request(r)
@@ -88,11 +93,7 @@ def test_beside_a_running_request_a_long_prompts_rounds_shrink_to_the_time_budge
 
 
 def test_a_round_that_takes_in_a_short_request_holds_the_chunk_to_its_floor() -> None:
-    sched, runner, chat = with_a_running_chat()
-    long = req("long", LONG, 3, seed=2)
-    sched.add_request(long)
-    for _ in range(6):
-        step(sched)
+    sched, runner, chat, long = long_prompt_chunked_beside_a_chat()
     assert sched.chunked_req is long
     short = req("short", 20, 3, seed=10)
     sent = runner.clock.now
