@@ -26,7 +26,7 @@ from sgl_lite.runtime.server_args import ServerArgs
 
 PROGRESS_BAR_MIN = 32
 # While only grammar compiles or disk-tier loads are pending, the loop waits this long between looks instead of
-# spinning: a spinning loop holds the GIL their threads need (a tier load ran ten times slower).
+# spinning: a spinning loop holds the GIL their threads need.
 IDLE_WAIT_S = 0.002
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 logger = logging.getLogger(__name__)

@@ -47,8 +47,8 @@ ROOT_NAME = "root"  # a partial first block's parent in its file name (its key i
 
 def checksum(payload: memoryview) -> int:
     """The payload's little-endian 64-bit words summed modulo 2**64 (a short tail padded with zeros to a word): one
-    vectorized pass on the calling thread (numpy: no OpenMP team to fight the forward's for the cores), several
-    times zlib's CRC-32. It catches a flipped bit, a zeroed or foreign page, a shifted payload; unlike a CRC it
+    vectorized pass on the calling thread (numpy: no OpenMP team to fight the forward's for the cores), cheaper
+    than a CRC. It catches a flipped bit, a zeroed or foreign page, a shifted payload; unlike a CRC it
     misses words swapped in place, which no disk or torn write produces."""
     whole = len(payload) // 8
     total = int(np.frombuffer(payload, dtype="<u8", count=whole).sum(dtype=np.uint64)) if whole else 0
