@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -46,7 +45,7 @@ from sgl_lite.runtime import protocol  # noqa: E402
 from sgl_lite.runtime.model_executor.fault_injection import ENV_VAR  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
 from sgl_lite.testing.hostile_clients import HostileRun, hostile_server_args  # noqa: E402
-from sgl_lite.testing.hostile_load import HogPlan, HostileLoad, hostile_load_problems  # noqa: E402
+from sgl_lite.testing.hostile_load import hostile_load_problems, soak_load  # noqa: E402
 from sgl_lite.testing.kv_accounting import accounting_problems, idle_server_info  # noqa: E402
 from sgl_lite.testing.soak import SoakConfig, run_soak  # noqa: E402
 from sgl_lite.testing.soak_checks import (  # noqa: E402
@@ -77,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rss-every", type=int, default=1000, help="Sample the server's RSS after every N requests.")
     p.add_argument("--rss-tolerance-mib", type=float, default=None,
                    help="Default 16, or 32 with --hog-and-compile: beside the hog the server's RSS rises by steps to a "
-                        "plateau of 9-23 MiB whatever the number of requests (docs/safety.md).")
+                        "plateau that does not grow with the number of requests (docs/safety.md).")
     p.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=True,
                    help="Run the hostile clients beside the normal ones (default: yes).")
     p.add_argument("--hog-and-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -89,16 +88,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=artifact_path("soak_report.json"))
     return p.parse_args()
-
-
-def hostile_load(rt: Runtime, args: argparse.Namespace, tolerated: tuple[str, ...]) -> HostileLoad:
-    """A hog of one batch in flight and one runaway compile, over the server's HTTP API, random prompt ids."""
-    info = rt.client.server_info()
-    rng = random.Random(args.seed)
-    vocab_size = int(info["vocab_size"])
-    hog = HogPlan.for_server(info, streams=1, prompt_tokens=args.context_length, max_prompts=args.hog_prompts)
-    return HostileLoad(rt.url, lambda n: [rng.randrange(vocab_size) for _ in range(n)], hog=hog,
-                       compile_streams=1, api_key=rt.api_key, tolerated=tolerated)
 
 
 def main() -> int:
@@ -126,7 +115,8 @@ def main() -> int:
         os.environ.pop(ENV_VAR, None)
         print(f"server pid {rt.pid} at {rt.address}; {args.requests} requests ...", flush=True)
         tolerated = (*config.expected_abort_reasons, "the request queue is full")
-        load = hostile_load(rt, args, tolerated) if args.hog_and_compile else None
+        load = soak_load(rt.url, rt.client.server_info(), max_prompts=args.hog_prompts, seed=args.seed,
+                         api_key=rt.api_key, tolerated=tolerated) if args.hog_and_compile else None
         with HostileRun(rt.address, seed=args.seed, caps=caps) if args.hostile else contextlib.nullcontext() as hostile, \
                 load if load is not None else contextlib.nullcontext():
             result = run_soak(rt.address, config, server_pid=rt.pid, child_env=_child_env())

@@ -8,7 +8,6 @@ scripts/soak.py runs the same harness with thousands of requests.
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
@@ -17,7 +16,7 @@ from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime.client import RuntimeClient
 from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hostile_clients import CASES, HostileRun, hostile_server_args
-from sgl_lite.testing.hostile_load import HogPlan, HostileLoad, hostile_load_problems
+from sgl_lite.testing.hostile_load import hostile_load_problems, soak_load
 from sgl_lite.testing.kv_accounting import accounting_problems, idle_server_info
 from sgl_lite.testing.soak import SoakConfig, run_soak
 from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
@@ -111,12 +110,9 @@ def test_soak_beside_a_prefill_hog_and_a_runaway_compile(tiny_model):
     results = []
     with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=120, **SOAK_SERVER_ARGS,
                  **hostile_server_args(runaway_compiles=True), grammar_compile_timeout=1.0) as rt:
-        info = rt.client.server_info()
-        rng = random.Random(4)
-        hog = HogPlan.for_server(info, streams=1, prompt_tokens=512, max_prompts=4)
         tolerated = ("the request queue is full", "higher priority")
-        with HostileLoad(rt.url, lambda n: [rng.randrange(info["vocab_size"]) for _ in range(n)], hog=hog,
-                         compile_streams=1, api_key=rt.api_key, tolerated=tolerated) as load:
+        with soak_load(rt.url, rt.client.server_info(), max_prompts=4, seed=4, api_key=rt.api_key,
+                       tolerated=tolerated) as load:
             # Soak passes until the compile has been refused and a hog batch answered (the queue's cap may
             # refuse a batch): at most 8.
             while len(results) < 8 and not (load.wait_answered(timeout_s=0) and "200" in load.stats["hog"].statuses):

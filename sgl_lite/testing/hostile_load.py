@@ -15,6 +15,7 @@ the front aborts a request whose client hung up.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,18 @@ class HogPlan:
         allowed = max(1, limit.tokens // prompt_tokens) if limit is not None else 32
         return cls(streams=streams, prompts=min(allowed, max_prompts or allowed), prompt_tokens=prompt_tokens,
                    over_limit_prompts=allowed + 1 if limit is not None else 0)
+
+
+def soak_load(url: str, info: dict[str, Any], *, max_prompts: int, seed: int, api_key: str | None = None,
+              tolerated: tuple[str, ...] = ()) -> HostileLoad:
+    """The soak's hostile load (scripts/soak.py, tests/test_reliability_soak.py): one hog batch in flight, of
+    `max_prompts` prompts as long as the context allows, random ids of the served vocabulary, and one runaway
+    compile, against the server (its server_info `info`) at `url`."""
+    rng = random.Random(seed)
+    vocab_size = int(info["vocab_size"])
+    hog = HogPlan.for_server(info, streams=1, prompt_tokens=int(info["context_length"]), max_prompts=max_prompts)
+    return HostileLoad(url, lambda n: [rng.randrange(vocab_size) for _ in range(n)], hog=hog, compile_streams=1,
+                       api_key=api_key, tolerated=tolerated)
 
 
 def hostile_load_problems(report: dict[str, dict[str, Any]]) -> list[str]:
