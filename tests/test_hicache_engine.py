@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -235,5 +236,42 @@ def test_a_returning_session_loads_its_partial_last_block_and_a_diverging_one_do
         # request's partial block at the same place stays.
         diverging_kv = len(diverging) + GREEDY["max_new_tokens"] - 1
         assert [n for _, n in engine.core.tier.store.partials(block_keys(turn_kv, block_tokens=64)[3])] == [diverging_kv - 256]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)  # before the fix each load waited on the other's hold for ever
+def test_two_loads_that_each_fit_only_without_the_others_hold_both_finish(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two returning sessions share a system prompt the tree still holds and arrive together: each one's hold
+    locks the system prompt while its load reads, and each load fits half the pool beside queued requests' holds
+    but not beside the other load's hold. Holds of requests still loading are not released by admitting anyone,
+    so neither load may wait on the other."""
+    rng = random.Random(5)
+    system = [rng.randrange(5, 300) for _ in range(128)]
+    sessions = [system + [rng.randrange(5, 300) for _ in range(392)] for _ in range(2)]
+    others = [system + [rng.randrange(5, 300) for _ in range(300)] for _ in range(2)]
+    want = Engine(model_path=str(tiny_llama_dir), **{**POOL, "max_total_tokens": 4096})
+    expected = [want.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in sessions]
+    want.shutdown()
+    engine = tier_engine(tiny_llama_dir, tmp_path)
+    core = engine.core
+    try:
+        for p in sessions + others:  # the sessions' own tokens are evicted to disk; the system prompt stays
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        core.tier.drain()
+        reqs = [core.make_req(f"s{i}", None, ids, GREEDY) for i, ids in enumerate(sessions)]
+        for req in reqs:
+            core.submit(req)
+        assert len(core.scheduler.tier_loads) == 2 and core.scheduler.kv.held_tokens == 2 * len(system)
+        deadline = time.monotonic() + 30
+        while not all(r.finished for r in reqs) and time.monotonic() < deadline:
+            if core.has_ready_work():
+                core.step()
+            else:
+                time.sleep(0.002)  # the reads run on the tier's thread
+        assert [r.output_ids for r in reqs] == expected
+        assert min(r.tier_loaded_tokens for r in reqs) > 0
+        core.check_invariant()
+        assert core.scheduler.stats()["slots_protected"] == 0
     finally:
         engine.shutdown()

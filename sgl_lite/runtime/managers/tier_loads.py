@@ -7,7 +7,10 @@ as any allocation does), the blocks' KV copied in, the tokens inserted into the 
 node; the request then joins the queue and matches the whole prefix like any other. Admission drops the hold
 once its own lock is taken (`ReqKV.start`); an abort drops it here. Loads that cannot start (staging full) wait
 their turn in arrival order; a load that fails, or cannot find room while nothing else runs, is dropped and the
-request computes its prefix as it would without the tier.
+request computes its prefix as it would without the tier (a load with no room lets go of its hold too, since
+other loads' holds may be what fills the pool). Installed prefixes waiting for admission hold at most half the
+pool between them, so admission always has room; holds of requests still loading are not counted there, as no
+admission releases them.
 
 Holds are tree locks: the slot accounting (req_kv.py) counts them as protected tokens, and an idle scheduler
 holds none.
@@ -99,17 +102,20 @@ class TierLoads:
         count = end - match.length
         if count <= 0:
             return 0
-        # Loaded prefixes wait for admission locked; other requests' may take half the pool, so admission always
-        # has room (they are queued: admitting them releases theirs).
-        others_held = self.kv.held_tokens - (req.tier_hold.depth if req.tier_hold is not None else 0)
-        if others_held and others_held + count > self.kv.num_slots // 2:
+        # Loaded prefixes wait for admission locked; the queued requests' may take half the pool, so admission
+        # always has room (admitting them releases theirs). Holds of requests still loading do not count: no
+        # admission releases them, so two loads waiting on each other's holds would wait for ever.
+        queued_held = self.kv.held_tokens - sum(r.tier_hold.depth for r in self.loading if r.tier_hold is not None)
+        if queued_held and queued_held + count > self.kv.num_slots // 2:
             return None
         tree.inc_lock_ref(match.last_node)  # the part matched beyond the hold must survive the eviction below
         try:
             if not self.kv.ensure_free(count):
                 if self.others_running():
                     return None
+                # Nothing running will make room: loading holds may lock what is left, so this one lets go too.
                 logger.info("hierarchical cache: no room for %d loaded tokens of %s; they are recomputed", count, req.rid)
+                self.kv.release_hold(req)
                 return 0
             slots = self.kv.allocator.alloc(count)
             assert slots is not None, "ensure_free promised the room"
