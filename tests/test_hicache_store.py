@@ -140,7 +140,9 @@ def pool_bits(pool: KVPool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dst", [[30, 31, 32, 34, 35, 36, 37, 38], [30, 31, 32, 33, 34, 35, 36, 37]],
+                         ids=["runs_and_gaps", "one_run"])
+def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype, dst: list[int]) -> None:
     pool = random_pool(dtype)
     src = torch.tensor([3, 9, 1, 20, 33, 2, 8, 4, 17, 11, 12])  # two whole blocks and a partial one of 3 tokens
     blocks = gather_blocks(pool, src[:8], B)
@@ -148,7 +150,7 @@ def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype) -> None:
     tail = gather_blocks(pool, src[8:], 3)[0]
     assert tail.shape == (2, 2, 3, 3, 8)
     before = pool_bits(pool)
-    dst = torch.tensor([30, 31, 32, 34, 35, 36, 37, 38])
+    dst = torch.tensor(dst)
     scatter_blocks(pool, [*blocks, tail], 3, dst)  # tokens 3..10: the end of block 0, block 1, the partial block
     after = pool_bits(pool)
     others = torch.ones(41, dtype=torch.bool)

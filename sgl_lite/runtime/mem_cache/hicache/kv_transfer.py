@@ -57,9 +57,21 @@ def scatter_blocks(pool: KVPool, blocks: list[torch.Tensor], skip: int, slots: t
     for block in blocks:
         first, end = max(skip - start, 0), min(skip + slots.numel() - start, block.shape[2])
         if first < end:
+            run = consecutive_start(slots[written : written + end - first])
             rows = index[written : written + end - first]
             for layer in range(pool.num_layers):
                 for side, cache in enumerate((pool.k[layer], pool.v[layer])):
-                    storage_view(cache).index_copy_(0, rows, block[layer, side, first:end].to(device))
+                    src = block[layer, side, first:end].to(device)
+                    if run is None:
+                        storage_view(cache).index_copy_(0, rows, src)
+                    else:  # a plain copy into one range of rows: about twice the row scatter's rate
+                        storage_view(cache).narrow(0, run, end - first).copy_(src)
             written += end - first
         start += block.shape[2]
+
+
+def consecutive_start(slots: torch.Tensor) -> int | None:
+    """The first slot when `slots` are consecutive ascending (freed runs come back whole), else None."""
+    slots = slots.cpu()
+    base = int(slots[0])
+    return base if torch.equal(slots, torch.arange(base, base + slots.numel(), dtype=slots.dtype)) else None
