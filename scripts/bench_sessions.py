@@ -262,6 +262,12 @@ def main() -> None:
     for r in results:
         print(f"| {r['system']} | {r['returning_ttft_p50_s']:.2f} s | {r['returning_ttft_p95_s']:.2f} s | "
               f"{r['after_restart_ttft_p50_s']:.2f} s | {r['storage_tokens']} | {r['throughput_tok_s']:.0f} |")
+    for r in results:
+        tier = r.get("hicache") or {}
+        if loads := tier.get("hicache_loads_total"):
+            print(f"{r['system']}, the restarted server's {loads} loads: {tier['hicache_load_seconds_total'] / loads:.3f} s "
+                  f"each from start to KV in the pool, of which reading {tier['hicache_load_read_seconds_total'] / loads:.3f} s "
+                  f"and copying into the pool {tier['hicache_load_copy_seconds_total'] / loads:.3f} s")
     by_name = dict(zip(names, results))
     tier_on = [n for n in names if n in ("write_through", "write_back")]
     ratios = {SYSTEMS[n]: advantage(by_name["off"], by_name[n]) for n in tier_on if "off" in by_name}

@@ -62,11 +62,14 @@ def test_spilled_and_reloaded_kv_gives_the_same_tokens_and_survives_a_restart(
     stats = engine.core.server_info()
     assert stats["hicache_loaded_tokens_total"] >= 5 * 256 and stats["hicache_disk_blocks"] >= 5 * 4
     assert stats["slots_protected"] == 0
+    for part in ("hicache_load_read_seconds_total", "hicache_load_copy_seconds_total"):  # parts of each load's time
+        assert 0 < stats[part] < stats["hicache_load_seconds_total"], (part, stats)
     metrics = SglangMetrics()
     metrics.update(stats, "tiny")
     samples = {s.name: s.value for family in metrics.collect() for s in family.samples}
     assert samples["sglang:hicache_loaded_tokens_total"] == stats["hicache_loaded_tokens_total"]
     assert samples["sglang:hicache_disk_bytes"] == stats["hicache_disk_bytes"] > 0
+    assert samples["sglang:hicache_load_copy_seconds_total"] == stats["hicache_load_copy_seconds_total"]
     engine.shutdown()
 
     restarted = tier_engine(tiny_llama_dir, tmp_path, hicache_write_policy=policy)

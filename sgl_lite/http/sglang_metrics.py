@@ -62,6 +62,8 @@ _RUNTIME_COUNTERS = {
     "hicache_write_dropped_tokens_total": ("hicache_write_dropped_tokens", "Number of tokens not written to the disk tier because its write backlog was full."),
     "hicache_loads_total": ("hicache_loads", "Number of prefix loads from the disk tier."),
     "hicache_load_seconds_total": ("hicache_load_seconds", "Seconds from the start of each prefix load to its KV in the pool, summed."),
+    "hicache_load_read_seconds_total": ("hicache_load_read_seconds", "Seconds the disk tier's read thread spent reading and checking the blocks of installed loads, summed."),
+    "hicache_load_copy_seconds_total": ("hicache_load_copy_seconds", "Seconds spent copying the blocks of installed loads into the KV pool, summed."),
     "hicache_io_errors_total": ("hicache_io_errors", "Number of disk tier reads and writes that failed (their tokens recomputed)."),
 }
 

@@ -19,6 +19,7 @@ holds none.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -119,7 +120,9 @@ class TierLoads:
                 return 0
             slots = self.kv.allocator.alloc(count)
             assert slots is not None, "ensure_free promised the room"
+            started = time.perf_counter()
             scatter_blocks(self.tier.pool, ticket.blocks, match.length - ticket.start, slots)
+            ticket.copy_seconds = time.perf_counter() - started
             cached = tree.insert(key, torch.cat((match.slots, slots)))
             assert cached == match.length, "the tree changed between the match and the insert"
             self.kv.hold(req, tree.match_prefix(key).last_node)

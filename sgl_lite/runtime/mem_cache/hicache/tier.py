@@ -59,6 +59,8 @@ class LoadTicket:
     blocks: list[torch.Tensor] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    read_seconds: float = 0.0  # the read thread's time on it (reading and checking the blocks)
+    copy_seconds: float = 0.0  # the scheduler's time copying it into the pool
 
     @property
     def loaded_end(self) -> int:
@@ -89,6 +91,8 @@ class KVTier:
         self.loaded_tokens = 0
         self.loads = 0
         self.load_seconds = 0.0
+        self.read_seconds = 0.0
+        self.copy_seconds = 0.0
 
     # ------------------------------------------------------------------ writes
 
@@ -178,6 +182,7 @@ class KVTier:
         return ticket
 
     def _read(self, ticket: LoadTicket) -> None:
+        started = time.perf_counter()
         try:
             dtype = storage_dtype(self.pool)
             for key, tokens in zip(ticket.keys, ticket.tokens):
@@ -191,6 +196,7 @@ class KVTier:
         except Exception:  # never leave a ticket undone: the scheduler would wait for it forever
             logger.exception("hierarchical cache: a load failed; its tokens are recomputed")
         finally:
+            ticket.read_seconds = time.perf_counter() - started
             ticket.done.set()
 
     def finish_load(self, ticket: LoadTicket, installed_tokens: int) -> None:
@@ -201,6 +207,8 @@ class KVTier:
                 self.loads += 1
                 self.loaded_tokens += installed_tokens
                 self.load_seconds += time.perf_counter() - ticket.started
+                self.read_seconds += ticket.read_seconds
+                self.copy_seconds += ticket.copy_seconds
         ticket.blocks = []
 
     # ------------------------------------------------------------------ lifetime and stats
@@ -222,5 +230,7 @@ class KVTier:
             "hicache_loaded_tokens_total": self.loaded_tokens,
             "hicache_loads_total": self.loads,
             "hicache_load_seconds_total": self.load_seconds,
+            "hicache_load_read_seconds_total": self.read_seconds,
+            "hicache_load_copy_seconds_total": self.copy_seconds,
             "hicache_io_errors_total": self.store.io_errors,
         }
