@@ -9,6 +9,7 @@ scripts/soak.py runs the same harness with thousands of requests.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from sgl_lite.runtime.server.engine import Engine
 from sgl_lite.testing.hostile_clients import CASES, HostileRun, hostile_server_args
 from sgl_lite.testing.hostile_load import hostile_load_problems, soak_load
 from sgl_lite.testing.kv_accounting import accounting_problems, idle_server_info
-from sgl_lite.testing.soak import SoakConfig, run_soak
+from sgl_lite.testing.soak import SoakConfig, _Progress, _report_stall, run_soak
 from sgl_lite.testing.soak_checks import check_records, greedy_mismatches, reference_outputs
 
 pytestmark = pytest.mark.timeout(600)
@@ -152,3 +153,26 @@ def test_soak_with_the_disk_tier_and_failing_disk_io(tiny_model, tmp_path, monke
     with Engine(model_path=tiny_model, dtype="float32", device="cpu", context_length=512, max_total_tokens=16384) as engine:
         refs = reference_outputs(engine, result.records)
     assert greedy_mismatches(result.records, refs) == []
+
+
+def test_a_soak_whose_requests_stop_finishing_reports_what_the_server_holds(tiny_model):
+    """A stalled server shows in a soak as a problem naming its queues and slots, printed as soon as the stall
+    lasts stall_report_s (before, it showed only as clients waiting up to pytest's timeout); requests that keep
+    finishing reset the clock."""
+    with Runtime(model_path=tiny_model, startup_timeout=180, **SOAK_SERVER_ARGS) as rt:
+        stop = threading.Event()
+        moving, stalled = _Progress(50, None, 1), _Progress(50, None, 1)
+        reports: dict[str, list[str]] = {"moving": [], "stalled": []}
+        threads = [threading.Thread(target=_report_stall, args=(rt.address, None, progress, 1.5, stop, reports[name]))
+                   for name, progress in (("moving", moving), ("stalled", stalled))]
+        for t in threads:
+            t.start()
+        for _ in range(16):  # 4 s: one request done every 0.25 s
+            time.sleep(0.25)
+            moving.one_done()
+        threads[1].join(10)
+        stop.set()
+        threads[0].join(5)
+    assert reports["moving"] == []
+    assert len(reports["stalled"]) == 1, reports
+    assert "(0 of 50 done)" in reports["stalled"][0] and "'num_waiting': 0" in reports["stalled"][0], reports

@@ -14,9 +14,6 @@ import os
 import queue
 import random
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,6 +24,7 @@ import zmq
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError, use_api_key
+from sgl_lite.testing.killed_clients import kill_client_processes
 
 _WORDS = ("the quick brown fox jumps over lazy dog journey of thousand miles begins with single step "
           "what is capital France Paris Berlin Germany thought should call tool action search weather "
@@ -56,6 +54,9 @@ class SoakConfig:
     # A request may wait long (static priorities let a low one starve while urgent ones keep coming),
     # but it must get its final message before this many seconds after the last request was sent.
     drain_timeout: float = 900.0
+    # No request finished for this long while some wait: a stalled server. The soak prints the server's stats and
+    # records a problem (a stall otherwise shows only as its clients waiting, up to drain_timeout).
+    stall_report_s: float = 120.0
     rss_checkpoints: int = 3  # RSS samples after each 1/n of the requests
     # Aborts the client did not ask for are problems unless their message holds one of these.
     expected_abort_reasons: tuple[str, ...] = ("higher priority",)
@@ -328,43 +329,24 @@ def _api_worker(address: str, api_key: str | None, tasks: queue.Queue, progress:
         client.close()
 
 
-_KILLED_CLIENT = (
-    "import sys\n"
-    "from sgl_lite.runtime.client import RuntimeClient\n"
-    "c = RuntimeClient(sys.argv[1], api_key=sys.argv[2] or None, timeout=600)\n"
-    "params = {'max_new_tokens': 200, 'temperature': 0.0, 'ignore_eos': True}\n"
-    "while True:\n"
-    "    try:\n"
-    "        stream = c.generate_stream(sys.argv[3], sampling_params=params, priority=100)\n"
-    "        next(stream)\n"
-    "        break\n"
-    "    except Exception:\n"
-    "        pass  # queue full: try again\n"
-    "print('streaming', flush=True)\n"
-    "for _ in stream:\n"
-    "    pass\n"
-)
-
-
-def _kill_client_processes(address: str, api_key: str | None, count: int, env: dict[str, str],
-                           stop: threading.Event, rng: random.Random, killed: list[int]) -> None:
-    """Start `count` streaming client processes one after another and SIGKILL each mid-stream."""
-    for _ in range(count):
-        if stop.wait(rng.uniform(0.5, 3.0)):
+def _report_stall(address: str, api_key: str | None, progress: _Progress, after_s: float, stop: threading.Event,
+                  problems: list[str]) -> None:
+    """Once no request has finished for `after_s` while some remain, print the server's queues, slots and tier."""
+    done, since = progress.done, time.monotonic()
+    while not stop.wait(1.0):
+        if progress.done != done:
+            done, since = progress.done, time.monotonic()
+        elif time.monotonic() - since >= after_s:
+            try:
+                with RuntimeClient(address, api_key=api_key, timeout=10) as client:
+                    info = client.server_info()
+                state: Any = {k: v for k, v in info.items() if k.startswith(("num_", "slots_", "hicache_"))}
+            except Exception as e:  # the stall may be the server's death: say so instead
+                state = f"no answer ({e})"
+            message = f"no request finished for {after_s:g} s ({done} of {progress.total} done); the server: {state}"
+            print(f"soak: {message}", flush=True)
+            problems.append(message)
             return
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(20))
-        proc = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, address, api_key or "", prompt],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        watchdog = threading.Timer(120.0, proc.kill)  # never wait forever for it to start streaming
-        watchdog.start()
-        try:
-            assert proc.stdout is not None
-            if proc.stdout.readline().strip() == "streaming":
-                killed.append(proc.pid)
-        finally:
-            watchdog.cancel()
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
 
 
 def run_soak(address: str, config: SoakConfig, *, server_pid: int | None = None, api_key: str | None = None,
@@ -386,12 +368,13 @@ def run_soak(address: str, config: SoakConfig, *, server_pid: int | None = None,
                for w in range(config.raw_workers)]
     threads += [threading.Thread(target=_api_worker, args=(address, api_key, api_tasks, progress), name=f"soak-api-{w}")
                 for w in range(config.api_workers)]
-    killer = threading.Thread(target=_kill_client_processes,
+    killer = threading.Thread(target=kill_client_processes,
                               args=(address, api_key, config.killed_client_processes, child_env or dict(os.environ),
-                                    stop, random.Random(config.seed + 2), killed))
-    for t in threads:
+                                    stop, random.Random(config.seed + 2), killed, _WORDS))
+    reporter = threading.Thread(target=_report_stall, args=(address, api_key, progress, config.stall_report_s, stop,
+                                                           problems), daemon=True)
+    for t in (*threads, killer, reporter):
         t.start()
-    killer.start()
     for t in threads:
         t.join()
     stop.set()
