@@ -52,12 +52,12 @@ def scatter_blocks(pool: KVPool, blocks: list[torch.Tensor], skip: int, slots: t
     if skip < 0 or skip + slots.numel() > total:
         raise ValueError(f"scatter_blocks: tokens [{skip}, {skip + slots.numel()}) outside the blocks' {total}")
     device = pool.k[0].device
-    index = slots.to(device)
+    index, host_slots = slots.to(device), slots.cpu()  # host_slots: the runs are found without a device sync
     start, written = 0, 0  # where this block starts among the blocks' tokens; slots filled so far
     for block in blocks:
         first, end = max(skip - start, 0), min(skip + slots.numel() - start, block.shape[2])
         if first < end:
-            run = consecutive_start(slots[written : written + end - first])
+            run = consecutive_start(host_slots[written : written + end - first])
             rows = index[written : written + end - first]
             for layer in range(pool.num_layers):
                 for side, cache in enumerate((pool.k[layer], pool.v[layer])):
@@ -71,7 +71,6 @@ def scatter_blocks(pool: KVPool, blocks: list[torch.Tensor], skip: int, slots: t
 
 
 def consecutive_start(slots: torch.Tensor) -> int | None:
-    """The first slot when `slots` are consecutive ascending (freed runs come back whole), else None."""
-    slots = slots.cpu()
+    """The first slot when `slots` (on the CPU) are consecutive ascending (freed runs come back whole), else None."""
     base = int(slots[0])
     return base if torch.equal(slots, torch.arange(base, base + slots.numel(), dtype=slots.dtype)) else None
