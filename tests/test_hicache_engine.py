@@ -278,3 +278,26 @@ def test_two_loads_that_each_fit_only_without_the_others_hold_both_finish(tiny_l
         assert core.scheduler.stats()["slots_protected"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_chunked_prompt_whose_kv_passes_the_write_backlog_is_stored_whole(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """write_through with a prompt prefilled in chunks writes each chunk's blocks as it goes: a prompt whose KV
+    is over the tier's write backlog bound (here 8 blocks; a long context of a 1-2B model passes the default) is
+    all on disk when it leaves, not cut at the bound, and a restarted server loads all of it."""
+    prompt = prompts(1, length=1200, seed=7)[0]
+    engine = tier_engine(tiny_llama_dir, tmp_path, max_total_tokens=2048)
+    try:
+        tier = engine.core.tier
+        tier.max_staged_bytes = 8 * tier.block_bytes
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        tier.drain()
+        assert engine.core.server_info()["hicache_write_dropped_tokens_total"] == 0
+    finally:
+        engine.shutdown()
+    restarted = tier_engine(tiny_llama_dir, tmp_path, max_total_tokens=2048)
+    try:
+        out = restarted.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["output_ids"] == first["output_ids"]
+        assert storage_tokens([out]) == [1200 // 64 * 64]
+    finally:
+        restarted.shutdown()

@@ -10,7 +10,8 @@ slot is free or in the tree. So at any time:
 
 With the disk tier (`--enable-hierarchical-cache`, mem_cache/hicache/) the KV also goes to disk: with
 write_through when a request leaves with KV the tree keeps (a finished turn, which the conversation's next
-turn extends; prefill-only hints are not written), with write_back when the tree evicts it. Either way a block
+turn extends; prefill-only hints are not written) and, for a prompt prefilled in chunks, its whole blocks after
+each chunk; with write_back when the tree evicts it. Either way a block
 already stored is not written again.
 """
 
@@ -71,10 +72,8 @@ class ReqKV:
         self.release_hold(req)
         if req.req_pool_idx is None:
             return
-        if self.tier is not None and self.tier.write_policy == "write_through" and req.wants_sampling \
-                and not self.tree_cache.disable:
-            row = self.req_to_token.table[req.req_pool_idx]
-            self.tier.write(req.fill_ids[: req.kv_len], row[: req.kv_len])
+        if self._writes_through(req):
+            self._write_through(req, req.kv_len)
         self.tree_cache.cache_finished_req(req)
         if req.session_pin is not None and req.finished and req.kv_len and not self.tree_cache.disable:
             # The tree holds all kv_len tokens now: the match ends exactly at their last node.
@@ -82,6 +81,22 @@ class ReqKV:
             self.tree_cache.pins.pin(req.session_pin.id, node, req.session_pin.idle_timeout_s)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    def write_chunk(self, req: Req) -> None:
+        """write_through, a prompt prefilled in chunks: the whole blocks computed so far go to disk after each
+        chunk, so its writes keep pace with its prefill instead of waiting, all of them at once, for the request to
+        leave (the tier drops what passes its backlog's bound; a long prompt's KV alone can pass it)."""
+        if self._writes_through(req):
+            self._write_through(req, req.kv_len // self.tier.block_tokens * self.tier.block_tokens)  # type: ignore[union-attr]
+
+    def _writes_through(self, req: Req) -> bool:
+        return self.tier is not None and self.tier.write_policy == "write_through" and req.wants_sampling \
+            and not self.tree_cache.disable and req.req_pool_idx is not None
+
+    def _write_through(self, req: Req, length: int) -> None:
+        if length:
+            row = self.req_to_token.table[req.req_pool_idx]
+            self.tier.write(req.fill_ids[:length], row[:length])  # type: ignore[union-attr]
 
     def unpin_session(self, key: str) -> bool:
         """The session `key` ended: its prefix is evicted like any other from now on (False: it had no pin)."""

@@ -246,6 +246,7 @@ class PrefillScheduling(_Base):
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.kv_len < req.seq_len:
                 self.kv.tree_cache.cache_unfinished_req(req, borrowed)
+                self.kv.write_chunk(req)
                 self.chunked_req = req
                 continue
             # The prompt goes into the tree now (as in SGLang), so requests arriving while this one
