@@ -243,7 +243,8 @@ def main() -> None:
     model_dir = resolve_model_path(args.model)
     pool = max(args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps + 2)) + 64
     runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu", attention_backend="torch_native",
-                                    max_total_tokens=pool, max_running_requests=max(batch_sizes) + 1), model_dir=model_dir)
+                                    max_total_tokens=pool, max_running_requests=max(batch_sizes) + 1), model_dir=model_dir,
+                         keep_dense_weights=True)  # the +onednn variant may call F.linear on them
     variants = [Variant(runner, spec) for spec in args.variants.split(",")]
     ours = RunnerBench(runner)
     ref = None if args.skip_transformers else TransformersBench(model_dir, runner.dtype)

@@ -70,9 +70,9 @@ class Driver:
         return [r.output_ids[:num_new] for r in reqs]
 
 
-def make_runner(path: Path, dtype: str = "float32", max_total_tokens: int = 4096) -> ModelRunner:
+def make_runner(path: Path, dtype: str = "float32", max_total_tokens: int = 4096, keep_dense_weights: bool = False) -> ModelRunner:
     args = ServerArgs(model_path=str(path), dtype=dtype, device="cpu", max_total_tokens=max_total_tokens, max_running_requests=16)
-    return ModelRunner(args, model_dir=path)
+    return ModelRunner(args, model_dir=path, keep_dense_weights=keep_dense_weights)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama3_rope", "untied"])
@@ -237,7 +237,7 @@ def test_bf16_packed_weights_match_plain_linear(tiny_llama_dir):
     if not cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN bf16 linear in this torch build")
     path = tiny_llama_dir
-    runner = make_runner(path, dtype="bfloat16")
+    runner = make_runner(path, dtype="bfloat16", keep_dense_weights=True)
     assert runner.packed_weights
     ids = prompts(runner.vocab_size, [9], seed=6)[0]
 
@@ -257,3 +257,25 @@ def test_bf16_packed_weights_match_plain_linear(tiny_llama_dir):
         layer.packed = dict.fromkeys(layer.packed)
     runner.model.packed_lm_head = None
     assert torch.allclose(torch.tensor(packed), torch.tensor(logprobs()), atol=1e-2)
+
+
+def test_the_runtime_frees_the_weights_its_packed_forms_make_unread(tiny_llama_dir):
+    """A weight whose packed forms take every call is only its shape in the runtime's model (a meta tensor: a
+    call that reached it would fail, not read garbage); the tokens are those of a runner that kept it."""
+    from sgl_lite.runtime.layers.linear import reads_dense_weight
+
+    ids = prompts(256, [40, 7], seed=8)
+
+    def greedy(runner: ModelRunner) -> list[list[int]]:
+        driver = Driver(runner)
+        return driver.generate([driver.new_req(str(i), p) for i, p in enumerate(ids)], 5)
+
+    kept = make_runner(tiny_llama_dir, dtype="bfloat16", keep_dense_weights=True)
+    freed = make_runner(tiny_llama_dir, dtype="bfloat16")
+    for layer in freed.model.layers:
+        for name, form in layer.packed.items():
+            weight = getattr(layer, f"{name}_weight")
+            assert (weight.device.type == "meta") == (not reads_dense_weight(form)), name
+            assert weight.shape == getattr(kept.model.layers[layer.layer_id], f"{name}_weight").shape
+    assert all(getattr(layer, f"{name}_weight").device.type == "cpu" for layer in kept.model.layers for name in layer.packed)
+    assert greedy(freed) == greedy(kept)

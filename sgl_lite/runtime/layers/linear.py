@@ -202,6 +202,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+def reads_dense_weight(form: torch.Tensor | GemvLinear | QuantizedLinear | None) -> bool:
+    """Whether some call through `form` (what `linear` is given as `packed`) reads the plain weight: F.linear
+    does, for calls no packed form takes. Where none does, the weight itself is only its shape."""
+    if isinstance(form, GemvLinear):
+        return form.packed_dense is None and (form.max_rows is not None or form.prefill_max_rows is not None)
+    if isinstance(form, QuantizedLinear):
+        return form.max_rows is not None and reads_dense_weight(form.packed_dense)
+    return form is None
+
+
 def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32,
                 batch_invariant: bool = False) -> torch.Tensor | GemvLinear | None:
     """What the model's calls of `weight` run on: the small-row kernel's form where one serves it, around

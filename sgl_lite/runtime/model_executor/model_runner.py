@@ -89,6 +89,15 @@ def keep_freed_heap_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, _MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, _MALLOC_TRIM_THRESHOLD))
 
 
+def return_free_heap_memory() -> None:
+    """Give the OS back the free pages inside glibc's heap (malloc_trim): once, after loading, when the weights
+    the packed forms replaced were freed, so that the KV pool's budget, taken from available memory, sees them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
     """fill_ids[prefix : prefix + extend] without building fill_ids (a decode step needs one token)."""
     num_prompt = len(req.input_ids)
@@ -100,9 +109,12 @@ def _new_token_ids(req: Req, prefix: int, extend: int) -> list[int]:
 
 
 class ModelRunner(ModelRunnerBase):
-    def __init__(self, args: ServerArgs, model_dir: Path | None = None, eos_token_ids: Iterable[int] | None = None) -> None:
+    def __init__(self, args: ServerArgs, model_dir: Path | None = None, eos_token_ids: Iterable[int] | None = None,
+                 keep_dense_weights: bool = False) -> None:
         """`eos_token_ids`: what the sampler keeps from being sampled before min_new_tokens; the runtime
-        passes the set its stop check uses (RuntimeCore.from_args), None takes the model config's."""
+        passes the set its stop check uses (RuntimeCore.from_args), None takes the model config's.
+        `keep_dense_weights`: keep the loaded matmul weights that the packed forms make unread (benchmarks
+        and tests that run them through F.linear too); the runtime frees them."""
         from sgl_lite.runtime.model_executor import loader
 
         self.args = args
@@ -127,7 +139,10 @@ class ModelRunner(ModelRunnerBase):
         if self.tp is not None:
             self.tp.shard(self.model)
         self.packed_weights = self.model.pack_weights(quantization=args.quantization, int4_values=self._gguf_int4_values(),
-                                                      batch_invariant=args.enable_deterministic_inference)
+                                                      batch_invariant=args.enable_deterministic_inference,
+                                                      drop_unread=not keep_dense_weights)
+        if self.device.type == "cpu":
+            return_free_heap_memory()
         self.vocab_size = self.config.vocab_size
 
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)

@@ -28,6 +28,7 @@ from sgl_lite.runtime.layers.linear import (
     dense_forms,
     linear,
     quantize_linear,
+    reads_dense_weight,
 )
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
@@ -281,14 +282,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"missing weight(s) for {type(self).__name__}: {', '.join(missing[:10])}")
 
     def pack_weights(self, batch_hint: int = 32, quantization: str | None = None,
-                     int4_values: dict[str, Int4Values] | None = None, batch_invariant: bool = False) -> bool:
+                     int4_values: dict[str, Int4Values] | None = None, batch_invariant: bool = False,
+                     drop_unread: bool = True) -> bool:
         """After loading: pack the matmul weights for the kernels that take their calls (layers/linear.py):
         the small-row kernel's layout where one serves them, and oneDNN's (bf16 on CPU) for the calls above
         its row limit (none where it takes every call); with `quantization` (one of
         layers.quantization.QUANTIZATION_METHODS) add the quantized forms: weight-only ones for calls of few
         rows, w8a8_int8 for every call. `int4_values`: HF weight name -> a GGUF file's own 4-bit blocks, used
         instead of quantizing those weights (they must dequantize to the loaded ones). `batch_invariant`
-        (--enable-deterministic-inference): no form whose rows depend on the call's row count.
+        (--enable-deterministic-inference): no form whose rows depend on the call's row count. `drop_unread`:
+        free the loaded weights the packed forms make unread (_drop_unread_weights).
 
         The packed copies are what forward() uses from then on, so call it only once the weights are
         final. Each packed form is one more copy of the matmul weights in memory. Returns whether oneDNN
@@ -313,7 +316,20 @@ class LlamaForCausalLM(nn.Module):
             self.packed_lm_head = forms(self.lm_head)
         if quantization is not None:
             self._quantize(quantization, int4_values or {})
+        if drop_unread:
+            self._drop_unread_weights()
         return packed
+
+    def _drop_unread_weights(self) -> None:
+        """Free each layer matmul weight no call reads any more (its packed forms take every call): a copy of
+        the weights' bytes, given back to the KV pool's budget. What is left is a meta tensor of its shape, so
+        a call that did reach it fails instead of reading garbage."""
+        for layer in self.layers:
+            for name, form in layer.packed.items():
+                weight = getattr(layer, f"{name}_weight")
+                if not reads_dense_weight(form) and weight.device.type != "meta":
+                    setattr(layer, f"{name}_weight", _param(tuple(weight.shape), weight.dtype, torch.device("meta")))
+            layer._decode_operands = None
 
     def _quantize(self, method: str, int4_values: dict[str, Int4Values]) -> None:
         for layer in self.layers:
