@@ -91,7 +91,7 @@ class ReqKV:
 
     def _writes_through(self, req: Req) -> bool:
         return self.tier is not None and self.tier.write_policy == "write_through" and req.wants_sampling \
-            and not self.tree_cache.disable and req.req_pool_idx is not None
+            and not self.tree_cache.disable
 
     def _write_through(self, req: Req, length: int) -> None:
         if length:

@@ -327,9 +327,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for name, form in layer.packed.items():
                 weight = getattr(layer, f"{name}_weight")
-                if not reads_dense_weight(form) and weight.device.type != "meta":
+                if not reads_dense_weight(form):
                     setattr(layer, f"{name}_weight", _param(tuple(weight.shape), weight.dtype, torch.device("meta")))
-            layer._decode_operands = None
 
     def _quantize(self, method: str, int4_values: dict[str, Int4Values]) -> None:
         for layer in self.layers:
