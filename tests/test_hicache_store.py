@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sgl_lite.runtime.kernels.loader import runs_here
 from sgl_lite.runtime.mem_cache.hicache.block_keys import ROOT, block_keys, chain_key
 from sgl_lite.runtime.mem_cache.hicache.disk_store import HEADER_ALIGN, DiskKVStore, checksum
-from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, gather_blocks, scatter_blocks
+from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, gather_blocks, write_block
 from sgl_lite.runtime.mem_cache.hicache.tier import KVTier
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
@@ -110,7 +111,7 @@ def test_a_restart_ignores_torn_writes(tmp_path: Path) -> None:
 def test_io_faults_are_misses_not_errors(tmp_path: Path) -> None:
     calls: list[str] = []
 
-    def fault(op: str) -> None:
+    def fault(op: str, key: str) -> None:
         calls.append(op)
         if len(calls) % 2 == 0:
             raise OSError(28, "No space left on device")
@@ -142,7 +143,15 @@ def pool_bits(pool: KVPool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dst", [[30, 31, 32, 34, 35, 36, 37, 38], [30, 31, 32, 33, 34, 35, 36, 37]],
                          ids=["runs_and_gaps", "one_run"])
-def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype, dst: list[int]) -> None:
+@pytest.mark.parametrize("copy", ["op", "numpy"])
+def test_gather_then_write_restores_the_bits(dtype: torch.dtype, dst: list[int], copy: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_lite.runtime.mem_cache.hicache import kv_transfer
+
+    if copy == "op" and not runs_here("write_kv_rows"):
+        pytest.skip("the C++ ops are not built here")
+    if copy == "numpy":  # where the C++ op is not built
+        monkeypatch.setattr(kv_transfer, "runs_here", lambda name: False)
     pool = random_pool(dtype)
     src = torch.tensor([3, 9, 1, 20, 33, 2, 8, 4, 17, 11, 12])  # two whole blocks and a partial one of 3 tokens
     blocks = gather_blocks(pool, src[:8], B)
@@ -151,7 +160,9 @@ def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype, dst: list[int
     assert tail.shape == (2, 2, 3, 3, 8)
     before = pool_bits(pool)
     dst = torch.tensor(dst)
-    scatter_blocks(pool, [*blocks, tail], 3, dst)  # tokens 3..10: the end of block 0, block 1, the partial block
+    write_block(pool, blocks[0], 3, dst[:1])  # tokens 3..10: the end of block 0, block 1, the partial block
+    write_block(pool, blocks[1], 0, dst[1:5])
+    write_block(pool, tail, 0, dst[5:])
     after = pool_bits(pool)
     others = torch.ones(41, dtype=torch.bool)
     others[dst] = False
@@ -159,7 +170,7 @@ def test_gather_then_scatter_restores_the_bits(dtype: torch.dtype, dst: list[int
         assert torch.equal(new[dst], old[src[3:]])  # each token's K and V bit for bit, in its slot
         assert torch.equal(new[others], old[others])  # and nothing else written
     with pytest.raises(ValueError, match="outside"):
-        scatter_blocks(pool, [*blocks, tail], 4, dst)  # 8 slots past token 4 run off the 11 tokens
+        write_block(pool, tail, 1, dst[5:])  # 3 slots past token 1 run off the block's 3 tokens
 
 
 def test_store_files_survive_only_whole(tmp_path: Path) -> None:
@@ -189,7 +200,7 @@ def test_a_write_past_the_backlog_keeps_its_leading_blocks(tmp_path: Path) -> No
     pool = KVPool(num_layers=1, num_slots=40, kv_heads=1, head_dim=4, dtype=torch.float32)
     pool.write(0, torch.arange(1, 41), torch.randn(40, 1, 4), torch.randn(40, 1, 4))
     store = DiskKVStore(tmp_path, "fp", 1 << 20)
-    tier = KVTier(pool, store, block_tokens=B, max_staged_bytes=2 * block_bytes(pool, B))
+    tier = KVTier(pool, store, block_tokens=B, max_write_backlog_bytes=2 * block_bytes(pool, B))
     tokens = list(range(100, 120))  # five blocks
     try:
         assert tier.write(tokens, torch.arange(1, 21)) == 2
@@ -270,26 +281,24 @@ def test_a_loaded_run_with_its_partial_block_restores_the_bits_and_a_failed_read
         tier.write(tokens[:10], src)
         tier.drain()
         before = pool_bits(pool)
-        reads: list[str] = []
+        partial_key = tier.loadable(tokens[:12], 0).keys[2]
 
-        def third_read_fails(op: str) -> None:
-            reads.append(op)
-            if len(reads) == 3:
+        def partial_read_fails(op: str, key: str) -> None:
+            if op == "read" and key == partial_key:
                 raise OSError(5, "Input/output error")
 
         for fail_partial in (False, True):
-            if fail_partial:  # the third read (the partial block) fails: the run ends after the whole blocks
-                tier.store._fault = third_read_fails
+            if fail_partial:  # the partial block's read fails: the run ends after the whole blocks
+                tier.store._fault = partial_read_fails
             run = tier.loadable(tokens[:12], 0)
-            ticket = tier.start_load(tokens[:12], run)
+            dst = torch.arange(11, 11 + run.end - 1)  # the tree holds token 0: the load writes tokens 1.. into dst
+            ticket = tier.start_load(tokens[:12], run, 1, dst)
             assert ticket.done.wait(10)
             end = ticket.loaded_end
             assert end == (8 if fail_partial else 10)
-            dst = torch.arange(11, 11 + end)
-            scatter_blocks(pool, ticket.blocks, 0, dst)
-            tier.finish_load(ticket, end)
+            tier.finish_load(ticket, end - 1)
             for old, new in zip(before, pool_bits(pool)):
-                assert torch.equal(new[dst], old[src[:end]])
+                assert torch.equal(new[dst[: end - 1]], old[src[1:end]])
         assert tier.store.io_errors == 1 and tier.loadable(tokens[:12], 0).end == 8  # the failed block is a miss
     finally:
         tier.close()

@@ -36,6 +36,7 @@ _RUNTIME_GAUGES = {
     "num_running": ("num_running_reqs", "Requests in the runtime's running batch."),
     "slots_evictable": ("kv_slots_evictable", "KV slots held only by the prefix cache (evictable)."),
     "slots_protected": ("kv_slots_protected", "KV slots of cached prefixes locked by running requests."),
+    "slots_loading": ("kv_slots_loading", "KV slots the hierarchical cache's loads are reading into from disk."),
     "slots_total": ("kv_slots_total", "KV slots in the pool."),
     "spec_accept_rate": ("spec_accept_rate", "Speculative decoding: accepted / drafted tokens since start."),
 }

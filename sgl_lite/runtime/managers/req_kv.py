@@ -2,9 +2,11 @@
 
 A request holding a req_to_token row owns `kv_len - prefix_len` private slots (row[prefix_len:kv_len]);
 its first `prefix_len` slots belong to the tree and are locked through `req.last_node`. Every other
-slot is free or in the tree. So at any time:
+slot is free, in the tree, or being loaded into from the disk tier. So at any time:
 
-    free + evictable + protected + sum(private of row holders) == num_slots
+    free + evictable + protected + sum(private of row holders) + loading == num_slots
+
+(`loading`: the slots the disk tier's loads read into, before their tokens join the tree.)
 
 `accounting_error` checks exactly that; the scheduler asserts it after steps and in tests.
 
@@ -37,6 +39,7 @@ class ReqKV:
         self.tree_cache = RadixCache(self.allocator, req_to_token, disable=disable_cache)
         self.tier = tier
         self.held_tokens = 0  # tokens on paths the disk tier's holds lock (overlapping paths counted each time)
+        self.loading_tokens = 0  # slots the disk tier's loads are reading into (tier_loads.py): in no tree nor row
         if tier is not None and tier.write_policy == "write_back":
             self.tree_cache.before_evict = self._spill
 
@@ -189,9 +192,10 @@ class ReqKV:
             return f"disk tier holds: live requests hold {held} tokens, the count says {self.held_tokens}"
         private = sum(r.kv_len - r.prefix_len for r in holders)
         free, evictable, protected = self.allocator.available_size, self.tree_cache.evictable_size(), self.tree_cache.protected_size()
-        if free + evictable + protected + private != self.num_slots:
+        loading = self.loading_tokens
+        if free + evictable + protected + private + loading != self.num_slots:
             return (f"slot accounting: free {free} + evictable {evictable} + protected {protected} + private {private} "
-                    f"!= total {self.num_slots}")
+                    f"+ loading {loading} != total {self.num_slots}")
         if len(holders) + self.req_to_token.available_size != self.req_to_token.max_requests:
             return f"req_to_token rows: {len(holders)} held + {self.req_to_token.available_size} free != {self.req_to_token.max_requests}"
         return None

@@ -193,7 +193,7 @@ class Scheduler(PrefillScheduling, DecodeScheduling):
 
     def has_work(self) -> bool:
         return bool(self._waiting or self.running or self.chunked_req or self.grammar_pending or self._reports
-                    or self.tier_loads)
+                    or (self.tier_loads is not None and self.tier_loads.has_work()))
 
     def has_ready_work(self) -> bool:
         """Whether step() would do anything now: not when it would only find grammars still compiling

@@ -126,6 +126,7 @@ def scheduler_stats(scheduler: Scheduler) -> dict[str, Any]:
         "slots_free": scheduler.kv.allocator.available_size,
         "slots_evictable": scheduler.kv.tree_cache.evictable_size(),
         "slots_protected": scheduler.kv.tree_cache.protected_size(),
+        "slots_loading": scheduler.kv.loading_tokens,
         "num_session_pins": len(scheduler.kv.tree_cache.pins),  # open sessions' prefixes kept last (session_pins.py)
         "cached_tokens_total": scheduler.cached_tokens_total,
         "prompt_tokens_total": prompt,

@@ -82,7 +82,7 @@ def install_fault_injection(runner: Any, environ: Mapping[str, str] = os.environ
     return spec
 
 
-def disk_fault_hook(environ: Mapping[str, str] = os.environ) -> Callable[[str], None] | None:
+def disk_fault_hook(environ: Mapping[str, str] = os.environ) -> Callable[[str, str], None] | None:
     """For `disk_io:N`, the DiskKVStore fault hook that fails every Nth read or write; else None."""
     spec = environ.get(ENV_VAR)
     if not spec or not spec.startswith("disk_io:"):
@@ -90,10 +90,10 @@ def disk_fault_hook(environ: Mapping[str, str] = os.environ) -> Callable[[str], 
     every = parse_fault_spec(spec.replace("disk_io:", "forward:", 1))
     calls = itertools.count(1)
 
-    def fault(op: str) -> None:
+    def fault(op: str, key: str) -> None:
         call = next(calls)
         if call % every == 0:
-            raise OSError(f"injected disk fault in {op} {call} ({ENV_VAR}={spec})")
+            raise OSError(f"injected disk fault in {op} {call}, block {key} ({ENV_VAR}={spec})")
 
     logger.warning("TEST HOOK %s=%s: every %d. disk tier read or write will fail", ENV_VAR, spec, every)
     return fault

@@ -73,10 +73,10 @@ def make_kv_tier(args: ServerArgs, runner: Any) -> KVTier | None:
     fingerprint = kv_fingerprint(runner.model_dir, tokenizer_dir, layout)
     store = DiskKVStore(root, fingerprint, int(capacity_gib * 2**30), fault=disk_fault_hook())
     (store.folder / "model.json").write_text(json.dumps({"model": str(runner.model_dir), **layout}, indent=1))
-    # Loads in flight and writes queued may each hold this much memory: a quarter of the pool, at least 1 GiB
-    # (a few contexts of a 1-2B model, whose KV is about 0.2 MiB a token).
-    staged = max(runner.kv_pool.total_bytes // 4, 1 << 30)
-    tier = KVTier(runner.kv_pool, store, args.hicache_write_policy, max_staged_bytes=staged)
+    # Writes queued may hold this much memory: a quarter of the pool, at least 1 GiB (a few contexts of a 1-2B
+    # model, whose KV is about 0.2 MiB a token).
+    backlog = max(runner.kv_pool.total_bytes // 4, 1 << 30)
+    tier = KVTier(runner.kv_pool, store, args.hicache_write_policy, max_write_backlog_bytes=backlog)
     logger.info("hierarchical cache: %s, %.1f GiB in %s (%d blocks found), %d-token blocks of %.2f MiB",
                 args.hicache_write_policy, capacity_gib, store.folder, store.num_blocks, BLOCK_TOKENS,
                 tier.block_bytes / 2**20)

@@ -81,9 +81,9 @@ def parse_file_name(stem: str, size: int) -> tuple[str, StoredBlock] | None:
 
 class DiskKVStore:
     def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int,
-                 fault: Callable[[str], None] | None = None) -> None:
-        """`fault(op)`, for tests: called before every read and write ("read" / "write"); an OSError it raises
-        is handled as the disk's own would be."""
+                 fault: Callable[[str, str], None] | None = None) -> None:
+        """`fault(op, key)`, for tests: called before every read and write ("read" / "write") of block `key`; an
+        OSError it raises is handled as the disk's own would be."""
         self.fingerprint = fingerprint
         self.folder = Path(root) / fingerprint
         self.capacity_bytes = capacity_bytes
@@ -196,7 +196,7 @@ class DiskKVStore:
             self._make_room(size)
         try:
             if self._fault is not None:
-                self._fault("write")
+                self._fault("write", key)
             with open(temp, "wb") as f:
                 f.write(header)
                 f.write(payload)
@@ -222,7 +222,7 @@ class DiskKVStore:
         path = self.folder / block.file_name(key)
         try:
             if self._fault is not None:
-                self._fault("read")
+                self._fault("read", key)
             with open(path, "r+b") as f:
                 line = f.readline(MAX_HEADER_BYTES)
                 header = json.loads(line)

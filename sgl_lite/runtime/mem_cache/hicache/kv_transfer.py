@@ -1,14 +1,15 @@
 """KV between the pool's slots and the tier's blocks: a block is one tensor [layers, 2 (K, V), tokens, heads, dim].
 
 Blocks keep the pool's bytes exactly (an fp8 pool's as uint8), so a block written and read back restores the
-same bits in whatever slots it lands in. Gathers return CPU tensors (what the disk takes); scatters accept
-them and move them to the pool's device.
+same bits in whatever slots it lands in. Gathers return CPU tensors (what the disk takes); `write_block` takes
+one and moves it to the pool's device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sgl_lite.runtime.kernels.loader import runs_here
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 
@@ -44,33 +45,25 @@ def gather_blocks(pool: KVPool, slots: torch.Tensor, block_tokens: int) -> torch
     return out
 
 
-def scatter_blocks(pool: KVPool, blocks: list[torch.Tensor], skip: int, slots: torch.Tensor) -> None:
-    """Write tokens [skip, skip + len(slots)) of the concatenated `blocks` (each [layers, 2, tokens, heads, dim],
-    the last one possibly a partial block) into `slots` of every layer. Each block is copied straight from its
-    own memory into its slots, a layer and a side at a time: the load is never stacked or permuted first."""
-    total = sum(block.shape[2] for block in blocks)
-    if skip < 0 or skip + slots.numel() > total:
-        raise ValueError(f"scatter_blocks: tokens [{skip}, {skip + slots.numel()}) outside the blocks' {total}")
-    device = pool.k[0].device
-    index, host_slots = slots.to(device), slots.cpu()  # host_slots: the runs are found without a device sync
-    start, written = 0, 0  # where this block starts among the blocks' tokens; slots filled so far
-    for block in blocks:
-        first, end = max(skip - start, 0), min(skip + slots.numel() - start, block.shape[2])
-        if first < end:
-            run = consecutive_start(host_slots[written : written + end - first])
-            rows = index[written : written + end - first]
-            for layer in range(pool.num_layers):
-                for side, cache in enumerate((pool.k[layer], pool.v[layer])):
-                    src = block[layer, side, first:end].to(device)
-                    if run is None:
-                        storage_view(cache).index_copy_(0, rows, src)
-                    else:  # one range of rows: a plain copy, cheaper than the row scatter
-                        storage_view(cache).narrow(0, run, end - first).copy_(src)
-            written += end - first
-        start += block.shape[2]
-
-
-def consecutive_start(slots: torch.Tensor) -> int | None:
-    """The first slot when `slots` (on the CPU) are consecutive ascending (freed runs come back whole), else None."""
-    base = int(slots[0])
-    return base if torch.equal(slots, torch.arange(base, base + slots.numel(), dtype=slots.dtype)) else None
+def write_block(pool: KVPool, block: torch.Tensor, skip: int, slots: torch.Tensor) -> None:
+    """Write tokens [skip, skip + len(slots)) of one block ([layers, 2, tokens, heads, dim], on the CPU) into `slots`
+    of every layer, straight from the block's memory. On a CPU pool the copy runs on the calling thread alone:
+    the C++ op (csrc/write_kv_rows.cpp, one call a block without the GIL) where it is built, else numpy (a call
+    a layer and side), so the tier's read threads copy beside the scheduler's forward without torch's threads."""
+    end = skip + slots.numel()
+    if skip < 0 or end > block.shape[2]:
+        raise ValueError(f"write_block: tokens [{skip}, {end}) outside the block's {block.shape[2]}")
+    if not slots.numel():
+        return
+    if pool.k[0].device.type != "cpu":
+        index = slots.to(pool.k[0].device)
+        for layer in range(pool.num_layers):
+            for side, cache in enumerate((pool.k[layer], pool.v[layer])):
+                storage_view(cache).index_copy_(0, index, block[layer, side, skip:end].to(index.device))
+    elif runs_here("write_kv_rows"):
+        torch.ops.sgl_lite.write_kv_rows(block, pool.k, pool.v, skip, slots.cpu())
+    else:
+        src, rows = block.view(torch.uint8).numpy(), slots.cpu().numpy()  # [layers, 2, tokens, heads, dim bytes]
+        for layer in range(pool.num_layers):
+            for side, cache in enumerate((pool.k[layer], pool.v[layer])):
+                cache.view(torch.uint8).numpy()[rows] = src[layer, side, skip:end]

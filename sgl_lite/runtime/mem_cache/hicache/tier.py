@@ -2,15 +2,16 @@
 
 - `write(tokens, slots)`: the blocks of a prefix not yet stored, its partial last block included, are gathered
   from the pool now (the slots may be freed right after) and written by the write thread. Blocks past a backlog
-  of `max_staged_bytes` are dropped (counted), the last ones first: the tier falls behind, the scheduler never
+  of `max_write_backlog_bytes` are dropped (counted), the last ones first: the tier falls behind, the scheduler never
   waits for a disk. A block written supersedes the partial blocks at its place whose tokens it starts with:
   they are deleted, so a prefix that grows keeps one partial block on disk, not one per length it had.
 - `loadable(tokens, matched)`: the stored blocks that continue a prefix the tree holds `matched` tokens of: its
   whole blocks in a row, then the longest partial block after them whose every token `tokens` has (a partial
   block ends a run: its key names a prefix the request must hold all of).
-- `start_load(...)`: the read thread reads them into memory (a `LoadTicket`); the scheduler copies them into
-  the pool (`scatter_blocks`) when the ticket is done, so other requests keep decoding meanwhile. A read stops
-  at the first missing or bad block; the ticket then holds the blocks before it.
+- `start_load(...)`: the read threads (LOAD_THREADS, taking blocks in turn) read, check and copy the blocks into
+  slots the scheduler allocated for them (a `LoadTicket`), so other requests keep decoding meanwhile and the
+  copy of one block overlaps the read of the next. A load stops at the first missing or bad block; its
+  `loaded_end` is where the blocks before it end.
 
 Counters (`stats`) are the tier's part of the runtime's stats and /metrics.
 """
@@ -28,12 +29,15 @@ import torch
 
 from sgl_lite.runtime.mem_cache.hicache.block_keys import BLOCK_TOKENS, ROOT, block_keys, chain_key
 from sgl_lite.runtime.mem_cache.hicache.disk_store import DiskKVStore
-from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, block_shape, gather_blocks, storage_dtype
+from sgl_lite.runtime.mem_cache.hicache.kv_transfer import block_bytes, block_shape, gather_blocks, storage_dtype, write_block
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back")
+# Threads that read, check and copy a load's blocks: a load is memory traffic (the checksum's pass and the copy),
+# which two threads keep going while one waits on the page cache or the GIL.
+LOAD_THREADS = 2
 
 
 @dataclass
@@ -48,29 +52,34 @@ class StoredRun:
 
 @dataclass
 class LoadTicket:
-    """The blocks of a `StoredRun` being read; `blocks` ([layers, 2, tokens, heads, dim] each) fill as they are
-    read and are complete when `done`."""
+    """The blocks of a `StoredRun` being read into `slots`: the pool's slots of tokens [first, end), `first` the
+    first token the tree does not hold (the run starts on the block boundary before it). Done when every read
+    thread has let go of it."""
 
     start: int
+    first: int
     keys: list[str]
     tokens: list[list[int]]  # each block's tokens (checked against the file's header)
-    nbytes: int
+    slots: torch.Tensor
     started: float = field(default_factory=time.perf_counter)
-    blocks: list[torch.Tensor] = field(default_factory=list)
+    loaded: list[bool] = field(default_factory=list)  # per block: read, checked and in its slots
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
-    read_seconds: float = 0.0  # the read thread's time on it (reading and checking the blocks)
-    copy_seconds: float = 0.0  # the scheduler's time copying it into the pool
+    read_seconds: float = 0.0  # the read threads' time reading and checking blocks, summed
+    copy_seconds: float = 0.0  # ... and copying them into the pool
+    next_block: int = 0  # the next block a read thread takes (under the tier's lock)
+    threads_left: int = 0
 
     @property
     def loaded_end(self) -> int:
-        """The token the blocks read so far end at."""
-        return self.start + sum(len(tokens) for tokens in self.tokens[: len(self.blocks)])
+        """Where the blocks loaded without a gap from the first end."""
+        count = next((i for i, ok in enumerate(self.loaded) if not ok), len(self.loaded))
+        return self.start + sum(len(tokens) for tokens in self.tokens[:count])
 
 
 class KVTier:
     def __init__(self, pool: KVPool, store: DiskKVStore, write_policy: str = "write_through",
-                 block_tokens: int = BLOCK_TOKENS, max_staged_bytes: int = 1 << 30) -> None:
+                 block_tokens: int = BLOCK_TOKENS, max_write_backlog_bytes: int = 1 << 30) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}; got {write_policy!r}")
         self.pool = pool
@@ -79,13 +88,12 @@ class KVTier:
         self.block_tokens = block_tokens
         self.token_bytes = block_bytes(pool, 1)
         self.block_bytes = self.token_bytes * block_tokens
-        self.max_staged_bytes = max(max_staged_bytes, self.block_bytes)
+        self.max_write_backlog_bytes = max(max_write_backlog_bytes, self.block_bytes)
         self._lock = threading.Lock()
         self._writing: set[str] = set()  # keys queued or being written
         self._write_backlog = 0
-        self._staged = 0  # bytes of loads started and not yet consumed
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sgl-lite-hicache-write")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="sgl-lite-hicache-read")
+        self._reader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="sgl-lite-hicache-read")
         self.spilled_tokens = 0
         self.write_dropped_tokens = 0
         self.loaded_tokens = 0
@@ -110,7 +118,7 @@ class KVTier:
                     if keys[i] not in self._writing and not self.store.contains(keys[i])]
             lengths = [min(len(tokens) - i * b, b) for i in todo]
             # The leading blocks first: a block is of use only after every block before it.
-            room, kept = max(self.max_staged_bytes - self._write_backlog, 0) // self.token_bytes, 0
+            room, kept = max(self.max_write_backlog_bytes - self._write_backlog, 0) // self.token_bytes, 0
             while kept < len(todo) and lengths[kept] <= room:
                 room -= lengths[kept]
                 kept += 1
@@ -168,48 +176,67 @@ class KVTier:
             end += tail[0]
         return StoredRun(first * b, end, run)
 
-    def can_stage(self, run: StoredRun) -> bool:
-        with self._lock:
-            return self._staged == 0 or self._staged + (run.end - run.start) * self.token_bytes <= self.max_staged_bytes
-
-    def start_load(self, tokens: list[int], run: StoredRun) -> LoadTicket:
+    def start_load(self, tokens: list[int], run: StoredRun, first: int, slots: torch.Tensor) -> LoadTicket:
+        """Read `run` of `tokens` into `slots`, the slots of tokens [first, run.end)."""
         b = self.block_tokens
-        ticket = LoadTicket(run.start, run.keys, [tokens[i : min(i + b, run.end)] for i in range(run.start, run.end, b)],
-                            (run.end - run.start) * self.token_bytes)
-        with self._lock:
-            self._staged += ticket.nbytes
-        self._reader.submit(self._read, ticket)
+        if not run.start <= first < run.end or slots.numel() != run.end - first:
+            raise ValueError(f"start_load: {slots.numel()} slots for tokens [{first}, {run.end}) of a run from {run.start}")
+        ticket = LoadTicket(run.start, first, run.keys, [tokens[i : min(i + b, run.end)] for i in range(run.start, run.end, b)],
+                            slots, loaded=[False] * len(run.keys), threads_left=LOAD_THREADS)
+        for _ in range(LOAD_THREADS):
+            self._reader.submit(self._read, ticket)
         return ticket
 
     def _read(self, ticket: LoadTicket) -> None:
-        started = time.perf_counter()
+        """One read thread's part of a load: blocks in turn until none is left, the load is cancelled or a block
+        fails (the blocks after it would be of no use)."""
+        dtype, read_seconds, copy_seconds = storage_dtype(self.pool), 0.0, 0.0
         try:
-            dtype = storage_dtype(self.pool)
-            for key, tokens in zip(ticket.keys, ticket.tokens):
-                if ticket.cancelled:
+            while True:
+                with self._lock:
+                    i = ticket.next_block
+                    ticket.next_block += 1
+                if i >= len(ticket.keys) or ticket.cancelled:
                     break
-                payload = self.store.read(key, tokens, len(tokens) * self.token_bytes)
+                started = time.perf_counter()
+                tokens = ticket.tokens[i]
+                payload = self.store.read(ticket.keys[i], tokens, len(tokens) * self.token_bytes)
+                read_seconds += time.perf_counter() - started
                 if payload is None:
+                    self._stop_reading(ticket)
                     break
-                shape = block_shape(self.pool, len(tokens))
-                ticket.blocks.append(torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape))
+                started = time.perf_counter()
+                block = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(block_shape(self.pool, len(tokens)))
+                begin = ticket.start + i * self.block_tokens  # the block's first token
+                skip = max(ticket.first - begin, 0)
+                write_block(self.pool, block, skip, ticket.slots[begin + skip - ticket.first : begin + len(tokens) - ticket.first])
+                ticket.loaded[i] = True
+                copy_seconds += time.perf_counter() - started
         except Exception:  # never leave a ticket undone: the scheduler would wait for it forever
             logger.exception("hierarchical cache: a load failed; its tokens are recomputed")
+            self._stop_reading(ticket)
         finally:
-            ticket.read_seconds = time.perf_counter() - started
-            ticket.done.set()
+            with self._lock:
+                ticket.read_seconds += read_seconds
+                ticket.copy_seconds += copy_seconds
+                ticket.threads_left -= 1
+                if ticket.threads_left == 0:
+                    ticket.done.set()
+
+    def _stop_reading(self, ticket: LoadTicket) -> None:
+        """The other read threads take no more of `ticket`'s blocks."""
+        with self._lock:
+            ticket.next_block = len(ticket.keys)
 
     def finish_load(self, ticket: LoadTicket, installed_tokens: int) -> None:
-        """The scheduler is done with `ticket` (installed, dropped or cancelled): release its staging."""
+        """The scheduler is done with `ticket` (installed, dropped or cancelled): count it."""
         with self._lock:
-            self._staged -= ticket.nbytes
             if installed_tokens:
                 self.loads += 1
                 self.loaded_tokens += installed_tokens
                 self.load_seconds += time.perf_counter() - ticket.started
                 self.read_seconds += ticket.read_seconds
                 self.copy_seconds += ticket.copy_seconds
-        ticket.blocks = []
 
     # ------------------------------------------------------------------ lifetime and stats
 
