@@ -310,7 +310,13 @@ def test_a_refused_runaway_compile_stops_using_cpu_and_the_runtime_keeps_serving
             assert refused and "--grammar-compile-timeout 3 s" in str(refused[0])
             assert refused[0].code == "bad_request"
             wait_until_gone(worker)  # killed at the refusal: its CPU time stops there
-            assert spent is not None and not compiling_pids(engine)
+            assert spent is not None
+            # The pool lets go of the compile once its worker thread sees the kill (the runner restarting its
+            # process meanwhile), not at the instant the process dies.
+            deadline = time.monotonic() + 30
+            while compiling_pids(engine):
+                assert time.monotonic() < deadline, compiling_pids(engine)
+                time.sleep(0.05)
             regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
             assert regex.text in ("yes", "no")
         still_serving(server.address)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from sgl_lite.runtime.kernels.loader import runs_here
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool
 
 
@@ -48,8 +47,8 @@ def gather_blocks(pool: KVPool, slots: torch.Tensor, block_tokens: int) -> torch
 def write_block(pool: KVPool, block: torch.Tensor, skip: int, slots: torch.Tensor) -> None:
     """Write tokens [skip, skip + len(slots)) of one block ([layers, 2, tokens, heads, dim], on the CPU) into `slots`
     of every layer, straight from the block's memory. On a CPU pool the copy runs on the calling thread alone:
-    the C++ op (csrc/write_kv_rows.cpp, one call a block without the GIL) where it is built, else numpy (a call
-    a layer and side), so the tier's read threads copy beside the scheduler's forward without torch's threads."""
+    the C++ op (csrc/write_kv_rows.cpp, one call a block without the GIL) where the runtime loaded it, else numpy
+    (a call a layer and side), so the tier's read threads copy beside the scheduler's forward without torch's threads."""
     end = skip + slots.numel()
     if skip < 0 or end > block.shape[2]:
         raise ValueError(f"write_block: tokens [{skip}, {end}) outside the block's {block.shape[2]}")
@@ -60,10 +59,20 @@ def write_block(pool: KVPool, block: torch.Tensor, skip: int, slots: torch.Tenso
         for layer in range(pool.num_layers):
             for side, cache in enumerate((pool.k[layer], pool.v[layer])):
                 storage_view(cache).index_copy_(0, index, block[layer, side, skip:end].to(index.device))
-    elif runs_here("write_kv_rows"):
+    elif has_write_kv_rows():
         torch.ops.sgl_lite.write_kv_rows(block, pool.k, pool.v, skip, slots.cpu())
     else:
         src, rows = block.view(torch.uint8).numpy(), slots.cpu().numpy()  # [layers, 2, tokens, heads, dim bytes]
         for layer in range(pool.num_layers):
             for side, cache in enumerate((pool.k[layer], pool.v[layer])):
                 cache.view(torch.uint8).numpy()[rows] = src[layer, side, skip:end]
+
+
+def has_write_kv_rows() -> bool:
+    """Whether the C++ CPU ops, loaded by the model's runner (kernels/loader.py, a layer above this one), hold
+    `write_kv_rows`."""
+    try:
+        getattr(torch.ops.sgl_lite, "write_kv_rows")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
