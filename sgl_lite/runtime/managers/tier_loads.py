@@ -11,8 +11,9 @@ go of them. A load that fails part way installs the blocks before the failure; t
 
 Room: the slots of loads in flight and the prefixes installed and waiting for admission take at most half the
 pool between them, so admission always has room; a load that does not fit waits for them, or for running
-requests to finish, and the loads after it wait behind it (in arrival order). One that cannot find room while nothing else runs or waits is dropped: the request computes
-its prefix as it would without the tier (and lets go of its hold, which may be what fills the pool).
+requests to finish, and the loads after it wait behind it (in arrival order). One that cannot find room while
+nothing else runs or waits is dropped: the request computes its prefix as it would without the tier (and lets go
+of its hold, which may be what fills the pool).
 
 Holds are tree locks: the slot accounting (req_kv.py) counts them as protected tokens and the loads' slots as
 `loading_tokens`; an idle scheduler holds none.
