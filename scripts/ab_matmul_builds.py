@@ -38,7 +38,7 @@ from sgl_lite.runtime.kernels.loader import load_cpu_ops  # noqa: E402
 from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
 
-CSRC = ROOT / "sgl_lite" / "runtime" / "layers" / "csrc"
+CSRC = ROOT / "sgl_lite" / "runtime" / "kernels" / "csrc"
 PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed}
 
 

@@ -108,6 +108,22 @@ def test_extend_kernel_rows_do_not_depend_on_the_batch(op):
     assert torch.equal(first_request_alone(backend, q, pool, meta)[:33], both[:33])
 
 
+def test_extend_rows_do_not_read_the_values_of_later_keys(op, bf16_arithmetic):
+    """A tile's rows never multiply a later key's V, even where the pairs path packs it beside the tile's
+    last key: with NaN in the V of the first key past a tile (an odd key count), that tile's rows stay
+    finite and match the reference; the rows that see the key are NaN. (16 KV heads: enough items for the
+    threads without splitting the request's tiles, so one packed copy holds both tiles' keys.)"""
+    pool, meta, q, k, v = random_batch(9, [5], [40], 16, 16, d=64, dtype=torch.bfloat16)
+    v[32] = float("nan")  # position 37: the first tile (tokens 0-31) sees positions 0-36
+    backend = CpuKernelBackend(16, 16, 64, op)
+    backend.prepare(meta)
+    out = backend.forward(0, q, k, v, pool)
+    expected = naive_attention(meta, 0, q.double(), pool)
+    assert torch.isfinite(out[:32]).all()
+    assert (out[:32].double() - expected[:32]).abs().max() <= 2**-7 * max(1.0, expected[:32].abs().max().item())
+    assert torch.isnan(out[32:]).all()
+
+
 def test_extend_kernel_rejects_bad_metadata(op):
     extend_kernel()
     pool, meta, q, k, v = random_batch(9, [4], [6], 4, 2, d=16)

@@ -5,9 +5,9 @@
 // backend wrote into the pool before the call). New token j sits at position prefix + j (prefix = kv_len -
 // new) and sees positions 0..prefix + j. GQA: the G = Hq / Hkv query heads of a KV head share its K/V.
 //
-// Flash-attention's loop in float32: work items are (request, kv head, tile of 32 new tokens); a tile's
-// G x 32 query rows walk the keys up to the tile's last position in blocks of 32, with an online softmax
-// per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
+// Flash-attention's loop in float32: work items are (request, kv head, run of tiles of 32 new tokens); a
+// tile's G x 32 query rows walk the keys up to the tile's last position in blocks of 32, with an online
+// softmax per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
 // once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
 // in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
 // an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why:
@@ -18,7 +18,9 @@
 // In bf16, on CPUs whose VDPBF16PS outruns their float32 FMAs (as bf16_gemv.cpp's probe finds), both
 // products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
 // interleaved by pairs of keys; half the instructions, no widening of K and V (docs/journal.md,
-// "Extend attention in VDPBF16PS pairs").
+// "Extend attention in VDPBF16PS pairs"). There an item first packs the keys its last tile sees (K rows
+// together, V interleaved) and its tiles walk that copy: the pool's rows of one head sit a slot's whole
+// row apart, and a walk per tile gathering and interleaving them again cost as much as its products.
 //
 // An 8-bit float pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) is read as it is stored and widened in
 // registers (fp8_vectors.h): to float32 for the FMAs, to bf16 for the pairs (exactly: every fp8 value is a
@@ -58,11 +60,12 @@
 
 namespace {
 
-constexpr int64_t kTileTokens = 32;  // new tokens per work item
-constexpr int64_t kKeys = 32;        // keys per block: two vectors of scores per row
-constexpr int64_t kRows = 4;         // query rows per register block
+constexpr int64_t kTileTokens = 32;     // new tokens per tile
+constexpr int64_t kKeys = 32;           // keys per block: two vectors of scores per row
+constexpr int64_t kRows = 4;            // query rows per register block
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kItemsPerThread = 4;  // a request's tiles are split into runs until the threads have this many items
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool has_extend_kernel() { return SGL_LITE_HAS_EXTEND_KERNEL; }
@@ -94,17 +97,18 @@ constexpr bool kIsFp8 = std::is_same_v<KT, c10::Float8_e4m3fn> || std::is_same_v
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
 // then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
 // With VDPBF16PS (bf16 only), instead of qt, k and v: the queries transposed in bf16 pairs along D
-// ([D/2][R] words), the block's K rows ([32][D/2] words), the block's probabilities in bf16 pairs of keys ([16][R] words) and its V rows
-// interleaved by pairs of keys ([16][D] words), plus a zero row for the odd key of a short block.
+// ([D/2][R] words), the item's K rows ([L][D/2] words), the block's probabilities in bf16 pairs of keys
+// ([16][R] words) and the item's V rows interleaved by pairs of keys ([L/2][D] words), L the item's keys
+// rounded up to a block (zeros past them), plus one pair line for a tile whose last key is an even one.
 struct Scratch {
   int64_t dim;
   std::vector<float> qt, o, k, v, st, max, sum, alpha;
-  std::vector<uint32_t> qp, kb, pp, vp;
+  std::vector<uint32_t> qp, kb, pp, vp, last_pair;
   std::vector<uint16_t> zero_row, row_a, row_b;  // row_a/b: an 8-bit pool's V rows widened to bf16
   Scratch(int64_t rows, int64_t dim, bool pairs)
       : dim(dim), qt(pairs ? 0 : dim * rows), o(rows * dim), k(pairs ? 0 : kKeys * dim), v(pairs ? 0 : kKeys * dim),
-        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), kb(pairs ? kKeys * dim / 2 : 0), pp(pairs ? kKeys / 2 * rows : 0),
-        vp(pairs ? kKeys / 2 * dim : 0), zero_row(pairs ? dim : 0), row_a(pairs ? dim : 0), row_b(pairs ? dim : 0) {}
+        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), pp(pairs ? kKeys / 2 * rows : 0),
+        last_pair(pairs ? dim : 0), zero_row(pairs ? dim : 0), row_a(pairs ? dim : 0), row_b(pairs ? dim : 0) {}
 };
 
 #include "extend_blocks.h"
@@ -233,14 +237,40 @@ inline void bf16_row(const Rows& rows, const KT* row, int64_t D, uint16_t* out) 
   for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(out + d, rows.load32(stored + d));
 }
 
-// attend_tile in VDPBF16PS (bf16 queries, a bf16 or 8-bit float pool, D a multiple of 32; see
-// extend_blocks.h). The same tiles, blocks and softmax, so a row still depends only on its own keys and position.
+// The first n keys of KV head h (slots[0 : n]) as the pairs path reads them: K rows into s.kb, V rows
+// interleaved two by two into s.vp (an odd last key paired with zeros), zeros up to a whole block.
 template <int64_t C, typename KT>
-void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache, const int64_t* slots,
-                    const Request& req, const Tile& t, int64_t Hq, int64_t Hkv, float scale, Scratch& s, c10::BFloat16* out) {
+void pack_keys_dp(const KT* k_cache, const KT* v_cache, const int64_t* slots, int64_t n, int64_t h, int64_t Hkv, Scratch& s) {
+  constexpr int64_t D = C * 16;
+  const typename PairRowsOf<KT>::type rows;  // an 8-bit pool's table
+  const int64_t L = (n + kKeys - 1) / kKeys * kKeys;
+  if (int64_t(s.kb.size()) < L * D / 2) s.kb.resize(L * D / 2);
+  if (int64_t(s.vp.size()) < L / 2 * D) s.vp.resize(L / 2 * D);
+  for (int64_t j = 0; j < n; ++j)
+    bf16_row(rows, k_cache + (slots[j] * Hkv + h) * D, D, reinterpret_cast<uint16_t*>(s.kb.data() + j * D / 2));
+  std::fill(s.kb.begin() + n * D / 2, s.kb.begin() + L * D / 2, 0u);
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const KT* a = v_cache + (slots[2 * i] * Hkv + h) * D;
+    const KT* b = 2 * i + 1 < n ? v_cache + (slots[2 * i + 1] * Hkv + h) * D : nullptr;
+    if constexpr (kIsFp8<KT>) {
+      bf16_row(rows, a, D, s.row_a.data());
+      if (b != nullptr) bf16_row(rows, b, D, s.row_b.data());
+      interleave_rows(s.row_a.data(), b != nullptr ? s.row_b.data() : s.zero_row.data(), D, s.vp.data() + i * D);
+    } else {
+      interleave_rows(reinterpret_cast<const uint16_t*>(a), b != nullptr ? reinterpret_cast<const uint16_t*>(b) : s.zero_row.data(), D,
+                      s.vp.data() + i * D);
+    }
+  }
+  std::fill(s.vp.begin() + (n + 1) / 2 * D, s.vp.begin() + L / 2 * D, 0u);
+}
+
+// attend_tile in VDPBF16PS (bf16 queries, a bf16 or 8-bit float pool, D a multiple of 32; see
+// extend_blocks.h) over the keys pack_keys_dp packed for the tile's item. The same tiles, blocks and
+// softmax, so a row still depends only on its own keys and position.
+template <int64_t C>
+void attend_tile_dp(const c10::BFloat16* q, const Request& req, const Tile& t, int64_t Hq, float scale, Scratch& s, c10::BFloat16* out) {
   constexpr int64_t D = C * 16;
   static_assert(D % 32 == 0, "rows interleave 32 dims at a time");
-  const typename PairRowsOf<KT>::type rows;  // an 8-bit pool's table
   const int64_t prefix = req.kv_len - req.num_new, R = t.R;
   for (int64_t i = 0; i < R; ++i) {
     const auto* src = reinterpret_cast<const uint16_t*>(query_row(q, req, t, i, Hq, D));
@@ -251,23 +281,11 @@ void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
     static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
-    for (int64_t j = 0; j < n8; ++j)  // keys n..n8 repeat the block's first: finite, and their scores are never read
-      bf16_row(rows, k_cache + (slots[k0 + (j < n ? j : 0)] * Hkv + t.h) * D, D, reinterpret_cast<uint16_t*>(s.kb.data() + j * D / 2));
-    for (int64_t i = 0; i < pairs; ++i) {
-      const KT* a = v_cache + (slots[k0 + 2 * i] * Hkv + t.h) * D;
-      const KT* b = 2 * i + 1 < n ? v_cache + (slots[k0 + 2 * i + 1] * Hkv + t.h) * D : nullptr;
-      if constexpr (kIsFp8<KT>) {
-        bf16_row(rows, a, D, s.row_a.data());
-        if (b != nullptr) bf16_row(rows, b, D, s.row_b.data());
-        interleave_rows(s.row_a.data(), b != nullptr ? s.row_b.data() : s.zero_row.data(), D, s.vp.data() + i * D);
-      } else {
-        interleave_rows(reinterpret_cast<const uint16_t*>(a), b != nullptr ? reinterpret_cast<const uint16_t*>(b) : s.zero_row.data(), D,
-                        s.vp.data() + i * D);
-      }
-    }
+    const uint32_t* kb = s.kb.data() + k0 * D / 2;  // keys n..n8: later keys or zeros, whose scores are never read
+    const uint32_t* vp = s.vp.data() + k0 / 2 * D;
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
-      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, s.kb.data() + j0 * D / 2, scale * kLog2e, st + j0 * R + r0);
+      for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, kb + j0 * D / 2, scale * kLog2e, st + j0 * R + r0);
     softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t i = 0; i < pairs; ++i)
       for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -275,8 +293,19 @@ void attend_tile_dp(const c10::BFloat16* q, const KT* k_cache, const KT* v_cache
         const __m512 pb = 2 * i + 1 < n ? _mm512_loadu_ps(st + (2 * i + 1) * R + r0) : _mm512_setzero_ps();
         _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
       }
-    for (int64_t r0 = 0; r0 < R; r0 += kRows)
-      values_block_dp<C>(s.pp.data() + r0, R, s.vp.data(), pairs, s.alpha.data() + r0, s.o.data() + r0 * D);
+    // An odd block's last pair holds, in the pack, the tile's last key and one past the tile: that key
+    // weighs 0 and its V (whatever it holds) is left out rather than multiplied by 0, from a copy of the line.
+    const bool odd = n % 2 == 1;
+    if (odd) {
+      const __m512i even_only = _mm512_set1_epi32(0xffff);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_si512(s.last_pair.data() + d, _mm512_and_si512(_mm512_loadu_si512(vp + (pairs - 1) * D + d), even_only));
+    }
+    static const float kOnes[kRows] = {1.f, 1.f, 1.f, 1.f};
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+      values_block_dp<C>(s.pp.data() + r0, R, vp, odd ? pairs - 1 : pairs, s.alpha.data() + r0, s.o.data() + r0 * D);
+      if (odd) values_block_dp<C>(s.pp.data() + (pairs - 1) * R + r0, R, s.last_pair.data(), 1, kOnes, s.o.data() + r0 * D);
+    }
   }
   for (int64_t i = 0; i < t.rows; ++i) {  // in dim order again, rounded as static_cast<c10::BFloat16> rounds
     auto* dst = reinterpret_cast<__m256i*>(out + row_offset(req, t, i, Hq, D));
@@ -297,16 +326,21 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
          const int64_t* indices, float scale, at::Tensor& out) {
   const int64_t Hq = q.size(1), Hkv = k_cache.size(1), G = Hq / Hkv;
   struct Item {
-    int64_t req, head, t0, t1;
+    int64_t req, head, t0, t1;  // new tokens [t0, t1): whole tiles but the request's last
   };
+  // Each (request, KV head) is one item, its tiles split into runs when there are too few for the threads.
+  const int64_t heads = int64_t(reqs.size()) * Hkv;
+  const int64_t splits = std::max<int64_t>(1, (kItemsPerThread * at::get_num_threads() + heads - 1) / heads);
   std::vector<Item> items;
-  for (int64_t r = 0; r < int64_t(reqs.size()); ++r)
-    for (int64_t t0 = 0; t0 < reqs[r].num_new; t0 += kTileTokens)
-      for (int64_t h = 0; h < Hkv; ++h) items.push_back({r, h, t0, std::min(reqs[r].num_new, t0 + kTileTokens)});
-  // Costlier items (later tiles see more keys) first, so that the last ones to run are short.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return reqs[a.req].kv_len - reqs[a.req].num_new + a.t1 > reqs[b.req].kv_len - reqs[b.req].num_new + b.t1;
-  });
+  for (int64_t r = 0; r < int64_t(reqs.size()); ++r) {
+    const int64_t tiles = (reqs[r].num_new + kTileTokens - 1) / kTileTokens;
+    const int64_t run_tokens = (tiles + splits - 1) / splits * kTileTokens;
+    for (int64_t t0 = 0; t0 < reqs[r].num_new; t0 += run_tokens)
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({r, h, t0, std::min(reqs[r].num_new, t0 + run_tokens)});
+  }
+  // Costlier items (more tokens, later ones seeing more keys) first, so that the last ones to run are short.
+  auto cost = [&](const Item& it) { return (it.t1 - it.t0) * (reqs[it.req].kv_len - reqs[it.req].num_new + (it.t0 + it.t1) / 2); };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const auto* qp = q.data_ptr<QT>();
   const auto* kp = k_cache.data_ptr<KT>();
   const auto* vp = v_cache.data_ptr<KT>();
@@ -323,16 +357,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const Request& req = reqs[it.req];
-      const Tile tile = make_tile(it.t0, it.t1, it.head, G);
+      const int64_t* slots = indices + req.kv_begin;
 #if SGL_LITE_HAS_DPBF16_EXTEND
       if constexpr (kPairable) {
         if (pairs) {
-          attend_tile_dp<C, KT>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
+          pack_keys_dp<C, KT>(kp, vp, slots, req.kv_len - req.num_new + it.t1, it.head, Hkv, scratch);
+          for (int64_t t0 = it.t0; t0 < it.t1; t0 += kTileTokens)
+            attend_tile_dp<C>(qp, req, make_tile(t0, std::min(it.t1, t0 + kTileTokens), it.head, G), Hq, scale, scratch, op);
           continue;
         }
       }
 #endif
-      attend_tile<C>(qp, kp, vp, indices + req.kv_begin, req, tile, Hq, Hkv, scale, scratch, op);
+      for (int64_t t0 = it.t0; t0 < it.t1; t0 += kTileTokens)
+        attend_tile<C>(qp, kp, vp, slots, req, make_tile(t0, std::min(it.t1, t0 + kTileTokens), it.head, G), Hq, Hkv, scale, scratch, op);
     }
   });
 }
