@@ -6,7 +6,7 @@
 // new) and sees positions 0..prefix + j. GQA: the G = Hq / Hkv query heads of a KV head share its K/V.
 //
 // Flash-attention's loop in float32: work items are (request, kv head, run of tiles of 32 new tokens); a
-// tile's G x 32 query rows walk the keys up to the tile's last position in blocks of 32, with an online
+// tile's G x 32 query rows walk the keys up to the tile's last position in blocks of 32 (of 128 in pairs), with an online
 // softmax per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
 // once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
 // in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
@@ -61,7 +61,8 @@
 namespace {
 
 constexpr int64_t kTileTokens = 32;     // new tokens per tile
-constexpr int64_t kKeys = 32;           // keys per block: two vectors of scores per row
+constexpr int64_t kKeys = 32;           // keys per block on the float32 path: two vectors of scores per row
+constexpr int64_t kPairBlock = 128;     // keys per block on the pairs path: fewer round trips of the outputs
 constexpr int64_t kRows = 4;            // query rows per register block
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
@@ -95,10 +96,10 @@ constexpr bool kIsFp8 = std::is_same_v<KT, c10::Float8_e4m3fn> || std::is_same_v
 
 // One thread's scratch for a tile of R rows (padded to whole vectors of 16): the queries transposed
 // ([D][R], scaled), the outputs ([R][D]), a key block's K and V rows in float32 ([32][D]), its scores and
-// then probabilities transposed ([32][R]), and per row the running max and sum and the block's rescale.
+// then probabilities transposed ([keys][R]), and per row the running max and sum and the block's rescale.
 // With VDPBF16PS (bf16 only), instead of qt, k and v: the queries transposed in bf16 pairs along D
 // ([D/2][R] words), the item's K rows ([L][D/2] words), the block's probabilities in bf16 pairs of keys
-// ([16][R] words) and the item's V rows interleaved by pairs of keys ([L/2][D] words), L the item's keys
+// ([64][R] words) and the item's V rows interleaved by pairs of keys ([L/2][D] words), L the item's keys
 // rounded up to a block (zeros past them), plus one pair line for a tile whose last key is an even one.
 struct Scratch {
   int64_t dim;
@@ -107,17 +108,19 @@ struct Scratch {
   std::vector<uint16_t> zero_row, row_a, row_b;  // row_a/b: an 8-bit pool's V rows widened to bf16
   Scratch(int64_t rows, int64_t dim, bool pairs)
       : dim(dim), qt(pairs ? 0 : dim * rows), o(rows * dim), k(pairs ? 0 : kKeys * dim), v(pairs ? 0 : kKeys * dim),
-        st(kKeys * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), pp(pairs ? kKeys / 2 * rows : 0),
+        st((pairs ? kPairBlock : kKeys) * rows), max(rows), sum(rows), alpha(rows), qp(pairs ? dim / 2 * rows : 0), pp(pairs ? kPairBlock / 2 * rows : 0),
         last_pair(pairs ? dim : 0), zero_row(pairs ? dim : 0), row_a(pairs ? dim : 0), row_b(pairs ? dim : 0) {}
 };
 
 #include "extend_blocks.h"
 
 // The online softmax over one block of n keys for every row of a tile: st holds the block's scores
-// transposed ([32][R], in base 2: scores times log2(e)); on return it holds the unnormalized probabilities
-// (0 for hidden keys), and each row's running max and sum are updated, with alpha the factor its output
-// must be rescaled by (the value products apply it as they load the outputs).
+// transposed ([n][R], in base 2: scores times log2(e)); on return the unnormalized probabilities (0 for
+// hidden keys) are in st, or with kPairs in s.pp as bf16 pairs of keys (the pairs path's operand, from
+// exp2_lanes_bf16: they are rounded to bf16 at once), and each row's running max and sum are updated, with
+// alpha the factor its output must be rescaled by (the value products apply it as they load the outputs).
 // Row i is token t0 + i / G of the tile and sees key positions <= prefix + t0 + i / G.
+template <bool kPairs>
 inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t prefix, int64_t t0, int64_t k0, int64_t n,
                           Scratch& s) {
   // Only a block that reaches past the tile's first token needs the causal mask.
@@ -142,10 +145,24 @@ inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t
     const __m512 new_max = _mm512_max_ps(old_max, block_max);
     const __m512 alpha = exp2_lanes(_mm512_sub_ps(old_max, new_max));  // 0 on the first block (2^-inf)
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.sum.data() + r0), alpha);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 p = exp2_lanes(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
-      _mm512_storeu_ps(st + j * R + r0, p);
-      sum = _mm512_add_ps(sum, p);
+    if constexpr (kPairs) {
+#if SGL_LITE_HAS_DPBF16_EXTEND
+      const __m512 floor_x = _mm512_set1_ps(-200.f);  // hidden keys' -inf: a probability of 0
+      auto probability = [&](int64_t j) {
+        return sgl_lite::exp2_lanes_bf16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max), floor_x));
+      };
+      for (int64_t i = 0; 2 * i < n; ++i) {
+        const __m512 pa = probability(2 * i), pb = 2 * i + 1 < n ? probability(2 * i + 1) : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pb));
+        _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
+      }
+#endif
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 p = exp2_lanes(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + r0), new_max));
+        _mm512_storeu_ps(st + j * R + r0, p);
+        sum = _mm512_add_ps(sum, p);
+      }
     }
     _mm512_storeu_ps(s.max.data() + r0, new_max);
     _mm512_storeu_ps(s.sum.data() + r0, sum);
@@ -209,7 +226,7 @@ void attend_tile(const QT* q, const KT* k_cache, const KT* v_cache, const int64_
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n4; j0 += 4)
       for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block<C>(s.qt.data() + r0, R, s.k.data() + j0 * D, st + j0 * R + r0);
-    softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
+    softmax_block<false>(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     for (int64_t r0 = 0; r0 < R; r0 += kRows) values_block<C>(st + r0, R, s.v.data(), n, s.alpha.data() + r0, s.o.data() + r0 * D);
   }
   for (int64_t i = 0; i < t.rows; ++i) {
@@ -243,7 +260,7 @@ template <int64_t C, typename KT>
 void pack_keys_dp(const KT* k_cache, const KT* v_cache, const int64_t* slots, int64_t n, int64_t h, int64_t Hkv, Scratch& s) {
   constexpr int64_t D = C * 16;
   const typename PairRowsOf<KT>::type rows;  // an 8-bit pool's table
-  const int64_t L = (n + kKeys - 1) / kKeys * kKeys;
+  const int64_t L = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
   if (int64_t(s.kb.size()) < L * D / 2) s.kb.resize(L * D / 2);
   if (int64_t(s.vp.size()) < L / 2 * D) s.vp.resize(L / 2 * D);
   for (int64_t j = 0; j < n; ++j)
@@ -278,21 +295,15 @@ void attend_tile_dp(const c10::BFloat16* q, const Request& req, const Tile& t, i
   }
   start_tile(t, D, s);
   const int64_t keys = prefix + t.t1;
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
-    const int64_t n = std::min(kKeys, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
-    static_assert(kKeys % kPairKeys == 0, "a block is whole runs of keys");
+  for (int64_t k0 = 0; k0 < keys; k0 += kPairBlock) {
+    const int64_t n = std::min(kPairBlock, keys - k0), n8 = (n + kPairKeys - 1) / kPairKeys * kPairKeys, pairs = (n + 1) / 2;
+    static_assert(kPairBlock % kPairKeys == 0, "a block is whole runs of keys");
     const uint32_t* kb = s.kb.data() + k0 * D / 2;  // keys n..n8: later keys or zeros, whose scores are never read
     const uint32_t* vp = s.vp.data() + k0 / 2 * D;
     float* st = s.st.data();
     for (int64_t j0 = 0; j0 < n8; j0 += kPairKeys)
       for (int64_t r0 = 0; r0 < R; r0 += 32) scores_block_dp<C>(s.qp.data() + r0, R, kb + j0 * D / 2, scale * kLog2e, st + j0 * R + r0);
-    softmax_block(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
-    for (int64_t i = 0; i < pairs; ++i)
-      for (int64_t r0 = 0; r0 < R; r0 += 16) {
-        const __m512 pa = _mm512_loadu_ps(st + 2 * i * R + r0);
-        const __m512 pb = 2 * i + 1 < n ? _mm512_loadu_ps(st + (2 * i + 1) * R + r0) : _mm512_setzero_ps();
-        _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
-      }
+    softmax_block<true>(st, R, t.rows, t.G, prefix, t.t0, k0, n, s);
     // An odd block's last pair holds, in the pack, the tile's last key and one past the tile: that key
     // weighs 0 and its V (whatever it holds) is left out rather than multiplied by 0, from a copy of the line.
     const bool odd = n % 2 == 1;

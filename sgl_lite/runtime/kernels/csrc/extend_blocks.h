@@ -1,5 +1,5 @@
 // The register-blocked products of the extend attention kernel (extend_attention.cpp), one tile's rows
-// against a block of 32 keys: scores S^T = K Q^T and outputs O += P V, in two arithmetics.
+// against a block of keys: scores S^T = K Q^T and outputs O += P V, in two arithmetics.
 //
 // float32 FMAs (every dtype): Q^T, K and V widened to float32 first.
 // VDPBF16PS (bf16, on CPUs where it outruns float32 FMAs): products of bf16 pairs, accumulated in float32.
@@ -82,8 +82,8 @@ inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* kb, f
   }
 }
 
-// As values_block over `pairs` pairs of keys: pp is P^T as [16][R] words (a row's probabilities of keys 2i
-// and 2i + 1 in bf16), vp the V rows interleaved ([16][D] words), o in interleaved dim order.
+// As values_block over `pairs` pairs of keys: pp is P^T as [pairs][R] words (a row's probabilities of keys
+// 2i and 2i + 1 in bf16), vp the V rows interleaved ([pairs][D] words), o in interleaved dim order.
 template <int64_t C>
 inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, int64_t pairs, const float* alpha, float* o) {
   __m512 a[kRows][C];
@@ -120,11 +120,12 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uin
   }
 }
 
-// 16 rows' probabilities of keys a and b as bf16 pairs (a in the low half), rounded to nearest even.
+// 16 rows' probabilities of keys a and b as bf16 pairs (a in the low half), rounded to nearest even: both
+// rounded in one VCVTNE2PS2BF16 (a's in the low 16 words), then word i of a and of b side by side.
 inline __m512i probability_pairs(__m512 pa, __m512 pb) {
-  const __m512i wa = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pa));
-  const __m512i wb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pb));
-  return _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                              20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(pb, pa));
 }
 
 #else
