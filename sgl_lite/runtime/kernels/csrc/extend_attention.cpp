@@ -6,9 +6,9 @@
 // new) and sees positions 0..prefix + j. GQA: the G = Hq / Hkv query heads of a KV head share its K/V.
 //
 // Flash-attention's loop in float32: work items are (request, kv head, run of tiles of 32 new tokens); a
-// tile's G x 32 query rows walk the keys up to the tile's last position in blocks of 32 (of 128 in pairs), with an online
-// softmax per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to float32
-// once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
+// tile's G x 32 query rows walk the keys up to the tile's last position in blocks of 32, with an online
+// softmax per row. The tile's queries are transposed once ([D][rows]); per block, K and V are widened to
+// float32 once, then two register-blocked products: S^T = K Q^T (4 keys x 32 rows: a key's scores for a run of rows
 // in one vector, so the softmax runs down the rows 16 at a time) and O += P V (4 rows x D), every multiply
 // an FMA. One exp per score, no [rows x context] score matrix in memory, and no gather copy of K/V. Why:
 // torch's path (scores, softmax and their casts as separate passes over the whole score matrix) ran an
@@ -19,8 +19,9 @@
 // products multiply bf16 pairs instead (extend_blocks.h): Q and K as stored, P rounded to bf16 against V
 // interleaved by pairs of keys; half the instructions, no widening of K and V (docs/journal.md,
 // "Extend attention in VDPBF16PS pairs"). There an item first packs the keys its last tile sees (K rows
-// together, V interleaved) and its tiles walk that copy: the pool's rows of one head sit a slot's whole
-// row apart, and a walk per tile gathering and interleaving them again cost as much as its products.
+// together, V interleaved) and its tiles walk that copy in blocks of 128 keys: the pool's rows of one head
+// sit a slot's whole row apart, and a walk per tile gathering and interleaving them again cost as much as
+// its products (docs/performance.md, "Prefill at the 1.7B shape").
 //
 // An 8-bit float pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) is read as it is stored and widened in
 // registers (fp8_vectors.h): to float32 for the FMAs, to bf16 for the pairs (exactly: every fp8 value is a
@@ -100,7 +101,7 @@ constexpr bool kIsFp8 = std::is_same_v<KT, c10::Float8_e4m3fn> || std::is_same_v
 // With VDPBF16PS (bf16 only), instead of qt, k and v: the queries transposed in bf16 pairs along D
 // ([D/2][R] words), the item's K rows ([L][D/2] words), the block's probabilities in bf16 pairs of keys
 // ([64][R] words) and the item's V rows interleaved by pairs of keys ([L/2][D] words), L the item's keys
-// rounded up to a block (zeros past them), plus one pair line for a tile whose last key is an even one.
+// rounded up to a block (zeros past them), plus one pair line for the last pair of a block of odd length.
 struct Scratch {
   int64_t dim;
   std::vector<float> qt, o, k, v, st, max, sum, alpha;
@@ -312,6 +313,7 @@ void attend_tile_dp(const c10::BFloat16* q, const Request& req, const Tile& t, i
       for (int64_t d = 0; d < D; d += 16)
         _mm512_storeu_si512(s.last_pair.data() + d, _mm512_and_si512(_mm512_loadu_si512(vp + (pairs - 1) * D + d), even_only));
     }
+    static_assert(kRows == 4, "kOnes: one factor per row of a register block");
     static const float kOnes[kRows] = {1.f, 1.f, 1.f, 1.f};
     for (int64_t r0 = 0; r0 < R; r0 += kRows) {
       values_block_dp<C>(s.pp.data() + r0, R, vp, odd ? pairs - 1 : pairs, s.alpha.data() + r0, s.o.data() + r0 * D);
