@@ -168,6 +168,11 @@ def test_a_hostile_structural_tag_with_a_long_prompt_costs_one_request(engine, t
         server.stop()
 
 
+# What a schema that only refers to itself is refused with: sgl_lite's own check of the compiled grammar
+# ("admits no output"), or, where xgrammar finds the loop itself while compiling (0.2.9 does), its message.
+SELF_REFERENCE = r"admits no output|Circular \$ref chain"
+
+
 @pytest.mark.parametrize("schema", [
     {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
     {"$ref": "#"},
@@ -176,7 +181,7 @@ def test_a_self_referencing_schema_is_a_bad_request(engine, tmp_path, schema):
     server = ServerThread(engine, f"ipc://{tmp_path / 'rt.sock'}")
     try:
         with RuntimeClient(server.address, timeout=60) as client:
-            with pytest.raises(RuntimeRequestError, match="admits no output") as info:
+            with pytest.raises(RuntimeRequestError, match=SELF_REFERENCE) as info:
                 client.generate("hi", sampling_params={"max_new_tokens": 4, "json_schema": json.dumps(schema)})
             assert info.value.code == "bad_request"
         still_serving(server.address)
