@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 from ab_matmul_builds import base_and_tree, in_turn  # noqa: E402
+from bench_decode_kernels import best_seconds  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
@@ -62,14 +63,11 @@ def ms_per_layer(op, case: dict, repeats: int) -> tuple[float, torch.Tensor]:
     """The fastest pass over the case's pools (ms per layer), and the output of the last call."""
     out = torch.zeros_like(case["q"])
     args = (case["requests"], case["indices"], DIM**-0.5, out)
-    op(case["q"], *case["pools"][0], *args)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def one_pass() -> None:
         for k, v in case["pools"]:
             op(case["q"], k, v, *args)
-        best = min(best, (time.perf_counter() - start) / len(case["pools"]))
-    return best * 1e3, out
+    return 1e3 * best_seconds(one_pass, repeats) / len(case["pools"]), out
 
 
 def main() -> None:

@@ -33,6 +33,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16_arithmetic.h"
 #include "exp2_vectors.h"
 #include "extend_requests.h"
 
@@ -133,9 +134,6 @@ void attend_dims(const TileRows& t, int64_t d0, float scale, Scratch& s, c10::BF
   const float base2 = scale * sgl_lite::kLog2e;
   const __m512 c = _mm512_set1_ps(base2), slack = _mm512_set1_ps(kSlack / base2);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  // word i of a pair: bf16 i of the even key (low half) and of the odd one (high half)
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
-                                              20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 ref = neg_inf, sum = _mm512_setzero_ps();
   _tile_zero(0);
   _tile_zero(1);
@@ -229,7 +227,7 @@ void attend_dims(const TileRows& t, int64_t d0, float scale, Scratch& s, c10::BF
       const __m512 odd = sgl_lite::exp2_lanes_bf16(_mm512_max_ps(_mm512_fmsub_ps(_mm512_load_ps(st + (2 * p + 1) * kRows), c, offset), floor_x));
       if (p % 2 == 0) sum0 = _mm512_add_ps(sum0, _mm512_add_ps(even, odd));
       else sum1 = _mm512_add_ps(sum1, _mm512_add_ps(even, odd));
-      _mm512_store_si512(s.pp + p * kRows, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+      _mm512_store_si512(s.pp + p * kRows, sgl_lite::bf16_pairs(even, odd));
     }
     sum = _mm512_add_ps(sum0, sum1);
     _tile_loadd(7, s.pp, 64);  // O^T += V^T P^T, A: 16 dims x 32 keys of V^T

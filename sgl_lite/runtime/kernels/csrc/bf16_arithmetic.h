@@ -40,4 +40,17 @@ inline __m256i round_to_bf16(__m512 y) {
 
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+// 16 lanes' probabilities of keys a and b as VDPBF16PS pairs of keys (a's bf16 in a word's low half), rounded
+// to nearest even: both rounded in one VCVTNE2PS2BF16 (a's in the low 16 words), then word i of a and of b
+// side by side. The extend attention kernels' P operand.
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                              20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+#endif
+
 }  // namespace sgl_lite

@@ -155,7 +155,7 @@ inline void softmax_block(float* st, int64_t R, int64_t rows, int64_t G, int64_t
       for (int64_t i = 0; 2 * i < n; ++i) {
         const __m512 pa = probability(2 * i), pb = 2 * i + 1 < n ? probability(2 * i + 1) : _mm512_setzero_ps();
         sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pb));
-        _mm512_storeu_si512(s.pp.data() + i * R + r0, probability_pairs(pa, pb));
+        _mm512_storeu_si512(s.pp.data() + i * R + r0, sgl_lite::bf16_pairs(pa, pb));
       }
 #endif
     } else {

@@ -120,14 +120,6 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uin
   }
 }
 
-// 16 rows' probabilities of keys a and b as bf16 pairs (a in the low half), rounded to nearest even: both
-// rounded in one VCVTNE2PS2BF16 (a's in the low 16 words), then word i of a and of b side by side.
-inline __m512i probability_pairs(__m512 pa, __m512 pb) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
-                                              20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(pb, pa));
-}
-
 #else
 #define SGL_LITE_HAS_DPBF16_EXTEND 0
 #endif
