@@ -1,4 +1,5 @@
-"""The thread governor picks the faster thread count per token-count group, from forward times alone."""
+"""The thread governor picks the faster thread count per token-count group, from forward times alone
+(its falls to one thread and their early ends: test_thread_governor_falls.py)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
+from governor_drives import ControlledRunQueue, drive_with_waits, restore_torch_threads  # noqa: F401 (an autouse fixture)
 
 from sgl_lite.runtime.model_executor.cpu_host.run_queue import RunQueueWait, forward_thread_ids
 from sgl_lite.runtime.model_executor.cpu_host.thread_governor import SUSTAINED_S, ThreadGovernor
-
-
-@pytest.fixture(autouse=True)
-def restore_torch_threads() -> Iterator[None]:
-    """The governor sets torch's thread count; later tests get the count they started with."""
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
 
 
 def _drive(governor: ThreadGovernor, num_tokens: int, seconds_by_threads: dict[int, float], forwards: int) -> list[int]:
@@ -107,26 +100,15 @@ def test_a_hopeless_probe_postpones_the_count_everywhere():
     assert 2 not in chosen  # the prefill size does not pay for its own stalled probe
 
 
-def _drive_with_waits(governor: ThreadGovernor, num_tokens: int, seconds: dict[int, float], waits: dict[int, float],
-                      forwards: int) -> list[int]:
-    """As _drive, with the threads' run-queue wait per forward: `waits[threads]` x its wall time."""
-    chosen = []
-    for _ in range(forwards):
-        threads = governor.choose(num_tokens)
-        governor.record(num_tokens, threads, seconds[threads], waits[threads] * seconds[threads])
-        chosen.append(threads)
-    return chosen
-
-
 def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
     free = {2: 0.05, 1: 0.0}
     for _ in range(40):  # a free box: both sizes on two threads, which hardly wait for a CPU
-        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+        drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
     # a neighbour takes a core: the very next forward's threads wait 90% of its time for a CPU
-    chosen = _drive_with_waits(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.9, 1: 0.0}, 2)
+    chosen = drive_with_waits(governor, 300, {2: 0.400, 1: 0.075}, {2: 0.9, 1: 0.0}, 2)
     assert chosen == [2, 1]
     assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
     assert governor.choose(5000) == 1  # sizes not seen yet start there too
@@ -135,9 +117,9 @@ def test_a_starved_forward_moves_every_group_to_one_thread_at_once():
 def test_a_size_starved_from_its_first_forward_falls_once_it_lasts_and_two_threads_come_back_when_free():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
     step = 0.3 * SUSTAINED_S  # four starved forwards add up to the sustained starvation
-    chosen = _drive_with_waits(governor, 8, {2: step, 1: 0.010}, {2: 0.9, 1: 0.1}, 6)
+    chosen = drive_with_waits(governor, 8, {2: step, 1: 0.010}, {2: 0.9, 1: 0.1}, 6)
     assert chosen == [2, 2, 2, 2, 1, 1]  # no verdict to compare with: the wait alone decides
-    chosen = _drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
+    chosen = drive_with_waits(governor, 8, {2: 0.004, 1: 0.008}, {2: 0.0, 1: 0.0}, 60)  # the neighbour left
     assert chosen[-20:].count(2) >= 16
 
 
@@ -145,20 +127,20 @@ def test_sizes_moved_by_a_fall_come_back_with_the_decode_sizes_verdict():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, max_probe_interval=32, probe_forwards=2)
     free = {2: 0.0, 1: 0.0}
     for _ in range(40):  # a free box: decode steps and a prefill size on two threads, a batch-1 size on one
-        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
-        _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
+        drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+        drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
     # contention: one decode step starved for long enough moves every size to one thread
-    _drive_with_waits(governor, 8, {2: SUSTAINED_S, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
+    drive_with_waits(governor, 8, {2: SUSTAINED_S, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
     assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
     # the box is free again: decode steps (many per turn) find two threads faster within a few dozen
-    _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 40)
+    drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 40)
     assert governor.groups[4].current == 2
     # the prefill size, not seen since, follows them instead of running on one thread until its own probe
     assert governor.choose(300) == 2
     # the batch-1 size followed too (the fall erased every verdict), and its own probe takes it back to one
-    chosen = _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 40)
+    chosen = drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 40)
     assert chosen[-20:].count(1) >= 16
 
 
@@ -166,10 +148,10 @@ def test_a_turns_arrivals_waits_do_not_move_every_group_to_one_thread():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
     free = {2: 0.0, 1: 0.0}
     for _ in range(40):
-        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+        drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
     # the HTTP front tokenizing a turn's prompts: one prefill's threads wait 55% of its time, and it is slower
-    chosen = _drive_with_waits(governor, 300, {2: 0.090, 1: 0.075}, {2: 0.55, 1: 0.0}, 1)
+    chosen = drive_with_waits(governor, 300, {2: 0.090, 1: 0.075}, {2: 0.55, 1: 0.0}, 1)
     assert chosen == [2]
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
 
@@ -179,25 +161,25 @@ def test_only_starvation_that_lasts_moves_every_group_to_one_thread():
     free, starved = {2: 0.0, 1: 0.0}, {2: 0.9, 1: 0.0}
     moment = 0.75 * SUSTAINED_S
     for _ in range(10):
-        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
+        drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
+        drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
     # the HTTP front's burst (a turn's prompts, its clients' replies): a starved decode step and a starved
     # prefill with a free forward between them, each shorter than the sustained starvation: nothing falls
-    assert _drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
-    assert _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1) == [2]
-    assert _drive_with_waits(governor, 300, {2: moment, 1: 0.070}, starved, 1) == [2]
+    assert drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
+    assert drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1) == [2]
+    assert drive_with_waits(governor, 300, {2: moment, 1: 0.070}, starved, 1) == [2]
     assert governor.summary()["threads_by_min_tokens"] == {8: 2, 256: 2}
     # a neighbour: starved forwards in a row, of any size, add up to it: every size falls
-    assert _drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
+    assert drive_with_waits(governor, 8, {2: moment, 1: 0.005}, starved, 1) == [2]
     assert governor.summary()["threads_by_min_tokens"] == {8: 1, 256: 1}
 
 
 def test_a_starved_forward_that_is_as_fast_as_its_verdict_changes_nothing():
     governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2)
-    _drive_with_waits(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.0, 1: 0.0}, 40)
+    drive_with_waits(governor, 8, {2: 0.004, 1: 0.009}, {2: 0.0, 1: 0.0}, 40)
     assert governor.groups[4].current == 2
     # the threads wait for a CPU, but the forwards are as fast as before: nothing to gain from one thread
-    chosen = _drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.9, 1: 0.0}, 20)
+    chosen = drive_with_waits(governor, 8, {2: 0.0042, 1: 0.009}, {2: 0.9, 1: 0.0}, 20)
     assert chosen.count(2) >= 16
 
 
@@ -223,22 +205,8 @@ def test_the_run_queue_wait_of_the_forward_threads_is_read_and_grows_under_conte
     clock.close()
 
 
-class _ControlledRunQueue(RunQueueWait):
-    """A run-queue account whose waits the test sets (a neighbour's effect, without a neighbour)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0.0
-
-    def watch(self, tids) -> None:
-        pass
-
-    def seconds(self) -> float:
-        return self.total
-
-
 def _forward_of_layers(governor: ThreadGovernor, num_tokens: int, layers: int, layer_seconds: float,
-                       waiting_threads: float, run_queue: _ControlledRunQueue) -> list[int]:
+                       waiting_threads: float, run_queue: ControlledRunQueue) -> list[int]:
     """One forward of `layers` layers through governor.forward, calling its watch between them; while a layer
     runs, `waiting_threads` threads wait for a CPU. The thread count each layer ran on."""
     counts = []
@@ -253,7 +221,7 @@ def _forward_of_layers(governor: ThreadGovernor, num_tokens: int, layers: int, l
 
 
 def test_a_forward_stalled_midway_runs_its_remaining_layers_on_one_thread():
-    run_queue = _ControlledRunQueue()
+    run_queue = ControlledRunQueue()
     governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
     for _ in range(5):  # a prefill size timed on a free box: ~30 ms on two threads
         assert _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue) == [2] * 10
@@ -265,7 +233,7 @@ def test_a_forward_stalled_midway_runs_its_remaining_layers_on_one_thread():
 
 
 def test_a_forward_stalled_for_a_moment_keeps_its_threads():
-    run_queue = _ControlledRunQueue()
+    run_queue = ControlledRunQueue()
     governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
     for _ in range(5):
         _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue)
@@ -275,108 +243,10 @@ def test_a_forward_stalled_for_a_moment_keeps_its_threads():
 
 
 def test_a_slow_forward_whose_threads_do_not_wait_stays_on_its_threads():
-    run_queue = _ControlledRunQueue()
+    run_queue = ControlledRunQueue()
     governor = ThreadGovernor(max_threads=2, min_probe_interval=64, run_queue=run_queue)
     for _ in range(5):
         _forward_of_layers(governor, 300, 10, 0.003, 0.0, run_queue)
     # slower for another reason (a longer context, a busier memory bus): no core was taken
     assert _forward_of_layers(governor, 300, 10, 0.012, 0.1, run_queue) == [2] * 10
     assert governor.summary()["threads_by_min_tokens"] == {256: 2}
-
-
-class _Machine:
-    """What the governor's QuietLook reads: how many other tasks are runnable (the test sets it)."""
-
-    def __init__(self, others: int | None) -> None:
-        self.others = others
-        self.looks = 0
-
-    def __call__(self) -> int | None:
-        self.looks += 1
-        return self.others
-
-
-def _fall_after_a_free_box(governor: ThreadGovernor) -> None:
-    """Decode steps and a prefill size on two threads, a batch-1 size on one, then a lasting starvation."""
-    free = {2: 0.0, 1: 0.0}
-    for _ in range(40):
-        _drive_with_waits(governor, 8, {2: 0.004, 1: 0.005}, free, 1)
-        _drive_with_waits(governor, 300, {2: 0.040, 1: 0.070}, free, 1)
-        _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, free, 1)
-    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
-    governor.min_probe_interval = 64  # no probe within the test from here on: only the fall and its end
-    _drive_with_waits(governor, 8, {2: SUSTAINED_S, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
-    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
-
-
-def _one_thread_forward(governor: ThreadGovernor, num_tokens: int, layers: int = 4) -> int:
-    """One forward through governor.forward whose layers take 3 ms each; the thread count it ran on."""
-    with governor.forward(num_tokens) as between_layers:
-        threads = torch.get_num_threads()
-        for _ in range(layers):
-            time.sleep(0.003)
-            if between_layers is not None:
-                between_layers()
-    return threads
-
-
-def test_a_fall_ends_at_the_first_one_thread_forward_that_finds_nothing_else_runnable():
-    machine = _Machine(others=1)  # the HTTP front still busy with a turn's prompts
-    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2, runnable=machine,
-                               run_queue=_ControlledRunQueue())
-    _fall_after_a_free_box(governor)
-    assert [_one_thread_forward(governor, 8) for _ in range(3)] == [1, 1, 1]
-    assert machine.looks == 3  # one look a forward
-    machine.others = 0  # the burst is over
-    assert _one_thread_forward(governor, 8) == 1
-    # every size back where it was, the batch-1 size on the one thread its own probe chose
-    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 2, 256: 2}
-    assert governor.choose(5000) == 2  # and a size first seen now starts from the verdict before the fall
-    assert governor.before_fall is None
-
-
-def test_a_neighbour_that_stays_holds_the_fall():
-    machine = _Machine(others=1)  # a neighbour spinning on one core: always runnable
-    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2, runnable=machine,
-                               run_queue=_ControlledRunQueue())
-    _fall_after_a_free_box(governor)
-    assert [_one_thread_forward(governor, 8) for _ in range(10)] == [1] * 10
-    assert governor.summary()["threads_by_min_tokens"] == {1: 1, 8: 1, 256: 1}
-
-
-def test_a_fall_soon_after_one_ended_early_is_left_to_the_probes():
-    machine = _Machine(others=0)
-    governor = ThreadGovernor(max_threads=2, min_probe_interval=4, probe_forwards=2, runnable=machine,
-                               run_queue=_ControlledRunQueue())
-    _fall_after_a_free_box(governor)
-    _one_thread_forward(governor, 8)
-    assert governor.summary()["threads_by_min_tokens"][8] == 2
-    # starved again at once: a neighbour that comes and goes; this fall does not end at a quiet moment
-    _drive_with_waits(governor, 8, {2: SUSTAINED_S, 1: 0.005}, {2: 0.9, 1: 0.0}, 1)
-    assert [_one_thread_forward(governor, 8) for _ in range(5)] == [1] * 5
-    assert governor.before_fall is None
-
-
-def test_without_a_fall_nothing_looks():
-    machine = _Machine(others=0)
-    governor = ThreadGovernor(max_threads=2, min_probe_interval=64, runnable=machine, run_queue=_ControlledRunQueue())
-    _drive_with_waits(governor, 1, {2: 0.004, 1: 0.003}, {2: 0.0, 1: 0.0}, 1)
-    governor.groups[1].current = 1  # a size on one thread by its own verdict, no fall
-    assert _one_thread_forward(governor, 1) == 1
-    assert machine.looks == 0
-
-
-def test_the_runnable_count_is_read_from_the_machine():
-    from sgl_lite.runtime.model_executor.cpu_host.forward_looks import others_runnable
-
-    count = others_runnable()
-    if count is None:
-        pytest.skip("no /proc/loadavg here")
-    spinner = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
-    try:
-        time.sleep(0.5)
-        busy = [others_runnable() for _ in range(20)]
-    finally:
-        spinner.kill()
-        spinner.wait()
-    assert min(busy) >= 1  # the spinning process is always runnable

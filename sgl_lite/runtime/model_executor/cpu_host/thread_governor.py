@@ -57,6 +57,12 @@ runnable, so it holds the fall; a fall within _RECOVERY_HOLD_S of an early end i
 neighbour that comes and goes). The count is machine-wide: on a host shared with other tenants it is
 rarely zero, and falls end as before.
 
+A probe that moves its own size to fewer threads moves every other size as a fall does, and ends early
+the same way (the probing size keeps its verdict): a moment of contention during one size's probe - a
+decode size probes every few seconds - otherwise left the sizes seen rarely, a turn's prefills, on one
+thread at half speed until a later probe of a frequent size chose two threads again (docs/performance.md,
+"Threads in serving: a probe's fall ends too").
+
 Either way the governor acts only on contention that lasts: a fall needs starved forwards in a row
 (with the one under way) that add up to SUSTAINED_S of wall time, and an early probe slow forwards
 that do. The front's bursts are short - a turn's prompts rendered and tokenized, its clients' replies -
@@ -201,13 +207,15 @@ class ThreadGovernor:
             return
         group.since_probe = 0
         theirs = statistics.median(group.times[threads])
+        before_fall = None  # a probe's verdict replaces what an earlier fall remembered
         if theirs < mine * _SWITCH_MARGIN:
             low = 1 << (num_tokens.bit_length() - 1)
             logger.info("threads: forwards of %d-%d tokens now run on %d thread(s) (median %.1f ms against %.1f ms on %d)",
                         low, 2 * low - 1, threads, theirs * 1e3, mine * 1e3, group.current)
             group.current = threads
             group.probe_interval = self.min_probe_interval
-            if threads < self.max_threads:  # a busy core: every size moves to fewer threads
+            if threads < self.max_threads:  # a busy core: every size moves to fewer threads, as in a fall
+                before_fall = self._before_fall(judge=group)
                 for other in self.groups.values():
                     other.imposed = other.imposed or other.current != threads
         else:  # wait until this probe's lost time is probe_budget of the forwards in between
@@ -221,7 +229,7 @@ class ThreadGovernor:
         group.verdict_seconds = min(mine, theirs)
         group.imposed = False
         self.latest_verdict = group.current
-        self.before_fall = None  # a probe's verdict replaces what the fall remembered
+        self.before_fall = before_fall
         self._follow(group)
 
     def _follow(self, judge: _Group) -> None:
@@ -236,24 +244,32 @@ class ThreadGovernor:
         logger.info("threads: a %d-token forward on %d threads waited %.0f%% of its %.1f ms for a CPU (a core is taken%s): "
                     "every forward now runs on 1 thread", num_tokens, threads, 100 * waited_seconds / seconds, seconds * 1e3,
                     "; its last layers ran on 1" if finished_on_one else "")
-        held = time.monotonic() - self.fall_ended_early_at < _RECOVERY_HOLD_S
-        snapshot = {bits: (g.current, g.verdict_seconds, g.imposed) for bits, g in self.groups.items()}
-        self.before_fall = None if held else (snapshot, self.latest_verdict)
+        # a fall while an earlier one is still in effect (one that a probe started) keeps what that one remembered
+        self.before_fall = self.before_fall or self._before_fall()
         for group in self.groups.values():
             group.impose(1, self.min_probe_interval)
         self.latest_verdict = 1
         self.starved_seconds = 0.0
 
+    def _before_fall(self, judge: _Group | None = None) -> tuple[dict[int, tuple[int, float, bool]], int] | None:
+        """What a fall about to start may go back to if it ends early: every group's state but the `judge`'s
+        (a probe's verdict, which the group keeps), and the latest verdict. None when held: a fall this
+        soon after one ended early is left to the probes."""
+        if time.monotonic() - self.fall_ended_early_at < _RECOVERY_HOLD_S:
+            return None
+        snapshot = {bits: (g.current, g.verdict_seconds, g.imposed) for bits, g in self.groups.items() if g is not judge}
+        return snapshot, self.latest_verdict
+
     def _end_fall(self) -> None:
         """Nothing else runs: every group back to its count from before the fall (groups first seen since,
-        to the verdict of then)."""
+        to the verdict of then); a group whose own probe moved every size keeps its verdict."""
         assert self.before_fall is not None
         snapshot, verdict = self.before_fall
         for bits, group in self.groups.items():
             if bits in snapshot:
                 group.impose(snapshot[bits][0], self.min_probe_interval)
                 group.verdict_seconds, group.imposed = snapshot[bits][1], snapshot[bits][2]
-            else:
+            elif group.imposed:
                 group.impose(verdict or self.max_threads, self.min_probe_interval)
         self.latest_verdict, self.before_fall = verdict, None
         self.fall_ended_early_at = time.monotonic()
