@@ -1,7 +1,7 @@
 """The paged decode attention kernel at two versions of the code, timed in one process, interleaved.
 
 As scripts/ab_matmul_builds.py does for the matmuls (a shared host's process-to-process spread hides
-small kernel changes): builds `kernels/csrc/paged_decode_attention.cpp` with its headers as they are
+small kernel changes): builds `kernels/csrc/attention/paged_decode_attention.cpp` with its headers as they are
 at git revision --base and as they are in the working tree, each as a library of its own name, checks that
 both give the same outputs, and times a decode step's layers of attention (--shape 135m: SmolLM2-135M's 30
 layers of 9 query / 3 KV heads of 64; --shape 1.7b: 24 layers of 32 / 32, a 1.7B Llama's), bf16, each layer

@@ -1,6 +1,6 @@
 """The extend (prefill) attention kernel at two versions of the code, timed in one process, interleaved.
 
-As scripts/ab_attention_builds.py does for decode attention: builds `kernels/csrc/extend_attention.cpp`
+As scripts/ab_attention_builds.py does for decode attention: builds `kernels/csrc/attention/extend_attention.cpp`
 with its headers as they are at git revision --base and as they are in the working tree, each as a
 library of its own name (scripts/ab_matmul_builds.py's `base_and_tree`), and times one layer's attention
 per case, the two builds alternating (each first in every other round), best of --repeats per round.

@@ -3,7 +3,7 @@
 Across processes a shared host's speeds move (where a run's memory lands, what else runs) by more than
 many kernel changes move them: timing each version in a process of its own with bench_decode_kernels.py
 can show no difference where there is one, or one where there is none. This builds the kernel's source file
-(`kernels/csrc/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
+(`kernels/csrc/<folder>/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
 is in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random
 weights once, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
 memory, as in a decode step) at each row count, the two builds alternating (each first in every other
@@ -34,11 +34,10 @@ from bench_decode_kernels import LAYERS, SHAPES, best_seconds  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
-from sgl_lite.runtime.kernels.loader import load_cpu_ops  # noqa: E402
+from sgl_lite.runtime.kernels.loader import CSRC, HEADERS, SOURCES, load_cpu_ops  # noqa: E402
 from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
 
-CSRC = ROOT / "sgl_lite" / "runtime" / "kernels" / "csrc"
 PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed}
 
 
@@ -66,21 +65,28 @@ def git_show(base: str, relative: str) -> str | None:
     return shown.stdout if shown.returncode == 0 else None
 
 
+def csrc_at(base: str, path: Path) -> str | None:
+    """csrc file `path` as it is at git revision `base`, in its folder or where revisions before the folders
+    kept it (csrc/ itself); None where it did not exist."""
+    shown = git_show(base, str(path.relative_to(ROOT)))
+    return shown if shown is not None else git_show(base, str((CSRC / path.name).relative_to(ROOT)))
+
+
 def base_and_tree(kernel: str, base: str) -> dict:
-    """The op `kernel` (csrc/<kernel>.cpp) built as it is at git revision `base` and in the working tree,
+    """The op `kernel` (csrc/<folder>/<kernel>.cpp) built as it is at git revision `base` and in the working tree,
     each with the headers of its own version: {"base": op, "working tree": op}."""
     if not load_cpu_ops():
         raise SystemExit("the C++ ops do not build here (see sgl_lite.runtime.kernels.loader)")
-    relative = f"sgl_lite/runtime/kernels/csrc/{kernel}.cpp"
-    base_source = git_show(base, relative)
+    source_path = next(path for path in SOURCES if path.stem == kernel)
+    base_source = csrc_at(base, source_path)
     if base_source is None:
-        raise SystemExit(f"{relative} does not exist at {base}")
+        raise SystemExit(f"{source_path.relative_to(ROOT)} does not exist at {base}")
     ops = {}
-    for name, library, source in (("base", "ab_base", base_source), ("working tree", "ab_tree", (CSRC / f"{kernel}.cpp").read_text())):
+    for name, library, source in (("base", "ab_base", base_source), ("working tree", "ab_tree", source_path.read_text())):
         workdir = Path(tempfile.mkdtemp(prefix=f"ab_{kernel}-"))
         try:
-            for header in CSRC.glob("*.h"):
-                text = git_show(base, f"sgl_lite/runtime/kernels/csrc/{header.name}") if name == "base" else None
+            for header in HEADERS:  # all in one folder: sources include them by name
+                text = csrc_at(base, header) if name == "base" else None
                 (workdir / header.name).write_text(text if text is not None else header.read_text())
             ops[name] = build(kernel, source, library, workdir)
         finally:

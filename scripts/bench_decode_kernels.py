@@ -1,24 +1,24 @@
 """The decode step's C++ kernels against what they replaced, on the default model's shapes, in one run.
 
-- matmuls: the small-row kernel of each dtype it serves here (`kernels/csrc/bf16_gemv.cpp` for bf16 on
+- matmuls: the small-row kernel of each dtype it serves here (`kernels/csrc/matmul/bf16_gemv.cpp` for bf16 on
   AVX512-BF16, `avx2_gemv.cpp` for float32 and bf16 on AVX2) against the path before it (oneDNN's packed
   bf16 matmuls where oneDNN has bf16, else torch's F.linear: MKL's sgemm in float32) over 30 layers of
   SmolLM2-135M-shaped random weights (qkv, o, gate_up, down), so that the weights stream from memory as
   in a real step; 1 to 128 rows;
-- int4 weights (`--quantization w4a16_int4`): the int4 kernel this CPU runs (`kernels/csrc/avx2_q4_gemv.cpp`
+- int4 weights (`--quantization w4a16_int4`): the int4 kernel this CPU runs (`kernels/csrc/matmul/avx2_q4_gemv.cpp`
   on CPUs without AVX-512, else torch's) against the bf16 small-row kernel on the same weights;
-- int8 (`--quantization w8a8_int8`, on AVX512-VNNI): `kernels/csrc/w8a8_gemm.cpp` against the bf16 small-row
+- int8 (`--quantization w8a8_int8`, on AVX512-VNNI): `kernels/csrc/matmul/w8a8_gemm.cpp` against the bf16 small-row
   kernel on the same weights, and its LM head (int8 weights x 16-bit activations) against the bf16 head;
-- decode attention (`kernels/csrc/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
+- decode attention (`kernels/csrc/attention/paged_decode_attention.cpp`) per layer, 9 query / 3 KV heads of 64 in
   bf16, each of 30 layers with its own K/V pool (read from memory), requests' slots in contiguous runs;
   GB/s of K/V read. Its baseline is the machine's read bandwidth (a sum over 512 MiB, as bench_model); in
   bf16 on AVX512-BF16 CPUs also the arithmetic bf16_gemv's probe did not pick (VDPBF16PS pairs or float32 FMAs);
   and a speculative verification row: one request's 1 + k queries (its last token and k draft tokens,
   query j seeing j more keys) as one kernel row, as the runtime runs them, at 150-2000 tokens of context,
   with what each draft query adds to the layer; its baseline is the same queries as separate decode rows;
-- the MLP's activation, silu(gate) * up, as one C++ op (`kernels/csrc/silu_and_mul.cpp`) against torch's two
+- the MLP's activation, silu(gate) * up, as one C++ op (`kernels/csrc/layer/silu_and_mul.cpp`) against torch's two
   ops, in bf16 at SmolLM2-135M's width (1536), 30 layers' inputs, from a decode step's rows to a prefill's;
-- the decoder layer of a decode step as one C++ op (`kernels/csrc/decode_layer.cpp`) against the same
+- the decoder layer of a decode step as one C++ op (`kernels/csrc/layer/decode_layer.cpp`) against the same
   layer called op by op from Python, on the default model (ms per decode step, 480-token contexts).
 
 Each figure is the best of --repeats; the pairs are interleaved. Prints markdown tables, writes JSON and a PNG.

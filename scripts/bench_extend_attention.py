@@ -5,7 +5,7 @@ For each (prefix, new tokens, requests) shape - one long prompt from scratch, ag
 cached conversation, a short chunk on a long context - it builds a KV pool holding the prefixes (the
 default model's heads: 9 query and 3 KV heads of 64, bf16 unless --dtype float32) and times one layer's
 attention for all new rows:
-- kernel: `CpuKernelBackend.forward` (kernels/csrc/extend_attention.cpp, the cpu_kernel backend's extend
+- kernel: `CpuKernelBackend.forward` (kernels/csrc/attention/extend_attention.cpp, the cpu_kernel backend's extend
   path where it is built);
 - kernel in the other arithmetic (bf16 on AVX512-BF16 CPUs): the kernel follows bf16_gemv's probe, float32
   FMAs or VDPBF16PS pairs, whichever this core runs faster; the other one is timed too, with its ratio;

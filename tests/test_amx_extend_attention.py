@@ -1,4 +1,4 @@
-"""kernels/csrc/amx_extend_attention.cpp: extend attention on AMX tiles (bf16), against a float64 reference.
+"""kernels/csrc/attention/amx_extend_attention.cpp: extend attention on AMX tiles (bf16), against a float64 reference.
 
 Its products round the probabilities to bf16 (as torch's flash attention on CPU does for bf16), so it is
 checked within bf16 tolerance of the exact attention, and for the properties the runtime relies on: a row's

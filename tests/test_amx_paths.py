@@ -86,7 +86,7 @@ def test_a_prefill_forward_takes_its_own_row_limit(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k", "rows"), [(96, 256, 49), (80, 192, 300), (88, 128, 33), (64, 4096, 300)])
 def test_amx_int8_rows_give_the_kernel_bits(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
-    """Calls above AMX_KERNEL_MAX_ROWS on csrc/amx_w8a8_gemm.cpp: the torch reference's and the VNNI kernel's
+    """Calls above AMX_KERNEL_MAX_ROWS on csrc/matmul/amx_w8a8_gemm.cpp: the torch reference's and the VNNI kernel's
     bits, with groups of three column blocks, a last group of two (80) or one (64: a pair of blocks across two
     groups), padded columns (88), rows not a whole unit, and two slabs of rows (K = 4,096: 256-row slabs)."""
     torch.manual_seed(3)

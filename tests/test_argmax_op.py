@@ -1,4 +1,4 @@
-"""The C++ argmax over logit rows (kernels/csrc/argmax_rows.cpp) answers as torch.argmax(x, -1) does."""
+"""The C++ argmax over logit rows (kernels/csrc/layer/argmax_rows.cpp) answers as torch.argmax(x, -1) does."""
 
 from __future__ import annotations
 

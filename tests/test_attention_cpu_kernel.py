@@ -333,7 +333,7 @@ def in_each_bf16_arithmetic(compute: Callable[[], torch.Tensor]) -> dict[str, to
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_bf16_decode_kernel_matches_reference_in_each_arithmetic(op, shape, bf16_arithmetic):
-    """The decode kernel in both bf16 arithmetics (float32 FMAs, or VDPBF16PS pairs: csrc/decode_pairs.h)
+    """The decode kernel in both bf16 arithmetics (float32 FMAs, or VDPBF16PS pairs: csrc/attention/decode_pairs.h)
     within one bf16 rounding of the float64 reference, and each request's output the same bits alone as in
     its batch."""
     lens, hq, hkv, dim = SHAPES[shape]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_lite.runtime.kernels.loader import SOURCES
+from sgl_lite.runtime.kernels.loader import SOURCE_DIRS, SOURCES
 
 TARGETS = {
     "x86-64": "no AVX: the loader's portable retry",
@@ -36,7 +36,7 @@ def test_sources_compile_for_target(march: str) -> None:
     from torch.utils.cpp_extension import include_paths
 
     flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", f"-march={march}", f"-I{sysconfig.get_paths()['include']}",
-             *(f"-I{path}" for path in include_paths())]
+             *(f"-I{path}" for path in include_paths()), *(f"-I{folder}" for folder in SOURCE_DIRS)]
 
     def compile_one(source):
         return subprocess.run([compiler, *flags, str(source)], capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""The fused decode layer (kernels/csrc/decode_layer.cpp) against the Python layer it replaces, bit for bit."""
+"""The fused decode layer (kernels/csrc/layer/decode_layer.cpp) against the Python layer it replaces, bit for bit."""
 
 from __future__ import annotations
 

@@ -84,8 +84,8 @@ def test_rows_independent_of_cache_split_and_batch(backend_cls: Callable[[int, i
     if backend_cls is BatchInvariantBackend:
         assert all(same.values()), same
     elif amx_extend_kernel_takes(torch.bfloat16, torch.bfloat16, D) or (extend_kernel_available() and not amx_matmuls()):
-        # The default backend's extend kernels compute a row from its own keys in fixed blocks (csrc/extend_attention.cpp,
-        # and csrc/amx_extend_attention.cpp for bf16 on AMX): splitting or batching a prompt changes nothing. Decoding the
+        # The default backend's extend kernels compute a row from its own keys in fixed blocks (csrc/attention/extend_attention.cpp,
+        # and csrc/attention/amx_extend_attention.cpp for bf16 on AMX): splitting or batching a prompt changes nothing. Decoding the
         # last tokens one by one goes through the decode kernel, whose sums run in another order, so that variant may
         # differ in bf16: what the flag is for. (On AMX without the AMX kernel, long extends go through torch's SDPA,
         # whose rows follow the call's shape: the flag's case too.)

@@ -1,4 +1,4 @@
-"""The C++ extend (prefill) attention kernel (kernels/csrc/extend_attention.cpp, cpu_kernel backend) against a
+"""The C++ extend (prefill) attention kernel (kernels/csrc/attention/extend_attention.cpp, cpu_kernel backend) against a
 float64 naive reference, in both bf16 arithmetics, and its rows' independence of the batch.
 
 Built once per machine with the decode kernel (cached); it needs AVX-512, and these tests skip without it.
@@ -39,7 +39,7 @@ EXTEND_CASES = {  # (prefix_lens, extend_lens, hq, hkv, head_dim)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(EXTEND_CASES))
 def test_extend_kernel_matches_naive(op, case, dtype):
-    """Extend rows through kernels/csrc/extend_attention.cpp (causal with the prefix offset, GQA), against a
+    """Extend rows through kernels/csrc/attention/extend_attention.cpp (causal with the prefix offset, GQA), against a
     float64 naive reference over the stored pool; decode rows of the same batch through the decode kernel."""
     extend_kernel()
     prefix_lens, extend_lens, hq, hkv, d = EXTEND_CASES[case]

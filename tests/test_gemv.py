@@ -1,4 +1,4 @@
-"""The small-row matmuls (kernels/csrc/bf16_gemv.cpp, avx2_gemv.cpp) against float64 reference matmuls, and
+"""The small-row matmuls (kernels/csrc/matmul/bf16_gemv.cpp, avx2_gemv.cpp) against float64 reference matmuls, and
 where the model uses them. Each test runs for the dtypes a kernel serves on this CPU: bf16 on AVX512-BF16
 (bf16_gemv) or AVX2 (avx2_gemv), float32 on AVX2 (avx2_gemv)."""
 

@@ -1,4 +1,4 @@
-"""The C++ RMSNorm op (kernels/csrc/rms_norm.cpp) against transformers' LlamaRMSNorm arithmetic."""
+"""The C++ RMSNorm op (kernels/csrc/layer/rms_norm.cpp) against transformers' LlamaRMSNorm arithmetic."""
 
 from __future__ import annotations
 

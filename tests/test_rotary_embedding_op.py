@@ -1,4 +1,4 @@
-"""The C++ rotary_embedding op (kernels/csrc/rotary_embedding.cpp) against torch's rotate-half expression."""
+"""The C++ rotary_embedding op (kernels/csrc/layer/rotary_embedding.cpp) against torch's rotate-half expression."""
 
 from __future__ import annotations
 

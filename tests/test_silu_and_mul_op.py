@@ -1,4 +1,4 @@
-"""The C++ silu_and_mul op (kernels/csrc/silu_and_mul.cpp) against torch's two ops, silu(gate) * up."""
+"""The C++ silu_and_mul op (kernels/csrc/layer/silu_and_mul.cpp) against torch's two ops, silu(gate) * up."""
 
 from __future__ import annotations
 

@@ -363,7 +363,7 @@ BF16_PROMPTS = [
 @pytest.mark.default_model
 def test_bf16_greedy_output_is_identical_with_speculation_on_the_default_model(default_model_dir: Path) -> None:
     """In bf16 too: up to GEMV_MAX_ROWS rows a matmul row and a decode-attention row are computed the same way
-    in any batch (kernels/csrc/bf16_gemv.cpp, fixed-length chunks in the decode kernel), so a verification
+    in any batch (kernels/csrc/matmul/bf16_gemv.cpp, fixed-length chunks in the decode kernel), so a verification
     row gives a decode step's bits. The tiny model's wide logit margins hide such last-bit differences,
     hence the real weights."""
     from sgl_lite.runtime.layers.linear import gemv_supported

@@ -1,4 +1,4 @@
-"""The order in which the small-row matmul kernels (csrc/bf16_gemv.cpp, csrc/w8a8_gemm.cpp) read a packed
+"""The order in which the small-row matmul kernels (csrc/matmul/bf16_gemv.cpp, csrc/matmul/w8a8_gemm.cpp) read a packed
 weight: its blocks of 16 output columns in groups of GROUP, each group's blocks interleaved along the
 reduction axis, so that a register tile (one group) reads one stream. A weight is given block by block as
 [blocks, steps, ...] (steps along the reduction axis, each step one 64-byte vector of the block); a group

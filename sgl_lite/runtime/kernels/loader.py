@@ -35,8 +35,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
-HEADERS = tuple(sorted(CSRC.glob("*.h")))  # hashed with the sources
+# A folder per kind of op (attention, matmul, layer: the decode layer and its elementwise ops) and one for
+# what they share (common: vector helpers, the threads' ids, the disk tier's row copies); sources include
+# headers by name, from any folder.
+SOURCE_DIRS = tuple(sorted(path for path in CSRC.iterdir() if path.is_dir()))
+SOURCES = tuple(sorted(CSRC.glob("*/*.cpp"), key=lambda path: path.name))
+HEADERS = tuple(sorted(CSRC.glob("*/*.h"), key=lambda path: path.name))  # hashed with the sources
 # Sources that call a function another source defines (not an op: ops are found through the dispatcher):
 # they cannot link without it. bf16_gemv.cpp defines dpbf16_preferred() (bf16_arithmetic.h).
 SOURCE_NEEDS = {"extend_attention": {"bf16_gemv"}, "paged_decode_attention": {"bf16_gemv"}}
@@ -82,7 +86,8 @@ def _build(name: str, sources: tuple[Path, ...], flags: list[str], target: Path)
     workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
     try:
         cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(workdir), is_python_module=False, verbose=False)
+                           extra_include_paths=[str(folder) for folder in SOURCE_DIRS], build_directory=str(workdir),
+                           is_python_module=False, verbose=False)
         os.replace(workdir / f"{name}.so", target)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

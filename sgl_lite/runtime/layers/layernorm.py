@@ -13,7 +13,7 @@ from sgl_lite.runtime.kernels.loader import has_op
 class RMSNorm(nn.Module):
     """RMSNorm, optionally of `x + residual` (returning that sum too, the next residual).
 
-    On CPU it runs the C++ op of kernels/csrc/rms_norm.cpp when it is built: one pass per row with
+    On CPU it runs the C++ op of kernels/csrc/layer/rms_norm.cpp when it is built: one pass per row with
     transformers' roundings, several times faster at decode sizes than torch's composite rms_norm (whose
     ~8 ops are mostly dispatch there), which a decode step calls twice per layer. Elsewhere torch's
     rms_norm (float32 accumulation; in bf16 one rounding step apart from transformers, which casts back

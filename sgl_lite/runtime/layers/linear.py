@@ -2,7 +2,7 @@
 int8/int4, chosen per call by row count.
 
 A decode step with few rows reads every weight once and does little else, so it wants the kernel that
-streams weights fastest. In bf16 on AVX512-BF16 that is csrc/bf16_gemv.cpp: over SmolLM2-135M's 30
+streams weights fastest. In bf16 on AVX512-BF16 that is csrc/matmul/bf16_gemv.cpp: over SmolLM2-135M's 30
 layers of weights (too many to stay in cache) it beats oneDNN's packed matmuls from 1 to 128 rows on CPUs
 where its VDPBF16PS arithmetic wins, and oneDNN takes calls above GEMV_MAX_ROWS. On CPUs whose float32
 FMAs outrun VDPBF16PS, the kernel computes the same bits with FMAs over weights widened in registers,
@@ -13,7 +13,7 @@ There the kernel keeps a decode or verification forward's calls (where its rows 
 and a forward with prefill rows hands oneDNN every call of more than AMX_PREFILL_GEMV_MAX_ROWS rows, unless
 the weights are packed batch invariant (--enable-deterministic-inference: oneDNN's rows on AMX depend on
 the row count) (`amx_matmuls`; docs/performance.md, "On CPUs with AMX").
-Elsewhere, on AVX2 + FMA, it is csrc/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
+Elsewhere, on AVX2 + FMA, it is csrc/matmul/avx2_gemv.cpp (float32 arithmetic over float32 or bf16 weights): on
 an AVX2-only CPU, in float32, it beats MKL's sgemm from 1 row (reading weights at the machine's read
 rate) up to 1024 rows, so on such a CPU it takes every call (prefill too; docs/performance.md, "On CPUs
 without AVX-512 (AVX2 + FMA)"); on a CPU with AVX512, where MKL's sgemm is wider, only calls up to
@@ -27,7 +27,7 @@ AVX512-BF16: int4/int8 well ahead at 1 row, about even at 8, well behind at 32; 
 "Weight-only quantization (`--quantization`)"). So a QuantizedLinear keeps the dense weight too and
 picks per call: the quantized kernel up to
 `max_rows` rows (decode at small batch), the dense one above (prefill, large decode batches). On a CPU
-without AVX-512, int4 runs on csrc/avx2_q4_gemv.cpp instead of torch's kernel (which is slower there
+without AVX-512, int4 runs on csrc/matmul/avx2_q4_gemv.cpp instead of torch's kernel (which is slower there
 than the dense bf16 kernel): well ahead of the bf16 kernel at 1 row, about even from 3 to 32 rows, slower
 above (docs/performance.md, "On CPUs without AVX-512 (AVX2 + FMA)", its int4 rows), so it serves every
 decode batch up to AVX2_INT4_MAX_ROWS rows, and a request's tokens get the same bits whatever the batch
@@ -92,7 +92,7 @@ def gemv_supported(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def avx2_int4_preferred() -> bool:
-    """Whether int4 weights run on csrc/avx2_q4_gemv.cpp: on a CPU whose widest vectors are AVX2 (where
+    """Whether int4 weights run on csrc/matmul/avx2_q4_gemv.cpp: on a CPU whose widest vectors are AVX2 (where
     torch's int4 kernel is the slower one), with the op built."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return False
@@ -123,7 +123,7 @@ def prefill_rows_on_onednn(kernel: str | None, batch_invariant: bool) -> bool:
 @functools.cache
 def bf16_gemv_fma() -> bool:
     """Whether the AVX512-BF16 kernel computes with float32 FMAs on this CPU (its probe found them faster
-    than VDPBF16PS; the same bits either way, see csrc/bf16_gemv.cpp). Decided once per process, by the
+    than VDPBF16PS; the same bits either way, see csrc/matmul/bf16_gemv.cpp). Decided once per process, by the
     first probe, and what calls it takes follows from it; `set_bf16_gemv_arithmetic` afterwards changes
     only the arithmetic."""
     from sgl_lite.runtime.kernels.loader import has_op

@@ -52,8 +52,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE (the HF layout). x [N, H, D]; cos/sin [N, 1, D/2] in x's dtype.
 
     On CPU, in bf16 or float32 with each row's heads contiguous (q and k as a view of the qkv matmul's
-    output), the C++ op of kernels/csrc/rotary_embedding.cpp when built: one pass with torch's bits instead
-    of seven ops over the whole tensor. The decode layer's op rotates with the same code (csrc/rope.h)."""
+    output), the C++ op of kernels/csrc/layer/rotary_embedding.cpp when built: one pass with torch's bits instead
+    of seven ops over the whole tensor. The decode layer's op rotates with the same code (csrc/layer/rope.h)."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and cos.dtype == sin.dtype == x.dtype
             and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and has_op("rotary_embedding")):
         return ops.rotary_embedding(x, cos, sin)

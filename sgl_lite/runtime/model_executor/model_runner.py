@@ -55,7 +55,7 @@ def choose_device(name: str) -> torch.device:
 
 def cpu_has_bf16_kernels() -> bool:
     """Whether sgl_lite's own CPU kernels serve bf16 matmuls here (AVX2 + FMA with the C++ ops built:
-    kernels/csrc/avx2_gemv.cpp widens bf16 weights in registers), so that bf16 is the fast path even
+    kernels/csrc/matmul/avx2_gemv.cpp widens bf16 weights in registers), so that bf16 is the fast path even
     without native bf16 instructions: half the bytes per decode step of float32, as fast in prefill."""
     return gemv_kernel(torch.empty(16, 2, dtype=torch.bfloat16)) is not None
 

@@ -78,7 +78,7 @@ class LlamaDecoderLayer(nn.Module):
 
         The residual add is left to the next norm, which fuses it (None: `hidden` is the embedding).
         `kernel` (a decode batch the paged decode kernel attends) lets a layer whose matmuls all take the
-        small-row kernel run as one C++ op, bit-identical to the ops below (kernels/csrc/decode_layer.cpp).
+        small-row kernel run as one C++ op, bit-identical to the ops below (kernels/csrc/layer/decode_layer.cpp).
         `prefill`: the forward has prefill rows (its matmuls' row limits are then layers/linear.py's prefill ones)."""
         n = hidden.shape[0]
         packed = self.packed
@@ -113,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
     def fused_decode_operands(self, rows: int, kv_pool: KVPool) -> tuple[tuple, tuple, tuple] | None:
-        """What csrc/decode_layer.cpp takes from this layer for a `rows`-row step - (norm weights and eps, the
+        """What csrc/layer/decode_layer.cpp takes from this layer for a `rows`-row step - (norm weights and eps, the
         four matmuls' weights and biases), (its K and V caches), (head counts) - or None when the layer runs
         op by op (fused_decode_weights). Kept from the last call while the rows, the packed forms and the pool
         are the same objects: gathering them anew for each layer of each step costs a decode step measurably

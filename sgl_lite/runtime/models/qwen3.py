@@ -3,7 +3,7 @@
 transformers' Qwen3Attention normalizes q and k per head right after their projections and before
 RoPE (`q_norm`, `k_norm`, the config's rms_norm_eps); the rest is Llama's layer: no q/k/v bias unless
 config.attention_bias, head_dim as the config gives it (it may differ from hidden_size / heads).
-The fused decode layer (kernels/csrc/decode_layer.cpp) has no q/k norms, so Qwen3 layers always run
+The fused decode layer (kernels/csrc/layer/decode_layer.cpp) has no q/k norms, so Qwen3 layers always run
 op by op. Under tensor parallelism the two norms stay whole on every rank: they act within one head.
 """
 

@@ -44,7 +44,7 @@ def request_seed(req: Req, default_seed: int | None) -> int | None:
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for [B, V] logits (each row's first largest value; NaN counts as the
-    largest), through kernels/csrc/argmax_rows.cpp for float32 CPU logits: torch's walks a vocabulary-wide
+    largest), through kernels/csrc/layer/argmax_rows.cpp for float32 CPU logits: torch's walks a vocabulary-wide
     row several times slower than the op, and every greedy row and draft position takes one."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and has_op("argmax_rows"):
         return ops.argmax_rows(logits)

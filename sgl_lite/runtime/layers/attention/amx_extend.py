@@ -1,9 +1,9 @@
 """Extend attention through torch's scaled_dot_product_attention, for CPUs whose oneDNN runs bf16 matmuls
 on AMX tiles (layers/onednn.amx_matmuls), over the pools the AMX extend kernel does not read (float32, fp16
-and 8-bit ones; kernels/csrc/amx_extend_attention.cpp takes bf16).
+and 8-bit ones; kernels/csrc/attention/amx_extend_attention.cpp takes bf16).
 
 There torch's CPU flash attention computes its blocks' QK^T and PV products on the tile units and outruns
-kernels/csrc/extend_attention.cpp (AVX-512 arithmetic) on long extends over a cached prefix, by more than
+kernels/csrc/attention/extend_attention.cpp (AVX-512 arithmetic) on long extends over a cached prefix, by more than
 the cost of gathering the request's K/V out of the pool into one head-major copy (docs/performance.md,
 "On CPUs with AMX"). A request's new token j sits at position prefix + j and sees positions 0..prefix + j:
 a bottom-right causal mask, which SDPA's `is_causal` (top-left) gives only without a prefix, so a request

@@ -126,7 +126,7 @@ class AttentionMetadata:
 
 @dataclass
 class DecodeKernelInputs:
-    """What a fused decode layer (kernels/csrc/decode_layer.cpp) needs to run this batch's attention itself:
+    """What a fused decode layer (kernels/csrc/layer/decode_layer.cpp) needs to run this batch's attention itself:
     every request is a decode row or a speculative verification row, attended by the paged decode kernel
     over the pool in the model's dtype."""
 

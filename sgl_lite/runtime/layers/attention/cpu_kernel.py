@@ -2,14 +2,14 @@
 
 Decode (one new token per request) is where CPU serving spends most of its attention time, and there the
 torch path pays for a gather copy of every request's K/V per layer plus small per-request matmuls. The
-kernel (kernels/csrc/paged_decode_attention.cpp, built by kernels/loader.py) reads each KV row once, straight
+kernel (kernels/csrc/attention/paged_decode_attention.cpp, built by kernels/loader.py) reads each KV row once, straight
 from the pool through FlashInfer's kv_indptr / kv_indices, for the whole GQA query group, and converts
 8-bit pools in registers; the few tokens of a speculative verification row (meta.verify_rows) go through
 it as one row of several queries, which share its reads of K/V and each give the bits of that token
 decoded alone. Prefill and extend chunks (an agent's next turn over its cached conversation)
-go through kernels/csrc/extend_attention.cpp, flash attention's online softmax in float32 over the same
+go through kernels/csrc/attention/extend_attention.cpp, flash attention's online softmax in float32 over the same
 metadata, where it is built (AVX-512); else the torch path. On a CPU with AMX, extends of bf16 queries over
-a bf16 pool go through kernels/csrc/amx_extend_attention.cpp instead (the products on the tile units,
+a bf16 pool go through kernels/csrc/attention/amx_extend_attention.cpp instead (the products on the tile units,
 faster at every extend length), and long extends over other pools through torch's SDPA (amx_extend.py).
 An 8-bit pool is widened in registers by both AVX-512 kernels; a prompt with nothing cached still attends
 its own K/V unrounded there (the torch path), as documented for `--kv-cache-dtype`, and every later token
@@ -48,7 +48,7 @@ class _KernelDecodeGroup:
 
 @functools.cache
 def extend_kernel_available() -> bool:
-    """Whether kernels/csrc/extend_attention.cpp is built here (it needs AVX-512)."""
+    """Whether kernels/csrc/attention/extend_attention.cpp is built here (it needs AVX-512)."""
     from sgl_lite.runtime.kernels.loader import runs_here
 
     return runs_here("extend_attention")
@@ -56,7 +56,7 @@ def extend_kernel_available() -> bool:
 
 @functools.cache
 def amx_extend_kernel_available() -> bool:
-    """Whether kernels/csrc/amx_extend_attention.cpp is built here and this process may use AMX tiles."""
+    """Whether kernels/csrc/attention/amx_extend_attention.cpp is built here and this process may use AMX tiles."""
     from sgl_lite.runtime.kernels.loader import runs_here
 
     return runs_here("amx_extend_attention")
@@ -139,7 +139,7 @@ class CpuKernelBackend(TorchNativeBackend):
         self._short_extends = (short, table)
 
     def _avx512_extends(self) -> bool:
-        """Whether kernels/csrc/extend_attention.cpp takes this head size here."""
+        """Whether kernels/csrc/attention/extend_attention.cpp takes this head size here."""
         return self.head_dim in EXTEND_HEAD_DIMS and extend_kernel_available()
 
     def _prepare_decode(self, meta: AttentionMetadata, single: list[int]) -> _KernelDecodeGroup:

@@ -2,14 +2,14 @@
 activations with a scale per row taken from the row itself at every call (dynamic, per token).
 
 Unlike the weight-only methods, the products are integer ones, which is what makes it fast where bf16
-arithmetic is slow: csrc/w8a8_gemm.cpp multiplies 64 byte pairs per AVX512-VNNI instruction, so a prefill's
+arithmetic is slow: csrc/matmul/w8a8_gemm.cpp multiplies 64 byte pairs per AVX512-VNNI instruction, so a prefill's
 matmuls run at a multiple of the bf16 kernel's rate on a CPU whose VDPBF16PS is the bottleneck, and a decode step
 streams half the weight bytes. It takes every call, prefill included, so no packed dense copy is made for
 it (the model's own parameter stays).
 
 `reference_matmul` is the same arithmetic in torch (torch._int_mm): the tests' oracle, bit for bit, and the
 path where the kernel is not built (CPUs without AVX512-VNNI, BW and VL). On a CPU with AMX, calls of more
-than AMX_KERNEL_MAX_ROWS rows take csrc/amx_w8a8_gemm.cpp, which multiplies on the tile units over the same
+than AMX_KERNEL_MAX_ROWS rows take csrc/matmul/amx_w8a8_gemm.cpp, which multiplies on the tile units over the same
 packed weight and outruns VPDPBUSD on a prefill's many rows (docs/performance.md, "On CPUs with AMX"): the
 rows quantized by the kernel's own op, exact integer sums and the kernel's epilogue, so a row gets the same
 bits from both paths (where K is a multiple of 64 and the activations float32 or bf16; elsewhere every call
@@ -45,7 +45,7 @@ def w8a8_kernel_available() -> bool:
 
 @functools.cache
 def amx_int8_rows() -> bool:
-    """Whether calls of many rows take csrc/amx_w8a8_gemm.cpp: AMX tiles here, and the kernels' ops built."""
+    """Whether calls of many rows take csrc/matmul/amx_w8a8_gemm.cpp: AMX tiles here, and the kernels' ops built."""
     from sgl_lite.runtime.kernels.loader import has_op, runs_here
 
     return amx_matmuls() and w8a8_kernel_available() and has_op("w8a8_quantize_rows") and runs_here("amx_w8a8_gemm")
@@ -67,12 +67,12 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
 
 class W8A8Int8:
     """A weight [N, K] as int8 with a float32 scale per output column (max|row| / 127), packed for
-    csrc/w8a8_gemm.cpp: int8 sized [N/16, ceil(K/4) * 64 + 128]. Per block of 16 columns, K/4 + 2 vectors of
+    csrc/matmul/w8a8_gemm.cpp: int8 sized [N/16, ceil(K/4) * 64 + 128]. Per block of 16 columns, K/4 + 2 vectors of
     64 bytes: 16 columns x 4 k each, then the columns' float32 scales, then their int32 compensations (-128 *
     the column's sum, for the kernel's unsigned activations); the blocks in groups of three, vector by
     vector (kernels/column_groups.py). Rows are padded to a multiple of 16 (their outputs sliced off)."""
 
-    kernel = "w8a8_gemm"  # the op of csrc/w8a8_gemm.cpp that multiplies by `packed`
+    kernel = "w8a8_gemm"  # the op of csrc/matmul/w8a8_gemm.cpp that multiplies by `packed`
     eight_bit_rows = True  # activations in 8 bits: the AMX kernel can take its calls of many rows
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class W8A8Int8:
 
     @property
     def fused_decode_weight(self) -> bool:
-        """Whether csrc/decode_layer.cpp may call the kernel on `packed` itself: built, and unpadded."""
+        """Whether csrc/layer/decode_layer.cpp may call the kernel on `packed` itself: built, and unpadded."""
         return self.pad == 0 and w8a8_kernel_available()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,7 +126,7 @@ class W8A8Int8:
         return out[:, : self.out_features] if self.pad else out
 
     def amx_takes(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether a call of `rows` rows of `dtype` runs on csrc/amx_w8a8_gemm.cpp (float32 or bf16 output; its
+        """Whether a call of `rows` rows of `dtype` runs on csrc/matmul/amx_w8a8_gemm.cpp (float32 or bf16 output; its
         bits are the VNNI kernel's)."""
         return self.amx_rows and rows > AMX_KERNEL_MAX_ROWS and dtype in (torch.float32, torch.bfloat16)
 
@@ -148,7 +148,7 @@ class W8A8Int8:
 
 
 class W8A16Int8(W8A8Int8):
-    """W8A8Int8's packed int8 weight with 16-bit activations (csrc/w8a8_gemm.cpp's w8a16_gemm): each row as
+    """W8A8Int8's packed int8 weight with 16-bit activations (csrc/matmul/w8a8_gemm.cpp's w8a16_gemm): each row as
     round_half_even(x * 32767 / max|x|), taken by the kernel in two bytes. The LM head of
     `--quantization w8a8_int8`: half the bytes of the bf16 head, and logits within the weights' own rounding
     (8-bit activations move them several times more). Not a decoder-layer weight (the fused decode layer

@@ -6,7 +6,7 @@
   once by `aten._convert_weight_to_int4pack_for_cpu` and multiplied by
   `aten._weight_int4pack_mm_for_cpu`, whose per-group pair is (scale, zero) with
   w = (q - 8) * scale + zero, so zero = min + 8 * scale.
-- Int4Avx2: the same values for sgl_lite's own kernel (kernels/csrc/avx2_q4_gemv.cpp), which keeps each
+- Int4Avx2: the same values for sgl_lite's own kernel (kernels/csrc/matmul/avx2_q4_gemv.cpp), which keeps each
   group's scale and min as fp16 (as GGUF does) and is the faster of the two on CPUs without AVX-512.
 
 `Int8WeightOnly.dequantize()` and `Int4Values.dequantize()` give the float32 weight the kernels
@@ -24,13 +24,13 @@ from sgl_lite.runtime.kernels import ops
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; also the smallest group the CPU kernel accepts
 _INT4_ROW_MULTIPLE = 16  # the int4 packing needs N % 16 == 0: pad rows, slice the output
 _INT4_INNER_K_TILES = 1  # the CPU kernel's only packing parameter; its layout ignores tiles beyond 1
-_AVX2_INT4_COLUMNS = 16  # output columns per block of csrc/avx2_q4_gemv.cpp: rows are padded to a multiple
+_AVX2_INT4_COLUMNS = 16  # output columns per block of csrc/matmul/avx2_q4_gemv.cpp: rows are padded to a multiple
 
 
 class Int8WeightOnly:
     """[N, K] int8 weight with one scale per output row."""
 
-    fused_decode_weight = False  # csrc/decode_layer.cpp cannot call its kernel
+    fused_decode_weight = False  # csrc/layer/decode_layer.cpp cannot call its kernel
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         if weight.dtype != torch.int8 or weight.dim() != 2 or scales.shape != (weight.shape[0],):
@@ -112,7 +112,7 @@ class Int4Values:
 class Int4WeightOnly:
     """Int4Values packed for the CPU kernel; scales and zeros in the activations' dtype."""
 
-    fused_decode_weight = False  # csrc/decode_layer.cpp cannot call its kernel
+    fused_decode_weight = False  # csrc/layer/decode_layer.cpp cannot call its kernel
 
     def __init__(self, values: Int4Values, dtype: torch.dtype) -> None:
         n, k = values.q.shape
@@ -135,7 +135,7 @@ class Int4WeightOnly:
 
 
 class Int4Avx2:
-    """Int4Values packed for csrc/avx2_q4_gemv.cpp: uint8 [N/16, K/32, 320] blocks of 16 output columns x 32
+    """Int4Values packed for csrc/matmul/avx2_q4_gemv.cpp: uint8 [N/16, K/32, 320] blocks of 16 output columns x 32
     k, each 32 lines of 8 bytes (column j's q in the low nibble of byte j, column j + 8's in the high one)
     followed by the 16 columns' scales and mins as fp16. Rows are padded to a multiple of 16."""
 
@@ -159,11 +159,11 @@ class Int4Avx2:
 
     @property
     def fused_decode_weight(self) -> bool:
-        """Whether csrc/decode_layer.cpp may call the kernel on `packed` itself: unpadded (it slices no outputs)."""
+        """Whether csrc/layer/decode_layer.cpp may call the kernel on `packed` itself: unpadded (it slices no outputs)."""
         return self.pad == 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The bias is added inside the kernel, before rounding, as csrc/decode_layer.cpp does."""
+        """The bias is added inside the kernel, before rounding, as csrc/layer/decode_layer.cpp does."""
         if bias is not None and self.pad:
             bias = torch.cat([bias, bias.new_zeros(self.pad)])
         out = ops.small_row_matmul("avx2_q4_gemv", x, self.packed, bias)

@@ -47,7 +47,7 @@ def gather_blocks(pool: KVPool, slots: torch.Tensor, block_tokens: int) -> torch
 def write_block(pool: KVPool, block: torch.Tensor, skip: int, slots: torch.Tensor) -> None:
     """Write tokens [skip, skip + len(slots)) of one block ([layers, 2, tokens, heads, dim], on the CPU) into `slots`
     of every layer, straight from the block's memory. On a CPU pool the copy runs on the calling thread alone:
-    the C++ op (csrc/write_kv_rows.cpp, one call a block without the GIL) where the runtime loaded it, else numpy
+    the C++ op (csrc/common/write_kv_rows.cpp, one call a block without the GIL) where the runtime loaded it, else numpy
     (a call a layer and side), so the tier's read threads copy beside the scheduler's forward without torch's threads."""
     end = skip + slots.numel()
     if skip < 0 or end > block.shape[2]:

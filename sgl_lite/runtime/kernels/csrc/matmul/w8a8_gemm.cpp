@@ -227,7 +227,7 @@ void gemm(const Operands& o, O* out) {
 #endif
 
 // The trailer's scales and compensations live in the packed tensor itself, so one tensor is the weight
-// (csrc/decode_layer.cpp dispatches on its dtype). kParts: bytes per activation (w8a8_gemm 1, w8a16_gemm 2).
+// (csrc/layer/decode_layer.cpp dispatches on its dtype). kParts: bytes per activation (w8a8_gemm 1, w8a16_gemm 2).
 template <int kParts>
 at::Tensor int8_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_vnni(), name, ": this build has no AVX512-VNNI (check sgl_lite::w8a8_gemm_supported first)");
