@@ -32,15 +32,27 @@ inline void scores_block(const float* qt, int64_t R, const float* k, float* st) 
   }
 }
 
+// The outputs of rows r0..r0+3 (C vectors each, from o) in registers, each times its online-softmax rescale
+// alpha[r]; and stored back: what values_block and values_block_dp do before and after their products.
+template <int64_t C>
+__attribute__((always_inline)) inline void load_rescaled_outputs(const float* o, const float* alpha, __m512 (&a)[kRows][C]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * C * 16 + c * 16), scale);
+  }
+}
+template <int64_t C>
+__attribute__((always_inline)) inline void store_outputs(const __m512 (&a)[kRows][C], float* o) {
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * C * 16 + c * 16, a[r][c]);
+}
+
 // O[r] = alpha[r] O[r] + P[r][0:n] V[0:n] for rows r0..r0+3 (pt is [32][R], v [32][D]): the online
 // softmax's rescale applied as the outputs are loaded, not in a pass of its own.
 template <int64_t C>
 inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, const float* alpha, float* o) {
   __m512 a[kRows][C];
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 scale = _mm512_set1_ps(alpha[r]);
-    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * C * 16 + c * 16), scale);
-  }
+  load_rescaled_outputs<C>(o, alpha, a);
   for (int64_t j = 0; j < n; ++j) {
     __m512 vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + j * C * 16 + c * 16);
@@ -50,8 +62,7 @@ inline void values_block(const float* pt, int64_t R, const float* v, int64_t n, 
       for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pv, vv[c], a[r][c]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * C * 16 + c * 16, a[r][c]);
+  store_outputs<C>(a, o);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)  // BW: fp8_vectors.h's row readers
@@ -87,10 +98,7 @@ inline void scores_block_dp(const uint32_t* qp, int64_t R, const uint32_t* kb, f
 template <int64_t C>
 inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, int64_t pairs, const float* alpha, float* o) {
   __m512 a[kRows][C];
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 scale = _mm512_set1_ps(alpha[r]);
-    for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * C * 16 + c * 16), scale);
-  }
+  load_rescaled_outputs<C>(o, alpha, a);
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh vv[C];
     for (int64_t c = 0; c < C; ++c) {
@@ -106,8 +114,7 @@ inline void values_block_dp(const uint32_t* pp, int64_t R, const uint32_t* vp, i
       for (int64_t c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pv, vv[c]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * C * 16 + c * 16, a[r][c]);
+  store_outputs<C>(a, o);
 }
 
 // Rows a and b (D bf16 each, D a multiple of 32) interleaved into D words: per 32 dims, VPUNPCKLWD's 16
