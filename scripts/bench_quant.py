@@ -1,7 +1,7 @@
 """What --quantization changes in the output: greedy agreement and perplexity against bf16, same run.
 
 For each system (bf16 dense = the reference; w8a16_int8 and w4a16_int4 on bf16 activations; w8a8_int8,
-whose activations are quantized per token too; fp32 dense, to show how far bf16 itself is from fp32):
+whose activations are quantized per token too; w4a8_int4, 4-bit weights and 8-bit activations; fp32 dense, to show how far bf16 itself is from fp32):
 - greedy agreement over --num-prompts prompts: each prompt is a window of a fixed English text, continued
   greedily for --new-tokens tokens; reported: the share of prompts whose continuation equals bf16's
   exactly, the share whose first token does, and the mean length of the common prefix;
@@ -10,11 +10,13 @@ whose activations are quantized per token too; fp32 dense, to show how far bf16 
 The served model picks the weight-only kernels only for steps of at most QUANTIZED_MAX_ROWS rows
 (layers/linear.py), so a prompt's prefill and large decode batches stay dense. Here every matmul is
 forced onto the quantized kernels: the numbers bound what any request can see (a single stream's decode).
-w8a8_int8 takes every call anyway (its LM head in int8 x 16-bit activations, W8A16Int8).
+w8a8_int8 takes every call anyway (its LM head in int8 x 16-bit activations, W8A16Int8); forced, w4a8_int4
+computes every call with 4-bit weights and 8-bit activations (served, its calls of many rows take the same
+values rounded to int8).
 
 `--kernels` instead times the matmul kernels alone at the model's shapes (fused qkv, o, gate_up, down,
 LM head) for several row counts: the dense oneDNN-packed bf16 kernel vs the small-row bf16 kernel, int8,
-int4, w8a8_int8 and the int8 x 16-bit kernel of w8a8's LM head, interleaved, best of --kernel-repeats
+int4, w8a8_int8, the int8 x 16-bit kernel of w8a8's LM head and w4a8_int4's kernel of few rows, interleaved, best of --kernel-repeats
 calls each (the same weight every call: what fits in the caches reads from them); this is what
 QUANTIZED_MAX_ROWS is chosen from.
 
@@ -51,7 +53,8 @@ from sgl_lite.runtime.protocol import SamplingParams  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 
 SYSTEMS = {"bf16": ("bfloat16", None), "w8a16_int8": ("bfloat16", "w8a16_int8"),
-           "w4a16_int4": ("bfloat16", "w4a16_int4"), "w8a8_int8": ("bfloat16", "w8a8_int8"), "fp32": ("float32", None)}
+           "w4a16_int4": ("bfloat16", "w4a16_int4"), "w8a8_int8": ("bfloat16", "w8a8_int8"),
+           "w4a8_int4": ("bfloat16", "w4a8_int4"), "fp32": ("float32", None)}
 
 
 def fixed_text_ids(tokenizer) -> list[int]:
@@ -105,8 +108,8 @@ def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
               "lm_head": (config.vocab_size, hidden)}
     g = torch.Generator().manual_seed(0)
     print(f"\n{model_dir.name}, bf16 activations, {torch.get_num_threads()} threads, best of {repeats} (microseconds)\n")
-    print("| weight | [N, K] | rows | dense bf16 (oneDNN) | small-row bf16 | w8a16_int8 | w4a16_int4 | w8a8_int8 | int8 x 16-bit (w8a8's LM head) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| weight | [N, K] | rows | dense bf16 (oneDNN) | small-row bf16 | w8a16_int8 | w4a16_int4 | w8a8_int8 | int8 x 16-bit (w8a8's LM head) | w4a8_int4 (few rows) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, (n, k) in shapes.items():
         weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
         dense = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
@@ -114,7 +117,7 @@ def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
         kernels = {"dense": lambda x: linear(x, weight, None, dense)}
         if small_rows is not None:
             kernels["small-row"] = lambda x: small_rows(x, weight, None)
-        for method in ("w8a16_int8", "w4a16_int4", "w8a8_int8"):
+        for method in ("w8a16_int8", "w4a16_int4", "w8a8_int8", "w4a8_int4"):
             kernels[method] = quantize_linear(method, weight, None).quantized.matmul
         kernels["w8a16_vnni"] = W8A16Int8(weight).matmul
         for m in rows:
@@ -127,7 +130,7 @@ def kernel_table(model_dir: Path, rows: list[int], repeats: int) -> None:
                     best[key] = min(best[key], time.perf_counter() - start)
             base = best["dense"]
             cells = " | ".join(f"{best[key] * 1e6:.0f} ({base / best[key]:.2f}x)" if key in best else "-"
-                               for key in ("small-row", "w8a16_int8", "w4a16_int4", "w8a8_int8", "w8a16_vnni"))
+                               for key in ("small-row", "w8a16_int8", "w4a16_int4", "w8a8_int8", "w8a16_vnni", "w4a8_int4"))
             print(f"| {name} | [{n}, {k}] | {m} | {base * 1e6:.0f} | {cells} |")
 
 

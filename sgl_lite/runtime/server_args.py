@@ -29,7 +29,7 @@ TOOL_CALL_PARSERS = ("qwen25", "llama3", "mistral", "hermes")
 # Reasoning formats the HTTP front splits from answers (http/openai_api/reasoning_parser.py), SGLang's names.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 # CPU quantization (runtime/layers/quantization; kept equal to its QUANTIZATION_METHODS by a test).
-QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8")
+QUANTIZATIONS = ("w8a16_int8", "w4a16_int4", "w8a8_int8", "w4a8_int4")
 # Where a child process (runtime, HTTP front, router) finds its API key: never on a command line (`ps`).
 API_KEY_ENV = "SGL_LITE_API_KEY"
 ADMIN_API_KEY_ENV = "SGL_LITE_ADMIN_API_KEY"
@@ -43,7 +43,7 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA, where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo) or where sgl_lite's AVX2 kernels serve bf16 (AVX2 + FMA and the C++ ops built), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
-    quantization: str | None = field(default=None, metadata={"help": "Quantization on CPU. Weight-only, for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). w8a8_int8 (SGLang's): int8 weights per output channel and int8 activations per token, integer products on AVX512-VNNI (torch._int_mm elsewhere), every step (prefill too); the LM head in int8 with 16-bit activations. None: dense.", "choices": QUANTIZATIONS})
+    quantization: str | None = field(default=None, metadata={"help": "Quantization on CPU. Weight-only, for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). w8a8_int8 (SGLang's): int8 weights per output channel and int8 activations per token, integer products on AVX512-VNNI (torch._int_mm elsewhere), every step (prefill too); the LM head in int8 with 16-bit activations. w4a8_int4: w4a16_int4's 4-bit weights by int8 activations per token for steps of up to 2 rows (AVX512-VNNI; torch's int4 kernel elsewhere), and those values in int8 with w8a8_int8's kernels for larger steps (prefill too), w8a8_int8's LM head, no dense copy (~1.6 bytes a weight). None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
     random_seed: int | None = field(default=None, metadata={"help": "Seed for sampling of requests that give no seed of their own."})

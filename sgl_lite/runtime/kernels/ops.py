@@ -39,7 +39,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def small_row_matmul(kernel: str, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T through the small-row kernel `kernel` (bf16_gemv, avx2_gemv, avx2_q4_gemv, w8a8_gemm,
-    w8a16_gemm) over its packed weight."""
+    w8a16_gemm, w4a8_gemm) over its packed weight."""
     return getattr(_ops, kernel)(x.contiguous(), packed_weight, bias)
 
 

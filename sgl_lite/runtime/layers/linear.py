@@ -31,7 +31,11 @@ without AVX-512, int4 runs on csrc/matmul/avx2_q4_gemv.cpp instead of torch's ke
 than the dense bf16 kernel): well ahead of the bf16 kernel at 1 row, about even from 3 to 32 rows, slower
 above (docs/performance.md, "On CPUs without AVX-512 (AVX2 + FMA)", its int4 rows), so it serves every
 decode batch up to AVX2_INT4_MAX_ROWS rows, and a request's tokens get the same bits whatever the batch
-up to there.
+up to there. `w4a8_int4` keeps no dense weight: its calls of up to QUANTIZED_MAX_ROWS rows run
+csrc/matmul/w4a8_gemm.cpp (the int4 values by int8 activations: half the bytes w8a8_int8 streams, where torch's
+int4 kernel is bound by its arithmetic), and calls of more the int4 values rounded to int8 per output column
+on w8a8_int8's kernels, whose integer products outrun the bf16 matmuls on a prefill's many rows (from 4 rows
+w4a8_gemm.cpp's products, not its reads, bound it, and the int8 kernel is as fast or faster).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.column_groups import interleave_groups
 from sgl_lite.runtime.layers.onednn import amx_matmuls, onednn_bf16_supported
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
+from sgl_lite.runtime.layers.quantization.w4a8 import W4A8Int4, w4a8_kernel_available
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 from sgl_lite.runtime.layers.quantization.weight_only import (
     Int4Avx2,
@@ -228,11 +233,17 @@ def dense_forms(weight: torch.Tensor, onednn: bool, batch_hint: int = 32,
 def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tensor | GemvLinear | None,
                     int4_values: Int4Values | None = None) -> QuantizedLinear:
     """`weight` [N, K] quantized by `method` (one of QUANTIZATION_METHODS); int4 takes `int4_values`
-    (a GGUF file's own blocks) when given instead of quantizing the dense weight."""
+    (a GGUF file's own blocks) when given instead of quantizing the dense weight. `packed_dense` serves the
+    weight-only methods' calls of many rows."""
     if method == "w8a16_int8":
         return QuantizedLinear(Int8WeightOnly.quantize(weight, weight.dtype), packed_dense)
-    if method == "w4a16_int4":
+    if method in ("w4a16_int4", "w4a8_int4"):
         values = int4_values if int4_values is not None else Int4Values.quantize(weight)
+        if method == "w4a8_int4":
+            # the int4 values rounded to int8 per output column take the calls of many rows: no dense form to keep
+            packed_dense = QuantizedLinear(W8A8Int8(values.dequantize()), None, None)
+            if w4a8_kernel_available():
+                return QuantizedLinear(W4A8Int4(values), packed_dense)
         if avx2_int4_preferred():
             return QuantizedLinear(Int4Avx2(values), packed_dense, AVX2_INT4_MAX_ROWS)
         return QuantizedLinear(Int4WeightOnly(values, weight.dtype), packed_dense)

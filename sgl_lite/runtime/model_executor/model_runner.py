@@ -174,11 +174,11 @@ class ModelRunner(ModelRunnerBase):
         )
 
     def _gguf_int4_values(self) -> dict | None:
-        """`--quantization w4a16_int4` on a model converted from a GGUF file: that file's own Q4 blocks
+        """`--quantization w4a16_int4` or `w4a8_int4` on a model converted from a GGUF file: that file's own Q4 blocks
         (exact), not a second rounding of their dequantized values. Not under TP (the blocks are unsharded)."""
         from sgl_lite.runtime.model_executor import loader
 
-        if self.args.quantization != "w4a16_int4" or self.tp is not None:
+        if self.args.quantization not in ("w4a16_int4", "w4a8_int4") or self.tp is not None:
             return None
         gguf_file = loader.gguf_source(self.model_dir)
         if gguf_file is None:

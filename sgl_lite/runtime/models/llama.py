@@ -30,6 +30,7 @@ from sgl_lite.runtime.layers.linear import (
     quantize_linear,
     reads_dense_weight,
 )
+from sgl_lite.runtime.layers.quantization import KEEPS_NO_DENSE_WEIGHTS
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope, rope_inv_freq, rope_parameters
@@ -143,15 +144,15 @@ class LlamaDecoderLayer(nn.Module):
             return None
         weights = []
         for form in self.packed.values():
-            if isinstance(form, QuantizedLinear) and form.takes(rows):
+            while isinstance(form, QuantizedLinear) and not form.takes(rows):
+                form = form.packed_dense  # w4a8_int4's many-row form is itself a QuantizedLinear
+            if isinstance(form, QuantizedLinear):
                 if not form.quantized.fused_decode_weight:
                     return None
                 if isinstance(form.quantized, W8A8Int8) and form.quantized.amx_takes(rows, self.input_layernorm.weight.dtype):
                     return None
                 weights.append(form.quantized.packed)
                 continue
-            if isinstance(form, QuantizedLinear):
-                form = form.packed_dense
             if not isinstance(form, GemvLinear) or not form.takes(rows):
                 return None
             weights.append(form.gemv_weight)
@@ -300,9 +301,9 @@ class LlamaForCausalLM(nn.Module):
         packed = cpu_packed_linear_supported(self.dtype, self.embed_tokens.device)
 
         def forms(weight: torch.Tensor) -> torch.Tensor | GemvLinear | None:
-            # None under w8a8_int8, whose quantized forms take every call and keep no dense one (~0.3 s and
-            # a copy of the weights packed at load only to be dropped).
-            return None if quantization == "w8a8_int8" else dense_forms(weight, packed, batch_hint, batch_invariant)
+            # None under w8a8_int8 and w4a8_int4, whose quantized forms take every call and keep no dense one
+            # (~0.3 s and a copy of the weights packed at load only to be dropped).
+            return None if quantization in KEEPS_NO_DENSE_WEIGHTS else dense_forms(weight, packed, batch_hint, batch_invariant)
 
         try:
             for layer in self.layers:
@@ -340,9 +341,10 @@ class LlamaForCausalLM(nn.Module):
                 _check_same_weight(values, weight, f"{prefix}{name}")
                 layer.packed[name] = quantize_linear(method, weight.detach(), layer.packed[name], values)
             layer._decode_operands = None  # its packed dict changed in place
-        if method == "w8a8_int8":
-            # Logits decide every token: SGLang's w8a8_int8 checkpoints keep the LM head dense. Its int8 weights
-            # with 16-bit activations stay within the weights' own rounding at half the bf16 head's bytes.
+        if method in KEEPS_NO_DENSE_WEIGHTS:
+            # Logits decide every token: SGLang's w8a8_int8 checkpoints keep the LM head dense (llama.cpp's Q4_0
+            # files keep it at 6 bits). Its int8 weights with 16-bit activations stay within the weights' own
+            # rounding at half the bf16 head's bytes.
             self.packed_lm_head = QuantizedLinear(W8A16Int8(self.lm_head.detach()), None, None)
             return
         head = int4_values.get("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")

@@ -109,6 +109,16 @@ class Int4Values:
         return (groups * self.scales[..., None] + self.mins[..., None]).reshape(n, k)
 
 
+def fp16_block_bytes(per_group: torch.Tensor, pad: int, columns: int = 16) -> torch.Tensor:
+    """Per-group scales or mins [N, G], N padded by `pad` zero rows, as fp16 bytes [N/columns, G, 2 * columns]:
+    each block of `columns` output columns, group by group (the int4 kernels' layout)."""
+    groups = per_group.shape[1]
+    half = torch.cat([per_group, per_group.new_zeros(pad, groups)]).half()
+    if not torch.isfinite(half).all():
+        raise ValueError("int4 scales and mins must fit fp16")
+    return half.reshape(-1, columns, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
 class Int4WeightOnly:
     """Int4Values packed for the CPU kernel; scales and zeros in the activations' dtype."""
 
@@ -148,14 +158,8 @@ class Int4Avx2:
         q = q.reshape(tiles, _AVX2_INT4_COLUMNS, groups, INT4_GROUP_SIZE).permute(0, 2, 3, 1)  # [tile, group, k, column]
         lines = q[..., :8] | (q[..., 8:] << 4)  # [tile, group, 32, 8]
 
-        def per_block(values: torch.Tensor) -> torch.Tensor:  # [N, G] -> fp16 bytes [tile, group, 32]
-            half = torch.cat([values, values.new_zeros(self.pad, groups)]).half()
-            if not torch.isfinite(half).all():
-                raise ValueError("int4 scales and mins must fit fp16")
-            return half.reshape(tiles, _AVX2_INT4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
-
-        self.packed = torch.cat([lines.reshape(tiles, groups, -1), per_block(values.scales), per_block(values.mins)],
-                                dim=-1).contiguous()
+        self.packed = torch.cat([lines.reshape(tiles, groups, -1), fp16_block_bytes(values.scales, self.pad),
+                                 fp16_block_bytes(values.mins, self.pad)], dim=-1).contiguous()
 
     @property
     def fused_decode_weight(self) -> bool:

@@ -1,6 +1,6 @@
 // One Llama decoder layer for a decode step on CPU, as one op: the same ATen calls and sgl_lite ops, in the
 // same order, as LlamaDecoderLayer.forward takes on its decode path (the small-row matmuls, bf16_gemv.cpp,
-// avx2_gemv.cpp, avx2_q4_gemv.cpp or w8a8_gemm.cpp by each packed weight's layout, and the paged decode kernel), so the
+// avx2_gemv.cpp, avx2_q4_gemv.cpp, w8a8_gemm.cpp or w4a8_gemm.cpp by each packed weight's layout, and the paged decode kernel), so the
 // result is bit-identical to it.
 //
 // Why: at batch 1-32 a decode step is ~35 small ops per layer, and each call from Python costs a few
@@ -148,10 +148,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   static const auto avx2_gemv = op<Gemv>("sgl_lite::avx2_gemv");
   static const auto avx2_q4_gemv = op<Gemv>("sgl_lite::avx2_q4_gemv");
   static const auto w8a8_gemm = op<Gemv>("sgl_lite::w8a8_gemm");
+  static const auto w4a8_gemm = op<Gemv>("sgl_lite::w4a8_gemm");
   // Each weight's kernel by its packing: AVX512-BF16's weights are in pairs along K (sized [N/16, K/2, 16, 2]),
-  // AVX2's are not ([N/16, K, 16]), AVX2's 4-bit blocks are uint8 ([N/16, K/32, 320]) and w8a8's int8.
+  // AVX2's are not ([N/16, K, 16]), AVX2's 4-bit blocks are uint8 [N/16, K/32, 320], w4a8's uint8
+  // [N/16, K/32 * 320], and w8a8's int8.
   const auto gemv = [&](const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-    if (weight.scalar_type() == at::kByte) return avx2_q4_gemv.call(x, weight, bias);
+    if (weight.scalar_type() == at::kByte) return (weight.dim() == 3 ? avx2_q4_gemv : w4a8_gemm).call(x, weight, bias);
     if (weight.scalar_type() == at::kChar) return w8a8_gemm.call(x, weight, bias);
     return (weight.dim() == 4 ? bf16_gemv : avx2_gemv).call(x, weight, bias);
   };

@@ -37,7 +37,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +48,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "vnni_rows.h"
 #define SGL_LITE_HAS_VNNI 1
 #else
 #define SGL_LITE_HAS_VNNI 0
@@ -66,17 +67,9 @@ bool has_vnni() { return SGL_LITE_HAS_VNNI; }
 
 #if SGL_LITE_HAS_VNNI
 
-// Activations and outputs: float32, bf16 (its bits) or fp16.
-inline __m512 widen(__m256i bits, c10::BFloat16*) { return sgl_lite::widen_bf16(bits); }
-inline __m512 widen(__m256i bits, c10::Half*) { return _mm512_cvtph_ps(bits); }
-inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
-template <typename T>
-inline __m512 load_row16(const T* p) {
-  return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), static_cast<T*>(nullptr));
-}
-inline __m512 load_partial(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-template <typename T>
-inline __m512 load_partial(const T* p, __mmask16 mask) { return widen(_mm256_maskz_loadu_epi16(mask, p), static_cast<T*>(nullptr)); }
+using sgl_lite_rows::load_partial;
+using sgl_lite_rows::load_row16;
+using sgl_lite_rows::store;
 
 // Activations of kParts bytes: 8-bit (one part) or 16-bit fixed point (two, hi then lo).
 template <int kParts>
@@ -98,19 +91,15 @@ constexpr int kGroup = 3;  // blocks per tile: a group of the packing (W8A8Int8'
 template <int kParts, typename T>
 void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   using A = Activations<kParts>;
-  __m512 amax = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + kCols <= k; i += kCols) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_row16(x + i)));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (k - i)) - 1);
-  if (i < k) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_partial(x + i, tail)));
-  const float max_abs = _mm512_reduce_max_ps(amax);
+  const float max_abs = sgl_lite_rows::max_abs(x, k);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k % kCols)) - 1);
   const float ratio = A::kMax / max_abs;
   const float inv = std::isfinite(ratio) ? ratio : 0.f;
   *scale = max_abs / A::kMax;
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i offset = _mm512_set1_epi32(A::kOffset);
   const int64_t part = k4 * 4;
-  for (i = 0; i < k; i += kCols) {
+  for (int64_t i = 0; i < k; i += kCols) {
     const __mmask16 mask = i + kCols <= k ? __mmask16(0xffff) : tail;
     const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load_partial(x + i, mask), vinv)), offset);  // MXCSR: half-even
     if constexpr (kParts == 1) {
@@ -122,12 +111,6 @@ void quantize_row(const T* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   }
   std::memset(q + k, A::kOffset >> (8 * (kParts - 1)), part - k);  // the high byte of the offset, then a low byte of 0
   if constexpr (kParts == 2) std::memset(q + part + k, 0, part - k);
-}
-
-inline void store(__m512 y, float* out) { _mm512_storeu_ps(out, y); }
-inline void store(__m512 y, c10::BFloat16* out) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sgl_lite::round_to_bf16(y)); }
-inline void store(__m512 y, c10::Half* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 struct Operands {
@@ -199,27 +182,18 @@ template <int kParts, typename O>
 void gemm(const Operands& o, O* out) {
   constexpr int kMaxTileRows = Activations<kParts>::kMaxTileRows;
   const int64_t blocks = o.n / kCols, tiles = (blocks + kGroup - 1) / kGroup;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
-  // a shared counter, not fixed shares: a thread that loses its core must not hold up the others (bf16_gemv.cpp)
-  const int64_t run = std::max<int64_t>(1, std::min<int64_t>(kTilesPerRun, tiles / (threads * 4)));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.fetch_add(run, std::memory_order_relaxed); begin < tiles;
-         begin = next.fetch_add(run, std::memory_order_relaxed)) {
-      for (int64_t t = begin; t < std::min(tiles, begin + run); ++t) {
-        const int64_t b0 = kGroup * t, nb = std::min<int64_t>(kGroup, blocks - b0);
-        const int8_t* w = o.w + b0 * o.block_bytes;  // the groups before are whole
-        const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
-        for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
-          const uint8_t* xq = o.xq + r0 * kParts * o.k4 * 4;
-          O* dst = out + r0 * o.n + b0 * kCols;
-          sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
-            constexpr int R = decltype(rows)::value;
-            const auto run_tile = nb == kGroup ? tile<kParts, R, kGroup, O> : nb == 2 ? tile<kParts, R, 2, O> : tile<kParts, R, 1, O>;
-            run_tile(o, xq, o.row_scale + r0, w, bias, dst);
-          });
-        }
-      }
+  sgl_lite_tiles::for_each_column_tile(tiles, kTilesPerRun, [&](int64_t t) {
+    const int64_t b0 = kGroup * t, nb = std::min<int64_t>(kGroup, blocks - b0);
+    const int8_t* w = o.w + b0 * o.block_bytes;  // the groups before are whole
+    const float* bias = o.bias == nullptr ? nullptr : o.bias + b0 * kCols;
+    for (int64_t r0 = 0; r0 < o.m; r0 += kMaxTileRows) {
+      const uint8_t* xq = o.xq + r0 * kParts * o.k4 * 4;
+      O* dst = out + r0 * o.n + b0 * kCols;
+      sgl_lite_tiles::with_rows<kMaxTileRows>(o.m - r0, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        const auto run_tile = nb == kGroup ? tile<kParts, R, kGroup, O> : nb == 2 ? tile<kParts, R, 2, O> : tile<kParts, R, 1, O>;
+        run_tile(o, xq, o.row_scale + r0, w, bias, dst);
+      });
     }
   });
 }
