@@ -2,7 +2,8 @@
 dequantized weights, the GGUF Q4 block reader against gguf's dequantizer, a tiny model served
 quantized end to end, greedy-identical to transformers on weights that the quantization represents exactly;
 w8a8_int8's kernel against its torch reference (bit for bit) and that against exact matmuls (within the
-quantization's error), and a tiny model served with it computing the reference's arithmetic.
+quantization's error), and a tiny model served with it computing the reference's arithmetic; the int8
+kernels' rows (w4a8_int4's too) independent of the batch and the threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sgl_lite.runtime.kernels.loader import load_cpu_ops
 from sgl_lite.runtime.layers.linear import AVX2_INT4_MAX_ROWS, QuantizedLinear, avx2_int4_preferred, quantize_linear
 from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.gguf_blocks import read_int4_blocks
+from sgl_lite.runtime.layers.quantization.w4a8 import W4A8Int4
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8, w8a8_kernel_available
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Avx2, Int4Values, Int4WeightOnly, Int8WeightOnly
 from sgl_lite.runtime.server_args import QUANTIZATIONS, ServerArgs
@@ -321,8 +323,8 @@ def test_w8a16_moves_logits_less_than_8_bit_activations_do(rows: int) -> None:
 
 
 @W8A8
-@pytest.mark.parametrize("form_type", [W8A8Int8, W8A16Int8])
-def test_w8a8_rows_do_not_depend_on_the_batch_or_the_threads(form_type: type) -> None:
+@pytest.mark.parametrize("form_type", [W8A8Int8, W8A16Int8, lambda w: W4A8Int4(Int4Values.quantize(w))], ids=["w8a8", "w8a16", "w4a8"])
+def test_int8_kernels_rows_do_not_depend_on_the_batch_or_the_threads(form_type) -> None:
     g = torch.Generator().manual_seed(6)
     form = form_type(torch.randn(576, 1536, generator=g))
     x = torch.randn(70, 1536, generator=g).to(torch.bfloat16)

@@ -1,6 +1,6 @@
 """`--quantization w4a8_int4`: csrc/matmul/w4a8_gemm.cpp (4-bit weights by int8 activations) against its torch
-reference and that against exact matmuls (within the quantization's error), its packing, batch and thread
-invariance and refusals; the forms a weight gets (few rows on that kernel, many on the int4 values in int8,
+reference and that against exact matmuls (within the quantization's error), its packing and refusals (its
+batch and thread invariance: test_quantization.py); the forms a weight gets (few rows on that kernel, many on the int4 values in int8,
 no dense copy); the fused decode layer on it, bit for bit; and a tiny model served with it: its prompt
 logprobs against transformers' on the int4 values, and its tokens against the torch references.
 """
@@ -64,20 +64,6 @@ def test_w4a8_reference_is_within_the_activations_rounding(rows: int) -> None:
     dx = (x.abs().amax(1) / 127 / 2).double()[:, None]
     assert ((out - exact).abs() <= dx * weight.abs().sum(1)[None] * 1.001 + 1e-6).all()
     assert not torch.allclose(out, exact, atol=1e-4)  # it does quantize
-
-
-@W4A8
-def test_w4a8_rows_do_not_depend_on_the_batch_or_the_threads() -> None:
-    form, _ = _form(576, 1536, seed=6)
-    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    batched = form.matmul(x)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        for rows in (1, 3, 9, 17):
-            assert torch.equal(form.matmul(x[:rows]), batched[:rows]), rows
-    finally:
-        torch.set_num_threads(threads)
 
 
 @W4A8

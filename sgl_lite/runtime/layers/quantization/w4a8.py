@@ -12,10 +12,14 @@ import functools
 
 import torch
 
-from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.column_groups import deinterleave_groups, interleave_groups
 from sgl_lite.runtime.layers.quantization.w8a8 import quantize_rows
-from sgl_lite.runtime.layers.quantization.weight_only import INT4_GROUP_SIZE, Int4Values, fp16_block_bytes
+from sgl_lite.runtime.layers.quantization.weight_only import (
+    INT4_GROUP_SIZE,
+    Int4Values,
+    fp16_block_bytes,
+    padded_small_row_matmul,
+)
 
 _COLUMNS = 16  # output columns per packed block; rows are padded to a multiple
 _VECTOR_K = 8  # k per 64-byte vector: 16 columns x 4 k in the low nibbles, the next 4 k in the high ones
@@ -68,10 +72,7 @@ class W4A8Int4:
         return self.pad == 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if bias is not None and self.pad:
-            bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = ops.small_row_matmul("w4a8_gemm", x, self.packed, bias)
-        return out[:, : self.out_features] if self.pad else out
+        return padded_small_row_matmul("w4a8_gemm", x, self.packed, bias, self.pad)
 
     def reference_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: per group exact integer sums, then scale * sum + min * (the group's

@@ -109,6 +109,16 @@ class Int4Values:
         return (groups * self.scales[..., None] + self.mins[..., None]).reshape(n, k)
 
 
+def padded_small_row_matmul(kernel: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                            pad: int) -> torch.Tensor:
+    """ops.small_row_matmul over a weight whose rows were padded by `pad` zero rows: the bias padded to
+    match, the padded outputs sliced off."""
+    if bias is not None and pad:
+        bias = torch.cat([bias, bias.new_zeros(pad)])
+    out = ops.small_row_matmul(kernel, x, packed, bias)
+    return out[:, : out.shape[1] - pad] if pad else out
+
+
 def fp16_block_bytes(per_group: torch.Tensor, pad: int, columns: int = 16) -> torch.Tensor:
     """Per-group scales or mins [N, G], N padded by `pad` zero rows, as fp16 bytes [N/columns, G, 2 * columns]:
     each block of `columns` output columns, group by group (the int4 kernels' layout)."""
@@ -168,10 +178,7 @@ class Int4Avx2:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The bias is added inside the kernel, before rounding, as csrc/layer/decode_layer.cpp does."""
-        if bias is not None and self.pad:
-            bias = torch.cat([bias, bias.new_zeros(self.pad)])
-        out = ops.small_row_matmul("avx2_q4_gemv", x, self.packed, bias)
-        return out[:, : self.out_features] if self.pad else out
+        return padded_small_row_matmul("avx2_q4_gemv", x, self.packed, bias, self.pad)
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,15 @@
-// The int8 matmul kernels' row I/O (w8a8_gemm.cpp, w4a8_gemm.cpp): activations and outputs of float32, bf16
-// (its bits) or fp16, 16 lanes at a time. Include only where AVX512-VNNI, BW and VL are compiled in.
+// The int8 matmul kernels' row I/O (w8a8_gemm.cpp, w4a8_gemm.cpp): SGL_LITE_HAS_VNNI, whether the build has
+// AVX512-VNNI, BW and VL (the kernels' instructions), and where it does, activations and outputs of float32,
+// bf16 (its bits) or fp16, 16 lanes at a time.
 #pragma once
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SGL_LITE_HAS_VNNI 1
+#else
+#define SGL_LITE_HAS_VNNI 0
+#endif
+
+#if SGL_LITE_HAS_VNNI
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -38,3 +46,5 @@ inline float max_abs(const T* x, int64_t k) {
 }
 
 }  // namespace sgl_lite_rows
+
+#endif

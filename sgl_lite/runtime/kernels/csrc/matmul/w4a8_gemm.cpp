@@ -35,14 +35,7 @@
 
 #include "row_tiles.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-#include "vnni_rows.h"
-#define SGL_LITE_HAS_VNNI 1
-#else
-#define SGL_LITE_HAS_VNNI 0
-#endif
+#include "vnni_rows.h"  // SGL_LITE_HAS_VNNI
 
 namespace {
 
