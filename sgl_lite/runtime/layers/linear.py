@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from sgl_lite.runtime.kernels import ops
 from sgl_lite.runtime.kernels.column_groups import interleave_groups
 from sgl_lite.runtime.layers.onednn import amx_matmuls, onednn_bf16_supported
-from sgl_lite.runtime.layers.quantization import QUANTIZATION_METHODS
+from sgl_lite.runtime.layers.quantization import INT4_METHODS, QUANTIZATION_METHODS
 from sgl_lite.runtime.layers.quantization.w4a8 import W4A8Int4, w4a8_kernel_available
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8
 from sgl_lite.runtime.layers.quantization.weight_only import (
@@ -237,7 +237,7 @@ def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tenso
     weight-only methods' calls of many rows."""
     if method == "w8a16_int8":
         return QuantizedLinear(Int8WeightOnly.quantize(weight, weight.dtype), packed_dense)
-    if method in ("w4a16_int4", "w4a8_int4"):
+    if method in INT4_METHODS:
         values = int4_values if int4_values is not None else Int4Values.quantize(weight)
         if method == "w4a8_int4":
             # the int4 values rounded to int8 per output column take the calls of many rows: no dense form to keep

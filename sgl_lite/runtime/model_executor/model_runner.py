@@ -17,6 +17,7 @@ import torch
 
 from sgl_lite.runtime.layers.attention import AttentionMetadata, create_backend
 from sgl_lite.runtime.layers.linear import gemv_kernel
+from sgl_lite.runtime.layers.quantization import INT4_METHODS
 from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.cpu_host.huge_pages import advise_huge_pages, tensors_of
@@ -178,7 +179,7 @@ class ModelRunner(ModelRunnerBase):
         (exact), not a second rounding of their dequantized values. Not under TP (the blocks are unsharded)."""
         from sgl_lite.runtime.model_executor import loader
 
-        if self.args.quantization not in ("w4a16_int4", "w4a8_int4") or self.tp is not None:
+        if self.args.quantization not in INT4_METHODS or self.tp is not None:
             return None
         gguf_file = loader.gguf_source(self.model_dir)
         if gguf_file is None:

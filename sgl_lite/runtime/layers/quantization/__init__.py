@@ -13,3 +13,4 @@ from __future__ import annotations
 
 QUANTIZATION_METHODS = ("w8a16_int8", "w4a16_int4", "w8a8_int8", "w4a8_int4")
 KEEPS_NO_DENSE_WEIGHTS = ("w8a8_int8", "w4a8_int4")  # their quantized forms take every call
+INT4_METHODS = ("w4a16_int4", "w4a8_int4")  # 4-bit values in groups of 32 (a GGUF's own Q4 blocks where it has them)

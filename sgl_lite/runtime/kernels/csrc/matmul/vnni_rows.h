@@ -10,6 +10,7 @@
 #endif
 
 #if SGL_LITE_HAS_VNNI
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -33,6 +34,18 @@ inline void store(__m512 y, float* out) { _mm512_storeu_ps(out, y); }
 inline void store(__m512 y, c10::BFloat16* out) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sgl_lite::round_to_bf16(y)); }
 inline void store(__m512 y, c10::Half* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// run(x's data, out's data) as pointers of x's dtype (float32, bf16 or fp16; out has the same).
+template <typename F>
+inline void with_row_pointers(const at::Tensor& x, at::Tensor& out, F&& run) {
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    run(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>());
+  }
 }
 
 // max|x| over a row of k values.

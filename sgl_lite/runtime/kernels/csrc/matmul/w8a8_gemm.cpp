@@ -226,13 +226,7 @@ at::Tensor int8_gemm(const char* name, const at::Tensor& x, const at::Tensor& pa
       });
       gemm<kParts>(o, os);
     };
-    if (dtype == at::kFloat) {
-      run(x.data_ptr<float>(), out.data_ptr<float>());
-    } else if (dtype == at::kBFloat16) {
-      run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-    } else {
-      run(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>());
-    }
+    sgl_lite_rows::with_row_pointers(x, out, run);
   }
 #endif
   return out;
