@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from ab_matmul_builds import base_and_tree, in_turn  # noqa: E402
+from ab_matmul_builds import base_and_tree, in_turn, timing_cells  # noqa: E402
 from bench_decode_kernels import LAYERS, best_seconds  # noqa: E402
 
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
@@ -104,8 +104,7 @@ def main() -> None:
           f"{args.shape} shape ({hq} / {hkv} heads of {dim}), {layers} layers, ms per step, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
     print("| case | base | working tree | base / working tree (best rounds) |\n|---|---|---|---:|")
     for case, by in ms.items():
-        base, tree = by["base"], by["working tree"]
-        print(f"| {case} | {', '.join(f'{x:.2f}' for x in base)} | {', '.join(f'{x:.2f}' for x in tree)} | {min(base) / min(tree):.2f}x |")
+        print(f"| {case} | {timing_cells(by)} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "ms": ms}, indent=2))
     print(f"\nwrote {out}")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from ab_matmul_builds import base_and_tree, in_turn  # noqa: E402
+from ab_matmul_builds import base_and_tree, in_turn, timing_cells  # noqa: E402
 from bench_decode_kernels import best_seconds  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -96,9 +96,7 @@ def main() -> None:
           f"({HEADS} query / {HEADS} KV heads of {DIM}, bf16), ms, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
     print("| case | base | working tree | base / working tree (best rounds) | largest output difference |\n|---|---|---|---:|---:|")
     for name in cases:
-        base, tree = ms[name]["base"], ms[name]["working tree"]
-        print(f"| {name} | {', '.join(f'{t:.2f}' for t in base)} | {', '.join(f'{t:.2f}' for t in tree)} | "
-              f"{min(base) / min(tree):.2f}x | {diff[name]:.3g} |")
+        print(f"| {name} | {timing_cells(ms[name])} | {diff[name]:.3g} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "threads": torch.get_num_threads(), "ms": ms,
                                "max_abs_diff": diff}, indent=2))

@@ -94,6 +94,13 @@ def base_and_tree(kernel: str, base: str) -> dict:
     return ops
 
 
+def timing_cells(ms: dict[str, list[float]]) -> str:
+    """A table row's cells for one case timed on both builds ({"base": [...], "working tree": [...]}, ms per
+    round): each build's rounds, then base / working tree of their best rounds."""
+    base, tree = ms["base"], ms["working tree"]
+    return f"{', '.join(f'{v:.2f}' for v in base)} | {', '.join(f'{v:.2f}' for v in tree)} | {min(base) / min(tree):.2f}x"
+
+
 def in_turn(ops: dict, round_: int) -> list:
     """The builds in the order round `round_` runs them: base first in even rounds, last in odd ones, so that
     neither always runs second (after the other has warmed the caches, or the clock)."""
@@ -132,8 +139,7 @@ def main() -> None:
           f"{LAYERS} layers' matmuls, ms per pass, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
     print("| rows | base | working tree | base / working tree (best rounds) |\n|---:|---|---|---:|")
     for r in rows:
-        base, tree = ms[r]["base"], ms[r]["working tree"]
-        print(f"| {r} | {', '.join(f'{v:.2f}' for v in base)} | {', '.join(f'{v:.2f}' for v in tree)} | {min(base) / min(tree):.2f}x |")
+        print(f"| {r} | {timing_cells(ms[r])} |")
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "ms": {str(r): v for r, v in ms.items()}}, indent=2))
     print(f"\nwrote {out}")
