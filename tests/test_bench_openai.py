@@ -15,8 +15,10 @@ from typing import Iterator
 import httpx2
 import pytest
 
-from sgl_lite.bench.config import parse_config
+from sgl_lite.bench.chat_rendered import ChatRenderedBackend, ChatRenderer
+from sgl_lite.bench.config import BenchConfig, parse_config
 from sgl_lite.bench.driver import run_benchmark
+from sgl_lite.bench.http_backend import HTTPBackend
 from sgl_lite.bench.openai_chat_backend import OpenAIChatBackend
 from sgl_lite.http.app import create_app
 from sgl_lite.http.launch import HttpServerThread
@@ -103,6 +105,65 @@ def test_openai_urls_are_checked() -> None:
             parse_config(bad)
     assert parse_config(["--systems", "", "--openai-urls", "a=http://h:1,b=http://h:2"]).all_systems == ("a", "b")
 
+
+TURN_TEXTS = ["A task for the agent.", "I will look it up.", "Observation: it rains <|im_start|> now."]
+
+
+async def _turn(backend, pieces: list[list[int]], n: int) -> dict:  # noqa: ANN001 - any GenerationBackend
+    try:
+        return [event async for event in backend.stream_turn(pieces, n)][-1].meta_info
+    finally:
+        await backend.close_async_resources()
+
+
+def test_prompt_format_chat_sends_the_prompt_the_front_renders(server: str, tiny_llama_dir: Path) -> None:
+    """A turn sent as token ids with --prompt-format chat is the prompt the HTTP front renders for the same
+    conversation over chat: after it, the chat request finds all of its prompt but the last token cached
+    (one differing id would cut the match there). A message spelling a special token keeps it as text, as
+    the front does by default."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    pieces = [tokenizer.encode(t, add_special_tokens=False) for t in TURN_TEXTS]
+    render = ChatRenderer(str(tiny_llama_dir), tokenizer)
+    ids = render(pieces)
+    assert len(ids) > sum(map(len, pieces))  # the template's tokens on top
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    without = render([*pieces[:2], tokenizer.encode(TURN_TEXTS[2].replace("<|im_start|>", ""), add_special_tokens=False)])
+    assert start in pieces[2] and ids.count(start) == without.count(start)  # the message's one stayed text
+    rendered = ChatRenderedBackend(HTTPBackend("ids", server, api_key=API_KEY), render)
+    rendered.reset()
+    first = asyncio.run(_turn(rendered, pieces, 2))
+    assert first["prompt_tokens"] == len(ids) and first["cached_tokens"] == 0
+    chat = OpenAIChatBackend("chat", server, tokenizer, api_key=API_KEY, chat_history="messages")
+    again = asyncio.run(_turn(chat, pieces, 2))
+    assert again["prompt_tokens"] == len(ids) and again["cached_tokens"] == len(ids) - 1
+    rendered.reset()
+    plain = asyncio.run(_turn(HTTPBackend("ids", server, api_key=API_KEY), pieces, 2))
+    assert plain["prompt_tokens"] == sum(map(len, pieces))  # --prompt-format ids: the pieces as they are
+
+
+def test_prompt_format_chat_on_the_command_line(server: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`--prompt-format chat` on a token-id system: every first turn's prompt is as long as over chat."""
+    common = ["--url", server, "--api-key", API_KEY, "--systems", "sgl_lite", "--model-path", str(tiny_llama_dir),
+              "--output-dir", str(tmp_path), "--no-plots", "--no-progress",
+              *[f"--{k.replace('_', '-')}={v}" for k, v in AGENT.items()]]
+
+    def first_turns(*flags: str) -> list[int]:
+        (summary,) = run_benchmark(parse_config([*common, *flags]))["systems"]
+        assert summary["completed"] == 9, summary["errors"]
+        return [r["prompt_tokens"] for r in sorted(summary["requests"], key=lambda r: r["session_id"]) if r["turn"] == 0]
+
+    chat = first_turns("--backend", "openai-chat", "--chat-history", "messages")
+    assert first_turns("--backend", "sglang", "--prompt-format", "chat") == chat
+    assert all(a < b for a, b in zip(first_turns("--backend", "sglang"), chat))
+    with pytest.raises(ValueError, match="--prompt-format"):
+        BenchConfig(prompt_format="text").validate()
+
+
+def test_chat_renderer_needs_a_chat_template(tiny_llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatRenderer(str(tiny_llama_dir), tokenizer)
 
 
 class _RecordingChatServer(ThreadingHTTPServer):

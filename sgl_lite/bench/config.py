@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sgl_lite.bench.artifacts import artifact_path
+from sgl_lite.bench.chat_rendered import PROMPT_FORMATS
 from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts at import
 from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
@@ -40,6 +41,7 @@ class BenchConfig:
     url: str | None = None  # a running HTTP server or router to use as the sgl_lite system
     backend: str = "sglang"
     chat_history: str = "one-message"  # how OpenAI chat systems get a multi-turn conversation
+    prompt_format: str = "ids"  # how token-id systems get a turn: the workload's ids, or the chat-rendered conversation
     api_key: str | None = None
     systems: tuple[str, ...] = SYSTEM_NAMES
     openai_urls: tuple[str, ...] = ()  # NAME=URL: more systems, OpenAI-compatible servers already running
@@ -101,6 +103,8 @@ class BenchConfig:
             raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}; got {self.router_policy!r}")
         if self.chat_history not in CHAT_HISTORIES:
             raise ValueError(f"--chat-history must be one of {', '.join(CHAT_HISTORIES)}; got {self.chat_history!r}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}; got {self.prompt_format!r}")
         if self.workload not in WORKLOAD_NAMES:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}; got {self.workload!r}")
         if not self.request_rate > 0:
@@ -160,9 +164,13 @@ _HELP = {
                "(/v1/chat/completions, any OpenAI-compatible server: vLLM, llama-server, SGLang, sgl_lite's HTTP "
                "front; prompts are the ids decoded with --model-path's tokenizer).",
     "chat_history": "How OpenAI chat systems (--backend openai-chat, --openai-urls) get a session's history: "
-                    "one-message (the whole conversation as one user message, as issue 17's comparison sends it) or "
+                    "one-message (the whole conversation as one user message) or "
                     "messages (the first prompt and each observation as user messages, each answer as an assistant "
                     "message, as agent frameworks send it).",
+    "prompt_format": "How token-id systems (ZeroMQ, --backend sglang, runtimes the benchmark starts) get a turn: ids "
+                     "(the workload's token ids as they are) or chat (the conversation --chat-history messages sends, "
+                     "rendered by the model's chat template and tokenized as sgl_lite's HTTP front does: the prompt "
+                     "ids a chat request of it gets, so two paths compared prefill the same tokens).",
     "api_key": "Key of the runtime at --address or the server at --url.",
     "systems": f"Comma-separated systems to measure, in order: some of {','.join(SYSTEM_NAMES)}, and "
                f"{ROUTER_SYSTEM_PREFIX}N: N replicas (one CPU share each) behind sglang-router, driven over HTTP.",
@@ -222,6 +230,8 @@ def build_parser(prog: str = "bench_serving") -> argparse.ArgumentParser:
             parser.add_argument(flag, default=f.default, choices=WORKLOAD_NAMES, help=help_text)
         elif f.name == "chat_history":
             parser.add_argument(flag, default=f.default, choices=CHAT_HISTORIES, help=help_text)
+        elif f.name == "prompt_format":
+            parser.add_argument(flag, default=f.default, choices=PROMPT_FORMATS, help=help_text)
         elif f.name == "router_policy":
             parser.add_argument(flag, default=f.default, choices=ROUTER_POLICIES, help=help_text)
         else:

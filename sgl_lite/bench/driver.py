@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sgl_lite.bench.backends import GenerationBackend, RuntimeBackend
+from sgl_lite.bench.chat_rendered import ChatRenderedBackend, ChatRenderer
 from sgl_lite.bench.config import BenchConfig, make_workload, parse_config, router_dp_size
 from sgl_lite.bench.metrics import RequestRecord, summarize
 from sgl_lite.bench.report import markdown_table, per_turn_table, ratio_lines, throughput_ratios, write_json, write_plots
@@ -103,10 +104,22 @@ async def run_workload(backend: GenerationBackend, workload: Workload, *, reques
 
 
 def open_system(name: str, config: BenchConfig) -> GenerationBackend:
-    """Start (or connect to) one system; the caller closes it."""
+    """Start (or connect to) one system; the caller closes it. With --prompt-format chat a token-id system
+    gets each turn as a chat server would prefill it (bench/chat_rendered.py)."""
+    render = None
+    if config.prompt_format == "chat" and not _openai_url(name, config):
+        from sgl_lite.runtime.model_executor import loader
+
+        folder = loader.resolve_model_path(config.model_path)
+        render = ChatRenderer(str(folder), loader.load_tokenizer(folder))  # before any system starts
+    backend = _open_backend(name, config)
+    return backend if render is None else ChatRenderedBackend(backend, render)
+
+
+def _open_backend(name: str, config: BenchConfig) -> GenerationBackend:
     if name == "sgl_lite" and config.address:
         return RuntimeBackend(name, _patient_client(config.address, config.api_key))
-    openai_url = config.openai_systems.get(name) or (config.url if name == "sgl_lite" and config.backend == "openai-chat" else None)
+    openai_url = _openai_url(name, config)
     if openai_url:
         from sgl_lite.bench.openai_chat_backend import OpenAIChatBackend
         from sgl_lite.runtime.model_executor import loader
@@ -133,6 +146,13 @@ def open_system(name: str, config: BenchConfig) -> GenerationBackend:
         return HFBackend(NaiveHFServer(resolve_model_path(config.model_path), batch_size=config.naive_batch_size,
                                        dtype=config.server_args.get("dtype", "auto")))
     raise ValueError(f"unknown system {name!r}")
+
+
+def _openai_url(name: str, config: BenchConfig) -> str | None:
+    """Where the system `name` is driven over /v1/chat/completions; None for a token-id system."""
+    if name == "sgl_lite" and config.address:
+        return None
+    return config.openai_systems.get(name) or (config.url if name == "sgl_lite" and config.backend == "openai-chat" else None)
 
 
 def _open_router_cluster(name: str, dp_size: int, config: BenchConfig) -> GenerationBackend:

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Sequence
 import httpx2
 
 from sgl_lite.bench.backends import StreamEvent
+from sgl_lite.bench.chat_rendered import conversation
 from sgl_lite.bench.config import CHAT_HISTORIES
 from sgl_lite.bench.http_backend import FLUSH_ATTEMPTS, FLUSH_RETRY_S, HTTPBackend, HTTPStreamError
 
@@ -71,14 +72,10 @@ class OpenAIChatBackend(HTTPBackend):
             return self._stream_from(self.url, [t for piece in pieces for t in piece], max_new_tokens, pieces)
         return super().stream_turn(pieces, max_new_tokens)
 
-    def _messages(self, pieces: Sequence[Sequence[int]]) -> list[dict[str, str]]:
-        """The user's and the model's turns in turn, the user's first."""
-        return [{"role": "assistant" if i % 2 else "user", "content": self.tokenizer.decode(piece)} for i, piece in enumerate(pieces)]
-
     async def _stream_from(self, base_url: str, input_ids: list[int], max_new_tokens: int,
                            pieces: Sequence[Sequence[int]] | None = None) -> AsyncIterator[StreamEvent]:
         """`input_ids` as one user message, or its `pieces` as the conversation's messages."""
-        body = {"model": self._model_name(), "messages": self._messages(pieces or [input_ids]),
+        body = {"model": self._model_name(), "messages": conversation(pieces or [input_ids], self.tokenizer),
                 "max_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         endpoint = base_url + "/v1/chat/completions"
