@@ -4,14 +4,14 @@ Across processes a shared host's speeds move (where a run's memory lands, what e
 many kernel changes move them: timing each version in a process of its own with bench_decode_kernels.py
 can show no difference where there is one, or one where there is none. This builds the kernel's source file
 (`kernels/csrc/<folder>/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
-is in the working tree, each as a library of its own name, packs 30 layers of SmolLM2-135M-shaped random
-weights once, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
+is in the working tree, each as a library of its own name, packs the layers of random weights of
+--shape once (30 of SmolLM2-135M's, or 24 of a 1.7B Llama's: ~1 GB in 4 bits), and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
 memory, as in a decode step) at each row count, the two builds alternating (each first in every other
-round), best of --repeats per round. Prints a table and writes JSON: the baseline is the --base build,
+round), best of --repeats per round, after checking that both give the same outputs. Prints a table and writes JSON: the baseline is the --base build,
 measured in the same run.
 
-Usage: python scripts/ab_matmul_builds.py --kernel bf16_gemv|w8a8_gemm [--base HEAD] [--rows 1,4,8,32]
-       [--rounds 3] [--repeats 5] [--out artifacts/ab_matmul_builds.json]
+Usage: python scripts/ab_matmul_builds.py --kernel bf16_gemv|w8a8_gemm|w4a8_gemm [--base HEAD] [--rows 1,4,8,32]
+       [--shape 135m|1.7b] [--rounds 3] [--repeats 5] [--out artifacts/ab_matmul_builds.json]
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ from torch.utils import cpp_extension  # noqa: E402
 from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.runtime.kernels.loader import CSRC, HEADERS, SOURCES, load_cpu_ops  # noqa: E402
 from sgl_lite.runtime.layers.linear import GemvLinear  # noqa: E402
+from sgl_lite.runtime.layers.quantization.w4a8 import W4A8Int4  # noqa: E402
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8  # noqa: E402
+from sgl_lite.runtime.layers.quantization.weight_only import Int4Values  # noqa: E402
 
-PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed}
+PACK = {"bf16_gemv": lambda w: GemvLinear.pack(w, None).gemv_weight, "w8a8_gemm": lambda w: W8A8Int8(w).packed,
+        "w4a8_gemm": lambda w: W4A8Int4(Int4Values.quantize(w)).packed}
+# --shape: (layers, each layer's matmuls [N, K]: qkv, o, gate_up, down)
+MODEL_SHAPES = {"135m": (LAYERS, SHAPES), "1.7b": (24, [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)])}
 
 
 def build(kernel: str, source: str, library: str, workdir: Path):
@@ -112,31 +117,40 @@ def main() -> None:
     parser.add_argument("--kernel", choices=sorted(PACK), required=True)
     parser.add_argument("--base", default="HEAD", help="git revision of the baseline build")
     parser.add_argument("--rows", default="1,4,8,32")
+    parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="135m",
+                        help="the layers' matmul shapes: SmolLM2-135M's (30 layers) or a 1.7B Llama's (24)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=artifact_path("ab_matmul_builds.json"))
     args = parser.parse_args()
     ops = base_and_tree(args.kernel, args.base)
     g = torch.Generator().manual_seed(0)
-    packed = [[PACK[args.kernel]((torch.randn(shape, generator=g) * 0.05).bfloat16()) for shape in SHAPES] for _ in range(LAYERS)]
+    layers, shapes = MODEL_SHAPES[args.shape]
+    packed = [[PACK[args.kernel]((torch.randn(shape, generator=g) * 0.05).bfloat16()) for shape in shapes] for _ in range(layers)]
 
     def seconds(op, rows: int) -> float:
-        x = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in SHAPES}
+        x = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
 
         def one_pass() -> None:
             for layer in packed:
-                for weight, (_, k) in zip(layer, SHAPES):
+                for weight, (_, k) in zip(layer, shapes):
                     op(x[k], weight, None)
         return best_seconds(one_pass, args.repeats)
 
     rows = [int(r) for r in args.rows.split(",")]
+    for r in rows:  # the same bits from both builds, or a note
+        outs = [op(torch.randn(r, k, generator=torch.Generator().manual_seed(r)).bfloat16(), weight, None)
+                for op in ops.values() for weight, (_, k) in zip(packed[0], shapes)]
+        half = len(outs) // 2
+        if not all(torch.equal(a, b) for a, b in zip(outs[:half], outs[half:])):
+            print(f"note: the builds' outputs differ at {r} rows")
     ms: dict[int, dict[str, list[float]]] = {r: {name: [] for name in ops} for r in rows}
     for round_ in range(args.rounds):
         for r in rows:
             for name, op in in_turn(ops, round_):
                 ms[r][name].append(1e3 * seconds(op, r))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {args.kernel}: --base {args.base} against the working tree, "
-          f"{LAYERS} layers' matmuls, ms per pass, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
+          f"{args.shape} shape, {layers} layers' matmuls, ms per pass, best of {args.repeats} per round, {args.rounds} rounds interleaved\n")
     print("| rows | base | working tree | base / working tree (best rounds) |\n|---:|---|---|---:|")
     for r in rows:
         print(f"| {r} | {timing_cells(ms[r])} |")

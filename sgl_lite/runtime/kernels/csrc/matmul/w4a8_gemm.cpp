@@ -110,6 +110,8 @@ inline void tile(const Operands& o, const int8_t* xq, const int32_t* group_sums,
         for (int b = 0; b < NB; ++b) {
           const uint8_t* line = gw + (v * NB + b) * 64;
           if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(line) + NB * kPrefetchBytes, _MM_HINT_T1);
+          if (half == 0 && v == 0)  // the group's trailer line (every fifth line of the stream) ahead too
+            _mm_prefetch(reinterpret_cast<const char*>(gw + (kWeightVectors * NB + b) * 64) + NB * kPrefetchBytes, _MM_HINT_T1);
           const __m512i bytes = _mm512_loadu_si512(line);
           wv[b] = _mm512_and_si512(half == 0 ? bytes : _mm512_srli_epi16(bytes, 4), nibble);
         }
