@@ -16,7 +16,14 @@ import torch
 from test_decode_layer_op import decode_hidden, prepare_decode, without_fusion
 from test_model import Driver, make_runner, prompts
 
-from sgl_lite.runtime.layers.linear import QUANTIZED_MAX_ROWS, QuantizedLinear, linear, quantize_linear, reads_dense_weight
+from sgl_lite.runtime.layers.linear import (
+    QUANTIZED_MAX_ROWS,
+    W4A8_MAX_ROWS,
+    QuantizedLinear,
+    linear,
+    quantize_linear,
+    reads_dense_weight,
+)
 from sgl_lite.runtime.layers.quantization.w4a8 import W4A8Int4, w4a8_kernel_available
 from sgl_lite.runtime.layers.quantization.w8a8 import W8A8Int8, W8A16Int8
 from sgl_lite.runtime.layers.quantization.weight_only import Int4Values
@@ -84,7 +91,9 @@ def test_few_rows_take_the_int4_form_and_many_the_int4_values_in_int8() -> None:
     weight, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
     values = Int4Values.quantize(weight)
     layer = quantize_linear("w4a8_int4", weight, None)
-    assert layer.max_rows == QUANTIZED_MAX_ROWS and (type(layer.quantized) is W4A8Int4) == w4a8_kernel_available()
+    # the 4-bit kernel up to its own row limit; torch's int4 kernel, where it is the path, up to the weight-only one
+    assert layer.max_rows == (W4A8_MAX_ROWS if w4a8_kernel_available() else QUANTIZED_MAX_ROWS)
+    assert (type(layer.quantized) is W4A8Int4) == w4a8_kernel_available()
     many = layer.packed_dense
     assert isinstance(many, QuantizedLinear) and type(many.quantized) is W8A8Int8 and many.takes(100_000)
     assert not reads_dense_weight(layer)  # the model drops its dense weight
@@ -100,8 +109,8 @@ def test_the_fused_decode_layer_runs_the_w4a8_kernel_bit_for_bit(tiny_llama_dir:
     plain = make_runner(tiny_llama_dir, dtype="bfloat16")
     runner = ModelRunner(plain.args.replace(quantization="w4a8_int4"), model_dir=plain.model_dir)
     layers = runner.model.layers
-    assert all(w.dtype == torch.uint8 and w.dim() == 2 for layer in layers for w in layer.fused_decode_weights(2))
-    assert all(w.dtype == torch.int8 for layer in layers for w in layer.fused_decode_weights(3))
+    assert all(w.dtype == torch.uint8 and w.dim() == 2 for layer in layers for w in layer.fused_decode_weights(W4A8_MAX_ROWS))
+    assert all(w.dtype == torch.int8 for layer in layers for w in layer.fused_decode_weights(W4A8_MAX_ROWS + 1))
     driver = Driver(runner)
     reqs = [driver.new_req(str(i), ids) for i, ids in enumerate(prompts(runner.vocab_size, [5, 17], seed=3))]
     driver.generate(reqs, 1)
@@ -149,9 +158,10 @@ def test_tiny_model_served_w4a8_int4_keeps_transformers_logprobs_and_the_referen
                     assert all(isinstance(p.quantized, W4A8Int4) for p in layer.packed.values())
                     assert layer.qkv_weight.device.type == "meta"  # no dense copy kept
                 assert isinstance(model.packed_lm_head.quantized, W8A16Int8)
-            # one at a time: prefill on the int8 form, decode of 1 row on the int4 kernel; together: 3 rows, int8
+            # one at a time: prefill on the int8 form, decode of 1 row on the int4 kernel; together, 3 rows on the
+            # int4 kernel too, and 9 (more than W4A8_MAX_ROWS) on the int8 form
             outs = [engine.generate(p, params, return_logprob=True, logprob_start_len=0) for p in PROMPTS]
-            outs += engine.generate(PROMPTS, params)
+            outs += engine.generate(PROMPTS, params) + engine.generate(PROMPTS * 3, params)
             engine.core.scheduler.check_invariant()
             return outs
         finally:

@@ -31,11 +31,12 @@ without AVX-512, int4 runs on csrc/matmul/avx2_q4_gemv.cpp instead of torch's ke
 than the dense bf16 kernel): well ahead of the bf16 kernel at 1 row, about even from 3 to 32 rows, slower
 above (docs/performance.md, "On CPUs without AVX-512 (AVX2 + FMA)", its int4 rows), so it serves every
 decode batch up to AVX2_INT4_MAX_ROWS rows, and a request's tokens get the same bits whatever the batch
-up to there. `w4a8_int4` keeps no dense weight: its calls of up to QUANTIZED_MAX_ROWS rows run
+up to there. `w4a8_int4` keeps no dense weight: its calls of up to W4A8_MAX_ROWS rows run
 csrc/matmul/w4a8_gemm.cpp (the int4 values by int8 activations: half the bytes w8a8_int8 streams, where torch's
-int4 kernel is bound by its arithmetic), and calls of more the int4 values rounded to int8 per output column
-on w8a8_int8's kernels, whose integer products outrun the bf16 matmuls on a prefill's many rows (from 4 rows
-w4a8_gemm.cpp's products, not its reads, bound it, and the int8 kernel is as fast or faster).
+int4 kernel is bound by its arithmetic; over a 1.7B model's weights it beats the int8 kernel from 1 to 8
+rows, at 12 its products have caught up with its reads and it trails), and calls of more the int4 values
+rounded to int8 per output column on w8a8_int8's kernels, whose integer products outrun the bf16 matmuls on
+a prefill's many rows (docs/performance.md, "`w4a8_int4`: 4-bit weights by 8-bit activations").
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from sgl_lite.runtime.layers.quantization.weight_only import (
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
+W4A8_MAX_ROWS = 8  # csrc/matmul/w4a8_gemm.cpp's calls (the module docstring)
 AVX2_INT4_MAX_ROWS = 32
 # Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
@@ -243,7 +245,7 @@ def quantize_linear(method: str, weight: torch.Tensor, packed_dense: torch.Tenso
             # the int4 values rounded to int8 per output column take the calls of many rows: no dense form to keep
             packed_dense = QuantizedLinear(W8A8Int8(values.dequantize()), None, None)
             if w4a8_kernel_available():
-                return QuantizedLinear(W4A8Int4(values), packed_dense)
+                return QuantizedLinear(W4A8Int4(values), packed_dense, W4A8_MAX_ROWS)
         if avx2_int4_preferred():
             return QuantizedLinear(Int4Avx2(values), packed_dense, AVX2_INT4_MAX_ROWS)
         return QuantizedLinear(Int4WeightOnly(values, weight.dtype), packed_dense)
