@@ -33,8 +33,9 @@ above (docs/performance.md, "On CPUs without AVX-512 (AVX2 + FMA)", its int4 row
 decode batch up to AVX2_INT4_MAX_ROWS rows, and a request's tokens get the same bits whatever the batch
 up to there. `w4a8_int4` keeps no dense weight: its calls of up to W4A8_MAX_ROWS rows run
 csrc/matmul/w4a8_gemm.cpp (the int4 values by int8 activations: half the bytes w8a8_int8 streams, where torch's
-int4 kernel is bound by its arithmetic; over a 1.7B model's weights it beats the int8 kernel from 1 to 8
-rows, at 12 its products have caught up with its reads and it trails), and calls of more the int4 values
+int4 kernel is bound by its arithmetic; at a 1.7B model's shapes its decode steps of up to 4 rows are at
+least as fast as the int8 kernel's, faster when the host's reads are slow, and from 5 rows its products
+catch up with its reads and it no longer gains), and calls of more the int4 values
 rounded to int8 per output column on w8a8_int8's kernels, whose integer products outrun the bf16 matmuls on
 a prefill's many rows (docs/performance.md, "`w4a8_int4`: 4-bit weights by 8-bit activations").
 """
@@ -63,7 +64,7 @@ from sgl_lite.runtime.layers.quantization.weight_only import (
 
 # Calls with at most this many rows use the quantized kernel (see the module docstring).
 QUANTIZED_MAX_ROWS = 2
-W4A8_MAX_ROWS = 8  # csrc/matmul/w4a8_gemm.cpp's calls (the module docstring)
+W4A8_MAX_ROWS = 4  # csrc/matmul/w4a8_gemm.cpp's calls (the module docstring)
 AVX2_INT4_MAX_ROWS = 32
 # Calls with at most this many rows use the small-row kernel (see the module docstring and gemv_max_rows).
 GEMV_MAX_ROWS = 128
