@@ -4,10 +4,11 @@ Across processes a shared host's speeds move (where a run's memory lands, what e
 many kernel changes move them: timing each version in a process of its own with bench_decode_kernels.py
 can show no difference where there is one, or one where there is none. This builds the kernel's source file
 (`kernels/csrc/<folder>/<kernel>.cpp`, with the headers of its version) as it is at git revision --base and as it
-is in the working tree, each as a library of its own name, packs the layers of random weights of
---shape once (30 of SmolLM2-135M's, or 24 of a 1.7B Llama's: ~1 GB in 4 bits), and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
+is in the working tree, each as a library of its own name, packs the layers of random weights of --shape
+once (30 of SmolLM2-135M's, or 24 of a 1.7B Llama's: ~1 GB in 4 bits), checks that both builds give the
+same outputs, and times a pass over every layer's matmuls (qkv, o, gate_up, down: the weights stream from
 memory, as in a decode step) at each row count, the two builds alternating (each first in every other
-round), best of --repeats per round, after checking that both give the same outputs. Prints a table and writes JSON: the baseline is the --base build,
+round), best of --repeats per round. Prints a table and writes JSON: the baseline is the --base build,
 measured in the same run.
 
 Usage: python scripts/ab_matmul_builds.py --kernel bf16_gemv|w8a8_gemm|w4a8_gemm [--base HEAD] [--rows 1,4,8,32]

@@ -19,8 +19,6 @@ from sgl_lite.bench.backends import GenerationBackend, StreamEvent
 from sgl_lite.http.chat_template import ChatTemplate
 from sgl_lite.http.token_text import TokenTexts
 
-PROMPT_FORMATS = ("ids", "chat")
-
 
 def conversation(pieces: Sequence[Sequence[int]], tokenizer: Any) -> list[dict[str, str]]:
     """A turn's pieces as chat messages: the user's and the model's turns in turn, the user's first."""

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sgl_lite.bench.artifacts import artifact_path
-from sgl_lite.bench.chat_rendered import PROMPT_FORMATS
 from sgl_lite.bench.workloads import WORKLOAD_NAMES, Vocabulary, Workload, multiturn_agent, random_prompts, shared_prefix
 from sgl_lite.cluster import ROUTER_POLICIES  # stdlib only: no process starts at import
 from sgl_lite.runtime.server_args import ServerArgs, field_base_type, flag_of
@@ -27,6 +26,9 @@ URL_BACKENDS = ("sglang", "openai-chat")
 # How an OpenAI chat system gets a multi-turn conversation: the whole history as one user message, or as
 # alternating user and assistant messages.
 CHAT_HISTORIES = ("one-message", "messages")
+# How a token-id system gets a turn: the workload's ids, or the conversation as the HTTP front renders it
+# (bench/chat_rendered.py).
+PROMPT_FORMATS = ("ids", "chat")
 # `router-dpN`: the benchmark starts N replicas behind sglang-router (sgl_lite.cluster) and drives
 # the router over HTTP.
 ROUTER_SYSTEM_PREFIX = "router-dp"
