@@ -15,6 +15,7 @@ from typing import Iterator
 import httpx2
 import pytest
 
+from sgl_lite.bench.backends import GenerationBackend, StreamEvent
 from sgl_lite.bench.chat_rendered import ChatRenderedBackend, ChatRenderer
 from sgl_lite.bench.config import BenchConfig, parse_config
 from sgl_lite.bench.driver import run_benchmark
@@ -157,6 +158,45 @@ def test_prompt_format_chat_on_the_command_line(server: str, tiny_llama_dir: Pat
     assert all(a < b for a, b in zip(first_turns("--backend", "sglang"), chat))
     with pytest.raises(ValueError, match="--prompt-format"):
         BenchConfig(prompt_format="text").validate()
+
+
+class _FixedAnswer(GenerationBackend):
+    """A token-id system that answers every prompt with the same ids (and records the prompts)."""
+
+    name = "fixed"
+
+    def __init__(self, answer: list[int]) -> None:
+        self.answer = answer
+
+    async def stream(self, input_ids: list[int], max_new_tokens: int):  # noqa: ANN201 - an async generator
+        yield StreamEvent(0.0, self.answer, {"prompt_tokens": len(input_ids), "completion_tokens": len(self.answer),
+                                             "cached_tokens": 0, "finish_reason": {"type": "length"}})
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_prompt_format_chat_keeps_an_answers_generated_ids(tiny_llama_dir: Path) -> None:
+    """As the front does by default (--reuse-answer-ids): the next turn's rendered prompt holds the answer as
+    it was generated, even where its text tokenizes to other ids."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    text = "the capital of France"
+    answer = next(ids for cut in range(1, len(text))
+                  if (ids := tokenizer.encode(text[:cut], add_special_tokens=False)
+                      + tokenizer.encode(text[cut:], add_special_tokens=False))
+                  != tokenizer.encode(text, add_special_tokens=False))
+    pieces = [tokenizer.encode(t, add_special_tokens=False) for t in TURN_TEXTS[:1]]
+    nxt = [*pieces, answer, tokenizer.encode("Observation: done.", add_special_tokens=False)]
+    render = ChatRenderer(str(tiny_llama_dir), tokenizer)
+    backend = ChatRenderedBackend(_FixedAnswer(answer), render)
+    first = render(pieces)
+    assert asyncio.run(_turn(backend, pieces, 4))["prompt_tokens"] == len(first)
+    assert render(nxt)[:len(first) + len(answer)] == first + answer
+    unremembered = ChatRenderer(str(tiny_llama_dir), tokenizer)(nxt)
+    assert unremembered[:len(first)] == first and unremembered[len(first):len(first) + len(answer)] != answer
 
 
 def test_chat_renderer_needs_a_chat_template(tiny_llama_dir: Path) -> None:

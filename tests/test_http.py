@@ -237,6 +237,35 @@ def test_second_chat_turn_reports_cached_tokens(live: Live) -> None:
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_sent_back_is_found_cached_as_generated(live: Live, stream: bool) -> None:
+    """An answer whose text tokenizes to other ids than the model wrote is found in the prefix cache whole when
+    the next turn sends it back (--reuse-answer-ids, on). The tiny model samples one letter a token, from
+    letters its tokenizer also merges (a logit bias bans every other token), so its text tokenizes shorter."""
+    messages = [{"role": "system", "content": f"Answer reuse, stream={stream}."}, {"role": "user", "content": "Go."}]
+    letters = {str(i): 0 for i in range(len(live.tokenizer)) if live.tokenizer.decode([i]) in list("etaoinsrh ")}
+    banned = {str(i): -100 for i in range(len(live.tokenizer)) if str(i) not in letters}
+    for seed in range(5):
+        request = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 1.0, "seed": seed,
+                   "extra_body": {"ignore_eos": True, "logit_bias": banned}}
+        if stream:
+            chunks = list(live.openai.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                              **request))
+            answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            first = live.openai.chat.completions.create(**request)
+            answer, usage = first.choices[0].message.content, first.usage
+        if len(live.tokenizer.encode(answer, add_special_tokens=False)) < usage.completion_tokens:
+            break
+    else:
+        pytest.fail("no answer of 5 tokenized to fewer ids than generated")
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Observation: done."}]
+    second = live.openai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **GREEDY)
+    # cached: the first prompt and every answer token but the last (which never ran through the model)
+    assert second.usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens + usage.completion_tokens - 1
+
+
 @pytest.mark.parametrize("body, field", [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),

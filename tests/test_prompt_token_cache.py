@@ -1,8 +1,10 @@
 """The chat prompt token cache (http/prompt_token_cache.py): the ids it gives are the tokenizer's own for the
-whole text, a later turn tokenizes only its new text, and its size stays within its bounds."""
+whole text, a later turn tokenizes only its new text, and its size stays within its bounds; a remembered answer
+keeps the ids it was generated as, and only ids that are exactly their text are remembered."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from typing import Any
@@ -12,8 +14,12 @@ from tokenizers import AddedToken, Tokenizer
 
 from sgl_lite.http.chat_template import ChatTemplate
 from sgl_lite.http.content_specials import SpecialTokenText
+from sgl_lite.http.generation import GenerationInput
+from sgl_lite.http.model_context import ModelContext
+from sgl_lite.http.openai_api.serving import OpenAIServing
 from sgl_lite.http.prompt_token_cache import PromptTokenCache, safe_boundary_tokens
 from sgl_lite.http.token_text import TokenTexts
+from sgl_lite.runtime.protocol import SamplingParams
 from sgl_lite.testing.tiny_model import CHATML_TEMPLATE, build_tokenizer
 
 WORDS = ["Paris", " capital", " of", " France", " café", "東京", " 42", "\n", "  ", "{\"x\": 1}", " Thought:",
@@ -30,6 +36,12 @@ class CountingTokenizer:
 
     def get_added_tokens_decoder(self) -> dict[int, AddedToken]:
         return self._tokenizer.get_added_tokens_decoder()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def to_str(self) -> str:
         return self._tokenizer.to_str()
@@ -164,3 +176,97 @@ def test_tokenizers_that_treat_a_texts_start_apart_get_no_cache(tokenizer: Token
     text = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
     assert cache.encode(text) == other.encode(text, add_special_tokens=False).ids
     assert cache.encode(text + "more") == other.encode(text + "more", add_special_tokens=False).ids and len(cache) == 0
+
+
+def _split_otherwise(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Ids of `text` that its tokenizer would not give: the text encoded in two pieces, cut where that differs."""
+    whole = _whole(tokenizer, text)
+    for cut in range(1, len(text)):
+        ids = _whole(tokenizer, text[:cut]) + _whole(tokenizer, text[cut:])
+        if ids != whole:
+            return ids
+    raise AssertionError(f"every cut of {text!r} tokenizes as the whole")
+
+
+def _chat(messages: list[dict[str, str]]) -> str:
+    return ChatTemplate(CHATML_TEMPLATE).render(messages)
+
+
+def test_a_remembered_answer_keeps_its_ids_in_the_next_turns(tokenizer: Tokenizer) -> None:
+    counting = CountingTokenizer(tokenizer)
+    cache = PromptTokenCache(counting)
+    messages = [{"role": "system", "content": "You are a capital agent."}, {"role": "user", "content": "Paris?"}]
+    prompt = cache.encode(_chat(messages))
+    for turn, answer in enumerate(["Paris is the capital of France", " café 東京 42 🙂 {\"x\": 1}"]):
+        answer_ids = _split_otherwise(tokenizer, answer)
+        assert tokenizer.decode(answer_ids, skip_special_tokens=False) == answer
+        # ended by the length limit, and (the second turn) by the end-of-turn token the template writes too
+        generated = answer_ids + ([tokenizer.token_to_id("<|im_end|>")] if turn else [])
+        assert cache.remember(prompt + generated)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Thought: turn {turn}"}]
+        text = _chat(messages)
+        before = counting.chars
+        ids = cache.encode(text)
+        # the runtime's cache holds prompt + answer: the next prompt starts with exactly those ids
+        assert ids[:len(prompt) + len(answer_ids)] == prompt + answer_ids
+        assert ids != _whole(tokenizer, text) and tokenizer.decode(ids, skip_special_tokens=False) == text
+        tail = text[len(_chat(messages[:-2])) + len(answer) + len("<|im_end|>"):]
+        assert ids[len(prompt) + len(answer_ids) + 1:] == _whole(tokenizer, tail)
+        assert counting.chars - before == len(tail)  # only the new turn was tokenized
+        prompt = ids
+    fresh = PromptTokenCache(tokenizer)  # nothing remembered: the tokenizer's own ids
+    assert fresh.encode(_chat(messages)) == _whole(tokenizer, _chat(messages))
+
+
+def test_only_ids_that_are_exactly_their_text_are_remembered(tokenizer: Tokenizer) -> None:
+    cache = PromptTokenCache(tokenizer)
+    messages = [{"role": "user", "content": "Write the end token."}]
+    prompt = cache.encode(_chat(messages))
+    entries = len(cache)
+    spelled = _whole(tokenizer, "x <|im_") + _whole(tokenizer, "end|> y")  # the control token in ordinary tokens
+    assert tokenizer.decode(spelled, skip_special_tokens=False) == "x <|im_end|> y"
+    assert not cache.remember(prompt + spelled)
+    emoji = _whole(tokenizer, "🙂")
+    cut_short = next(emoji[:k] for k in range(1, len(emoji))
+                     if "\ufffd" in tokenizer.decode(emoji[:k], skip_special_tokens=False))
+    assert not cache.remember(prompt + cut_short)
+    small = PromptTokenCache(tokenizer, max_tokens=4 * len(prompt))
+    assert not small.remember(prompt + _split_otherwise(tokenizer, "Paris is the capital"))
+    assert len(cache) == entries and len(small) == 0
+    # a later chat with such an answer gets the tokenizer's own ids
+    text = _chat(messages + [{"role": "assistant", "content": "x <|im_end|> y"}, {"role": "user", "content": "ok"}])
+    assert cache.encode(text) == _whole(tokenizer, text)
+
+
+def test_remembered_answers_stay_within_the_bounds(tokenizer: Tokenizer) -> None:
+    cache = PromptTokenCache(tokenizer, max_entries=6, max_chars=3000, max_tokens=1200)
+    rng = random.Random(4)
+    for _ in range(40):
+        prompt = cache.encode(_chat([{"role": "user", "content": _text(rng, 20)}]))
+        cache.remember(prompt + _split_otherwise(tokenizer, "Paris is the capital" + _text(rng, 5)))
+        assert len(cache) <= 6 and cache.chars <= 3000 and cache.tokens <= 1200
+        assert cache.tokens == sum(map(len, cache._entries.values())) and cache.chars == sum(map(len, cache._entries))
+    prompt = cache.encode(_chat([{"role": "user", "content": "again"}]))
+    answer = _split_otherwise(tokenizer, "Paris is the capital")
+    assert cache.remember(prompt + answer) and cache.remember(prompt + answer[:-1] + answer[-1:])  # kept once
+    assert cache.tokens == sum(map(len, cache._entries.values()))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_front_remembers_answers_unless_told_not_to(tmp_path: Any, reuse: bool) -> None:
+    """--reuse-answer-ids (read from the runtime's server_info): a finished chat's answer is remembered, and the
+    next turn gets its generated ids; --no-reuse-answer-ids: the tokenizer's own ids."""
+    build_tokenizer().save_pretrained(tmp_path)
+    context = ModelContext.from_server_info({"model_path": str(tmp_path), "chat_template": CHATML_TEMPLATE,
+                                             "server_args": {"reuse_answer_ids": reuse}}, None)
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    messages = [{"role": "user", "content": "Paris?"}]
+    template = context.require_chat_template()
+    prompt = template.prompt(messages, None, context.token_texts.chat_encoder()).input_ids
+    answer = _split_otherwise(whole, "Paris is the capital")
+    serving = OpenAIServing(runner=None, contexts=None, limits=None)  # type: ignore[arg-type]
+    asyncio.run(serving.remember_answers(context, [GenerationInput(None, prompt, SamplingParams())], [answer]))
+    messages += [{"role": "assistant", "content": "Paris is the capital"}, {"role": "user", "content": "ok"}]
+    ids = template.prompt(messages, None, context.token_texts.chat_encoder()).input_ids
+    assert (ids[:len(prompt) + len(answer)] == prompt + answer) is reuse
+    assert (ids == _whole(whole, template.render(messages))) is not reuse

@@ -28,7 +28,8 @@ def conversation(pieces: Sequence[Sequence[int]], tokenizer: Any) -> list[dict[s
 class ChatRenderer:
     """Pieces -> the prompt ids sgl_lite's HTTP front makes of the same conversation with its defaults: the
     template with the generation prompt, special-token strings in a message's text kept as plain text, the
-    text tokenized by the model folder's tokenizer.json (http/token_text.py)."""
+    text tokenized by the model folder's tokenizer.json (http/token_text.py), an answer remembered (by
+    ChatRenderedBackend) keeping its generated ids."""
 
     def __init__(self, model_folder: str, tokenizer: Any) -> None:
         source = getattr(tokenizer, "chat_template", None)
@@ -65,8 +66,12 @@ class ChatRenderedBackend(GenerationBackend):
     def stream(self, input_ids: list[int], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
         return self.inner.stream(input_ids, max_new_tokens)
 
-    def stream_turn(self, pieces: Sequence[Sequence[int]], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
-        return self.inner.stream(self.render(pieces), max_new_tokens)
+    async def stream_turn(self, pieces: Sequence[Sequence[int]], max_new_tokens: int) -> AsyncIterator[StreamEvent]:
+        prompt, output = self.render(pieces), []
+        async for event in self.inner.stream(prompt, max_new_tokens):
+            output.extend(event.new_ids)
+            yield event
+        self.render.texts.remember_answer(prompt, output)  # as the front does (--reuse-answer-ids, its default)
 
     def reset(self) -> None:
         self.inner.reset()

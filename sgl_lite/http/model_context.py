@@ -34,6 +34,7 @@ class ModelContext:
     # The runtime's bound on a token's characters (it refuses longer texts before tokenizing them).
     max_token_chars: int | None = None
     split_special_tokens_in_messages: bool = True  # --split-special-tokens-in-messages
+    reuse_answer_ids: bool = True  # --reuse-answer-ids
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any], served_model_name: str | None) -> ModelContext:
@@ -59,6 +60,7 @@ class ModelContext:
             constrain_tool_calls=not server_args.get("disable_tool_call_constraint", False),
             max_token_chars=info.get("max_token_chars"),
             split_special_tokens_in_messages=server_args.get("split_special_tokens_in_messages", True),
+            reuse_answer_ids=server_args.get("reuse_answer_ids", True),
         )
 
     @property

@@ -10,6 +10,13 @@ tokenized text, its prefix up to its last such token with that prefix's ids; the
 with the same text, tokenizes only what follows. Bounded by entries, characters and tokens (the default
 bounds hold at most 16 MiB of text and about 36 MiB of ids), least recently used out first; a prefix over a
 quarter of either bound is not kept.
+
+An answer the model generated is kept the same way (`remember`): the prompt's ids and the answer's ids as the ids
+of their text. Tokenizing an answer's text again can split it otherwise than the model wrote it ("\n\n" as one
+token where the model wrote two; a sampled answer does so often), and the runtime's prefix cache, which holds
+the ids generated, would then miss from there on. A later chat whose text continues that text, at a safe special
+token (the template's end of the turn), gets those ids: a tokenization of the same text, the one the runtime has
+cached.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ def _overlaps(first: str, second: str) -> bool:
 
 class PromptTokenCache:
     """Text -> ids (no special tokens added) through `tokenizer` (a `tokenizers.Tokenizer`), reusing the ids
-    of cached prefixes; thread-safe (renders of large chats run on worker threads)."""
+    of cached prefixes and remembered answers; thread-safe (renders of large chats run on worker threads)."""
 
     def __init__(self, tokenizer: Any, max_entries: int = MAX_ENTRIES, max_chars: int = MAX_CHARS,
                  max_tokens: int = MAX_TOKENS) -> None:
@@ -88,6 +95,12 @@ class PromptTokenCache:
         self.max_tokens = max_tokens
         boundaries = sorted(safe_boundary_tokens(tokenizer), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, boundaries))) if boundaries else None
+        self._boundary_ids = {text: tokenizer.token_to_id(text) for text in boundaries}
+        added = {token_id: token.content for token_id, token in tokenizer.get_added_tokens_decoder().items()
+                 if token.content}
+        self._added_ids = frozenset(added)
+        contents = sorted(set(added.values()), key=len, reverse=True)
+        self._added_pattern = re.compile("|".join(map(re.escape, contents))) if contents else None
         self._entries: OrderedDict[str, list[int]] = OrderedDict()
         self._lengths: Counter[int] = Counter()  # how many entries have each length: most cuts are skipped unsliced
         self._chars = 0
@@ -106,13 +119,14 @@ class PromptTokenCache:
         return len(self._entries)
 
     def encode(self, text: str) -> list[int]:
-        """The ids of `text`, as the tokenizer gives them for the whole text; its prefix up to its last safe
-        special token is kept for the next text that starts with it."""
+        """The ids of `text`, as the tokenizer gives them for the whole text (but where it continues a
+        remembered answer: those ids); its prefix up to its last safe special token is kept for the next text
+        that starts with it."""
         if self._pattern is None:
             return self._encode([text])[0]
-        cuts = [match.end() for match in self._pattern.finditer(text)]
-        start, prefix = self._longest_prefix(text, cuts)
-        last = cuts[-1] if cuts else 0
+        boundaries = [(match.end(), match.group()) for match in self._pattern.finditer(text)]
+        start, prefix = self._longest_prefix(text, boundaries)
+        last = boundaries[-1][0] if boundaries else 0
         if last <= start:
             return prefix + self._encode([text[start:]])[0]
         middle, rest = self._encode([text[start:last], text[last:]])
@@ -124,34 +138,65 @@ class PromptTokenCache:
         # The batch call releases the GIL while it works; the fast one skips the offsets nobody reads here.
         return [encoding.ids for encoding in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def _longest_prefix(self, text: str, cuts: list[int]) -> tuple[int, list[int]]:
-        """(where the longest cached prefix ends, its ids); (0, []) when none is cached."""
+    def remember(self, ids: list[int]) -> bool:
+        """Keeps `ids` (a prompt this cache encoded and the ids generated after it) as the ids of the text they
+        decode to, for the texts that continue it after a safe special token. Not kept (False): ids whose text
+        is not exactly theirs (a character cut short, U+FFFD) or spells an added token in ordinary tokens, or
+        over a quarter of a bound; without safe special tokens nothing is looked up, so nothing is kept."""
+        if self._pattern is None or not ids or len(ids) > self.max_tokens // 4:
+            return False
+        text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        if not text or len(text) > self.max_chars // 4 or "\ufffd" in text:
+            return False
+        spelled = len(self._added_pattern.findall(text)) if self._added_pattern is not None else 0
+        if spelled != sum(token_id in self._added_ids for token_id in ids):
+            return False
+        self._store(text, list(ids), replace=True)
+        return True
+
+    def _longest_prefix(self, text: str, boundaries: list[tuple[int, str]]) -> tuple[int, list[int]]:
+        """(where the longest cached prefix ends, its ids); (0, []) when none is cached. A prefix ends after a
+        safe special token: cached up to its end, or (a remembered answer) up to its start, the token's id
+        added."""
         with self._lock:
-            for cut in reversed(cuts):
-                if not self._lengths[cut]:
-                    continue
-                key = text[:cut]
-                ids = self._entries.get(key)
-                if ids is not None:
-                    self._entries.move_to_end(key)
-                    return cut, ids
+            for cut, token in reversed(boundaries):
+                before = cut - len(token)
+                for end, tail in ((cut, ()), (before, (self._boundary_ids[token],))):
+                    if end <= 0 or not self._lengths[end]:
+                        continue
+                    key = text[:end]
+                    ids = self._entries.get(key)
+                    if ids is not None:
+                        self._entries.move_to_end(key)
+                        return cut, [*ids, *tail]
         return 0, []
 
-    def _store(self, prefix: str, ids: list[int]) -> None:
+    def _store(self, prefix: str, ids: list[int], replace: bool = False) -> None:
+        """Keeps `ids` for `prefix`; an entry already kept stays unless `replace`."""
         if len(prefix) > self.max_chars // 4 or len(ids) > self.max_tokens // 4:
             return
         with self._lock:
             if prefix in self._entries:
                 self._entries.move_to_end(prefix)
+                if not replace:
+                    return
+                old_ids = self._entries[prefix]
+                self._tokens += len(ids) - len(old_ids)
+                self._entries[prefix] = ids
+                self._evict()
                 return
             self._entries[prefix] = ids
             self._lengths[len(prefix)] += 1
             self._chars += len(prefix)
             self._tokens += len(ids)
-            while len(self._entries) > self.max_entries or self._chars > self.max_chars or self._tokens > self.max_tokens:
-                old, old_ids = self._entries.popitem(last=False)
-                self._tokens -= len(old_ids)
-                self._lengths[len(old)] -= 1
-                if not self._lengths[len(old)]:
-                    del self._lengths[len(old)]
-                self._chars -= len(old)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used entries out until within every bound (the lock held)."""
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars or self._tokens > self.max_tokens:
+            old, old_ids = self._entries.popitem(last=False)
+            self._tokens -= len(old_ids)
+            self._lengths[len(old)] -= 1
+            if not self._lengths[len(old)]:
+                del self._lengths[len(old)]
+            self._chars -= len(old)

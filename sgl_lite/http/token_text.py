@@ -141,5 +141,14 @@ class TokenTexts:
             return lambda text: self.encode(text, add_special_tokens)
         return lambda text: special.encode(text, hidden, add_special_tokens)
 
+    def remember_answer(self, prompt_ids: list[int], output_ids: list[int]) -> bool:
+        """Keeps a chat prompt's ids and the ids generated after it for the chat prompts that continue their
+        text (prompt_token_cache.py, `remember`); False when not kept (no tokenizer file, or an id past the
+        tokenizer's vocabulary: a model's embedding may be padded past it)."""
+        cache = self._prompt_cache
+        if cache is None or not output_ids or max(output_ids) >= self.vocab_size or min(output_ids) < 0:
+            return False
+        return cache.remember([*prompt_ids, *output_ids])
+
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

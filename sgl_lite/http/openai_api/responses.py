@@ -134,6 +134,7 @@ class ResponsesServing:
         if body.stream:
             return await sse_response(self._events(turn), on_stream_end, named_events=True)
         generation = await self._runner.collect(prepared.inputs[0])
+        await self._chat.remember_answers(prepared.context, prepared.inputs, [generation.output_ids])
         output = ResponseOutput(prepared.tools, prepared.reasoning)
         output.feed(generation.text)
         reason = finish_reason_name(generation.finish_reason)
@@ -161,6 +162,7 @@ class ResponsesServing:
                 delta = await anext(deltas, None)
         for event in output.finish(cut=reason != "stop"):
             yield {**event, "sequence_number": next(numbers)}
+        await self._chat.remember_answers(turn.prepared.context, turn.prepared.inputs, [output_ids])
         response = self._finish(turn, output, meta_info, reason, output_ids)  # stored before the client hears it is done
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         yield {"type": kind, "sequence_number": next(numbers), "response": response}

@@ -33,6 +33,8 @@ from sgl_lite.runtime.protocol import SamplingParams, sampling_params_from_dict
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 # Chats with more text than this are rendered on a worker thread (a big one takes seconds in Jinja).
 RENDER_INLINE_BYTES = 64 * 1024
+# A finished chat's prompt and answer of more tokens than this are decoded (remembered) on a worker thread.
+REMEMBER_INLINE_TOKENS = 4096
 
 
 def finish_reason_name(finish_reason: dict[str, Any] | None) -> str:
@@ -205,6 +207,18 @@ class OpenAIServing:
                                  body.priority)
         return PreparedChat(context, tools, inputs, reasoning_request(body, context, tools, choice_params[0]))
 
+    async def remember_answers(self, context: ModelContext, inputs: list[GenerationInput],
+                               outputs: list[list[int]]) -> None:
+        """Each finished chat's prompt ids and the ids generated for it, kept for the chats that continue
+        their text (--reuse-answer-ids; TokenTexts.remember_answer)."""
+        if not context.reuse_answer_ids:
+            return
+        for runtime_input, output_ids in zip(inputs, outputs):
+            if runtime_input.input_ids is None or not output_ids:
+                continue
+            large = len(runtime_input.input_ids) + len(output_ids) > REMEMBER_INLINE_TOKENS
+            await self.prompt_work.run(large, context.token_texts.remember_answer, runtime_input.input_ids, output_ids)
+
     async def _chat(self, body: ChatCompletionRequest, on_stream_end: Callable[[str], None], body_bytes: int) -> Response:
         prepared = await self.prepare_chat(body, body_bytes)
         context, tools, inputs = prepared.context, prepared.tools, prepared.inputs
@@ -214,6 +228,7 @@ class OpenAIServing:
             events = self._chat_events(context, response_id, inputs, include_usage, tools, prepared.reasoning)
             return await sse_response(events, on_stream_end)
         generations = await self._runner.collect_many(inputs)
+        await self.remember_answers(context, inputs, [gen.output_ids for gen in generations])
         choices = []
         for index, gen in enumerate(generations):
             logprobs = None
@@ -298,6 +313,7 @@ class OpenAIServing:
                     logprobs = None
                 if delta.finish_reason is not None:
                     finals[index] = Generation("", output_ids[index], delta.meta_info)
+                    await self.remember_answers(context, [inputs[index]], [output_ids[index]])  # before the client hears
                     reason = finish_reason_with_calls(finish_reason_name(delta.finish_reason), streams[index].num_calls)
                     yield _chunk(response_id, "chat.completion.chunk", context,
                                  {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
