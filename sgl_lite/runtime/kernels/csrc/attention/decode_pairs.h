@@ -134,22 +134,24 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
   alignas(64) __m512i keys[kBlock / kLanes][16 * kP];
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t block = std::min(kBlock, n - start);
-    // Prefetches into L2, a token's rows (K kPrefetchAhead tokens ahead, V for this block's P.V pass) after
-    // every `lines` loads of K, so that they spread over the block's transpositions: issued as one burst at the
-    // block's start they filled the queue of misses, and the core waited there with its arithmetic no longer
-    // overlapping the reads (much slower from memory than the per-token loop before it, as fast from cache;
-    // spread, level with it: docs/performance.md, "Verification rows share their reads").
+    // Prefetches into L2, a token's rows (K kPrefetchAhead tokens ahead, V for this block's P.V pass), one line
+    // of each after every load of K, so that they spread evenly over the block's transpositions: issued as one
+    // burst at the block's start they filled the queue of misses, and the core waited there with its arithmetic
+    // no longer overlapping the reads (docs/performance.md, "Verification rows share their reads"); a whole
+    // token's rows after every `lines` loads were still bursts of 2 x `lines` prefetches, 128 at a 1.7B model's
+    // 32 heads of 64, and read slower ("Decode attention: prefetches one line at a time").
     const int64_t lines = row_bytes / 64;  // a row's lines of K (and as many of V)
-    int64_t loads = 0, token = start;  // every `lines` loads of K, the next token's rows are prefetched
+    int64_t line = 0, token = start;  // after each load of K, one line of each row on its way
     const auto prefetch = [&] {
-      if (++loads == lines) {
-        loads = 0;
-        if (token + kPrefetchAhead < n) {
-          prefetch_row(k_base + slots[token + kPrefetchAhead] * stride, row_bytes);
-        } else {
-          ahead.prefetch(token + kPrefetchAhead - n);  // the next item's first rows
-        }
-        prefetch_row(v_base + slots[token] * stride, row_bytes);  // read by the P.V pass of this block
+      const int64_t off = line * 64;
+      if (token + kPrefetchAhead < n) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_base + slots[token + kPrefetchAhead] * stride) + off, 0, 2);
+      } else if (line == 0) {
+        ahead.prefetch(token + kPrefetchAhead - n);  // the next item's first rows
+      }
+      __builtin_prefetch(reinterpret_cast<const char*>(v_base + slots[token] * stride) + off, 0, 2);  // this block's P.V pass
+      if (++line == lines) {
+        line = 0;
         ++token;
       }
     };
