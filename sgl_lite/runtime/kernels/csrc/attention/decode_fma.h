@@ -44,13 +44,18 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
           for (int64_t g = 0; g < Q; ++g) dots[g][i] = vfloat{};
           continue;
         }
-        if (t + kPrefetchAhead < n) {
-          prefetch_row(k_base + slots[t + kPrefetchAhead] * stride, row_bytes);
-        } else {
-          ahead.prefetch(t + kPrefetchAhead - n);
-        }
-        prefetch_row(v_base + slots[t] * stride, row_bytes);  // read by the P.V pass of this block
+        // The rows on their way: K's kPrefetchAhead tokens ahead, V's for this block's P.V pass, their lines
+        // spread over the heads' loads rather than issued at once (as the pairs path, decode_pairs.h).
+        const char* k_next = t + kPrefetchAhead < n ? reinterpret_cast<const char*>(k_base + slots[t + kPrefetchAhead] * stride) : nullptr;
+        if (k_next == nullptr) ahead.prefetch(t + kPrefetchAhead - n);
+        const char* v_now = reinterpret_cast<const char*>(v_base + slots[t] * stride);
+        const int64_t lines = (row_bytes + 63) / 64;
+        int64_t line = 0;
         for (int64_t h = 0; h < H; ++h) {
+          for (const int64_t upto = (h + 1) * lines / H; line < upto; ++line) {
+            if (k_next != nullptr) __builtin_prefetch(k_next + line * 64, 0, 2);
+            __builtin_prefetch(v_now + line * 64, 0, 2);
+          }
           const typename Kv::T* k_row = k_base + slots[t] * stride + h * D;
           for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);
           for (int64_t g = h * HG; g < (h + 1) * HG; ++g) {
