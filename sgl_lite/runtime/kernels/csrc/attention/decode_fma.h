@@ -35,6 +35,7 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
   std::fill(run_sum, run_sum + Q, 0.f);
   // the chunk's first rows that the previous item's look-ahead did not cover
   for (int64_t t = 0; t < std::min(n, cold); ++t) prefetch_row(k_base + slots[t] * stride, row_bytes);
+  const int64_t lines = (row_bytes + 63) / 64;  // of a slot's K row (and of its V row), prefetch_row's count
   vfloat dots[kMaxVectors][kLanes];  // per query vector, kLanes tokens' unreduced q.k products
   for (int64_t start = 0; start < n; start += kBlock) {
     for (int64_t v = 0; v < kBlock / kLanes; ++v) {
@@ -46,15 +47,14 @@ void attend_chunk(const vfloat* q_scaled, const typename Kv::T* k_base, const ty
         }
         // The rows on their way: K's kPrefetchAhead tokens ahead, V's for this block's P.V pass, their lines
         // spread over the heads' loads rather than issued at once (as the pairs path, decode_pairs.h).
-        const char* k_next = t + kPrefetchAhead < n ? reinterpret_cast<const char*>(k_base + slots[t + kPrefetchAhead] * stride) : nullptr;
+        const typename Kv::T* k_next = t + kPrefetchAhead < n ? k_base + slots[t + kPrefetchAhead] * stride : nullptr;
         if (k_next == nullptr) ahead.prefetch(t + kPrefetchAhead - n);
-        const char* v_now = reinterpret_cast<const char*>(v_base + slots[t] * stride);
-        const int64_t lines = (row_bytes + 63) / 64;
+        const typename Kv::T* v_now = v_base + slots[t] * stride;
         int64_t line = 0;
         for (int64_t h = 0; h < H; ++h) {
           for (const int64_t upto = (h + 1) * lines / H; line < upto; ++line) {
-            if (k_next != nullptr) __builtin_prefetch(k_next + line * 64, 0, 2);
-            __builtin_prefetch(v_now + line * 64, 0, 2);
+            if (k_next != nullptr) prefetch_line(k_next, line);
+            prefetch_line(v_now, line);
           }
           const typename Kv::T* k_row = k_base + slots[t] * stride + h * D;
           for (int64_t c = 0; c < C; ++c) row[c] = Kv::decode(k_row + c * kLanes);

@@ -143,13 +143,12 @@ void attend_chunk_pairs(const uint16_t* q, float scale, const typename Rows::T* 
     const int64_t lines = row_bytes / 64;  // a row's lines of K (and as many of V)
     int64_t line = 0, token = start;  // after each load of K, one line of each row on its way
     const auto prefetch = [&] {
-      const int64_t off = line * 64;
       if (token + kPrefetchAhead < n) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_base + slots[token + kPrefetchAhead] * stride) + off, 0, 2);
+        prefetch_line(k_base + slots[token + kPrefetchAhead] * stride, line);
       } else if (line == 0) {
         ahead.prefetch(token + kPrefetchAhead - n);  // the next item's first rows
       }
-      __builtin_prefetch(reinterpret_cast<const char*>(v_base + slots[token] * stride) + off, 0, 2);  // this block's P.V pass
+      prefetch_line(v_base + slots[token] * stride, line);  // this block's P.V pass
       if (++line == lines) {
         line = 0;
         ++token;

@@ -83,9 +83,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Into L2 (prefetcht1), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its
 // line arrives, and a whole look-ahead of rows (96 x 6 lines) queued behind them stalled the loads the
 // arithmetic waits on. The kernel reads K/V markedly faster this way than into L1 (docs/journal.md,
-// "Decode kernels prefetch into L2").
+// "Decode kernels prefetch into L2"). Line `line` (64 bytes) of a row at `row`:
+inline void prefetch_line(const void* row, int64_t line) {
+  __builtin_prefetch(static_cast<const char*>(row) + line * 64, 0, 2);
+}
+
 inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
+  for (int64_t line = 0; line * 64 < bytes; ++line) prefetch_line(p, line);
 }
 
 // The K rows a work item reads first: slot slots[j]'s at k_base + slots[j] * stride_bytes, row_bytes of them.
