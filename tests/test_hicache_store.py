@@ -4,6 +4,8 @@ KV copy between pool slots and blocks."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,7 @@ def test_a_bad_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> Non
     assert not path.exists() and not store.contains("k") and store.bytes_used == 0
 
 
-def test_a_read_maps_the_payload_aligned_and_writable(tmp_path: Path) -> None:
+def test_a_read_gives_the_payload_aligned_and_writable(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path, "fp", 1 << 20)
     data = payload(4096 + 3, 2)
     store.write("k", [5, 6], data)
@@ -99,6 +101,33 @@ def test_a_read_maps_the_payload_aligned_and_writable(tmp_path: Path) -> None:
     got = store.read("k", [5, 6], len(data))
     assert got is not None and not got.readonly and bytes(got) == bytes(data)
     assert checksum(got) == checksum(data) != checksum(payload(4096 + 3, 3))
+    buffer = memoryview(bytearray(2 * len(data)))  # the caller's buffer: the payload lands at its start
+    got = store.read("k", [5, 6], len(data), into=buffer)
+    assert got is not None and bytes(got) == bytes(data) == bytes(buffer[: len(data)])
+    with pytest.raises(ValueError, match="buffer of 10 bytes"):
+        store.read("k", [5, 6], len(data), into=memoryview(bytearray(10)))
+    assert store.contains("k")  # a caller's mistake, not the file's: the block stays
+
+
+# Read a block, cut its file short as another process might, then touch every byte of what the read gave.
+TRUNCATED_AFTER_READ = """
+import os, sys
+from sgl_lite.runtime.mem_cache.hicache.disk_store import DiskKVStore
+store = DiskKVStore(sys.argv[1], "fp", 1 << 30)
+data = memoryview(os.urandom(1 << 20))
+store.write("k", [1, 2], data)
+got = store.read("k", [1, 2], data.nbytes)
+os.truncate(store.folder / "k.kv", 100)
+assert bytes(got) == bytes(data)
+print("intact")
+"""
+
+
+def test_a_file_cut_short_after_its_read_leaves_the_payload_whole(tmp_path: Path) -> None:
+    # A payload mapped from the file would end the process with SIGBUS here (pages past the new end).
+    done = subprocess.run([sys.executable, "-c", TRUNCATED_AFTER_READ, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "intact", (done.returncode, done.stderr[-2000:])
 
 
 def test_a_restart_ignores_torn_writes(tmp_path: Path) -> None:

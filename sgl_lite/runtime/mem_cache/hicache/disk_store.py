@@ -7,10 +7,11 @@ The fingerprint (model_executor/kv_fingerprint.py) names the weights, dtypes, KV
 model's blocks sit in another folder and are never listed, let alone loaded. A file is a header line of JSON (format,
 fingerprint, key, the block's tokens, payload bytes, checksum), padded to a multiple of HEADER_ALIGN bytes, and the
 payload, the block's K and V as raw bytes. It is written to a temporary name and renamed, so a reader sees a whole
-file or none; a torn one left by a crash is caught on load (size, checksum) and deleted. A read maps the file
-(shared, pre-faulted: the page cache's own pages, not a copy of them; writable only so that torch takes the buffer
-without a warning, and nothing writes to it) instead of reading it into memory of its own, so a load costs the
-checksum's pass and the pool's copy out of the mapping.
+file or none; a torn one left by a crash is caught on load (size, checksum) and deleted. A read copies the payload
+into memory of the process's own (a buffer the caller reuses from block to block), not a mapping of the file: a
+file truncated by another process while it was mapped would end the whole server with SIGBUS at the next touch
+of a page past its new end, where a copy stays whole; a load costs that copy, the checksum's pass and the
+pool's copy.
 
 On start the folder is listed (names and sizes only, oldest modification first) so blocks written before a
 restart are found; files over the capacity are deleted oldest first. Every I/O error is logged and returned
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -40,7 +40,6 @@ FORMAT = "sgl_lite-kv-block-2"
 SUFFIX = ".kv"
 MAX_HEADER_BYTES = 1 << 16
 HEADER_ALIGN = 64  # the payload starts on a cache line, so its words are read aligned
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux pre-faults the whole mapping in one call
 _WORD_MASK = (1 << 64) - 1
 ROOT_NAME = "root"  # a partial first block's parent in its file name (its key is block_keys.ROOT, empty)
 
@@ -211,10 +210,13 @@ class DiskKVStore:
             self._make_room(0)
         return True
 
-    def read(self, key: str, tokens: Sequence[int], payload_bytes: int) -> memoryview | None:
-        """The block's payload (a mapping of the file: read it, never write to it), checked against its header, its
-        tokens and its checksum; None (the file deleted when it is bad) otherwise. The mapping lives as long as the
-        view (and the tensors made from it); a file replaced or deleted meanwhile leaves it intact."""
+    def read(self, key: str, tokens: Sequence[int], payload_bytes: int, into: memoryview | None = None) -> memoryview | None:
+        """The block's payload, read into `into` (writable, at least `payload_bytes`: the caller's buffer, which the
+        next read into it overwrites) or into a new buffer, checked against its header, its tokens and its
+        checksum; None (the file deleted when it is bad) otherwise."""
+        if into is not None and (into.readonly or into.nbytes < payload_bytes):
+            raise ValueError(f"read: a buffer of {into.nbytes} bytes{' (read-only)' if into.readonly else ''} "
+                             f"for a payload of {payload_bytes}")
         with self._lock:
             block = self._index.get(key)
         if block is None:
@@ -223,19 +225,19 @@ class DiskKVStore:
         try:
             if self._fault is not None:
                 self._fault("read", key)
-            with open(path, "r+b") as f:
+            with open(path, "rb") as f:
                 line = f.readline(MAX_HEADER_BYTES)
                 header = json.loads(line)
                 problem = self._header_problem(header, key, tokens, payload_bytes)
                 if problem is None:
                     got = os.fstat(f.fileno()).st_size - len(line)
+                    if got == payload_bytes:  # the size first: a short file costs no read
+                        payload = (into if into is not None else memoryview(np.empty(payload_bytes, np.uint8)))[:payload_bytes]
+                        got = f.readinto(payload) or 0  # short when the file was cut since its size was taken
                     if got != payload_bytes:
                         problem = f"payload of {got} bytes, expected {payload_bytes}"
-                    else:
-                        mapped = mmap.mmap(f.fileno(), len(line) + got, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                        payload = memoryview(mapped)[len(line) :]
-                        if checksum(payload) != header["checksum"]:
-                            problem = "checksum mismatch"
+                    elif checksum(payload) != header["checksum"]:
+                        problem = "checksum mismatch"
         except (OSError, ValueError) as e:  # ValueError: a header that is not JSON
             if isinstance(e, FileNotFoundError) and not self.contains(key):
                 return None  # dropped while this read opened it: a miss, not a failing disk

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from sgl_lite.runtime.mem_cache.hicache.block_keys import BLOCK_TOKENS, ROOT, block_keys, chain_key
@@ -191,6 +192,8 @@ class KVTier:
         """One read thread's part of a load: blocks in turn until none is left, the load is cancelled or a block
         fails (the blocks after it would be of no use)."""
         dtype, read_seconds, copy_seconds = storage_dtype(self.pool), 0.0, 0.0
+        # one block's bytes, read into again for each block once the last one is in the pool
+        buffer = memoryview(np.empty(self.block_tokens * self.token_bytes, np.uint8))
         try:
             while True:
                 with self._lock:
@@ -200,7 +203,7 @@ class KVTier:
                     break
                 started = time.perf_counter()
                 tokens = ticket.tokens[i]
-                payload = self.store.read(ticket.keys[i], tokens, len(tokens) * self.token_bytes)
+                payload = self.store.read(ticket.keys[i], tokens, len(tokens) * self.token_bytes, into=buffer)
                 read_seconds += time.perf_counter() - started
                 if payload is None:
                     self._stop_reading(ticket)
