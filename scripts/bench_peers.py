@@ -2,7 +2,8 @@
 
 Each system is started alone, warmed up with one session, then measured with the same workload over
 streaming OpenAI chat on loopback (`sgl-lite bench --backend openai-chat --url ...`): 8 concurrent
-sessions and 1 session, each `--rounds` times, then 8 sessions while a neighbour process
+sessions and 1 session, each `--rounds` times (every run with prompts of its own seed: a server that cannot
+flush its cache would otherwise find a run's first prompts cached by the run before it), then 8 sessions while a neighbour process
 (`python -c "while 1: pass"`) keeps one core busy - or, with --neighbour bursts, takes a core for 0.3 s
 every 1.5 s, as a shared box's other jobs or a front's bursts do. Then the server is stopped and the next one starts.
 Peers come from scripts/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
@@ -15,6 +16,11 @@ tokens, 256-token shared system prompt, seeded token ids).
 
 With --chat-history messages each turn's history goes as an agent framework sends it (answers as
 assistant messages, which a server can serve from its cache) instead of as one user message.
+
+With --interleave the rounds go across the systems instead: each round starts every system in turn (the
+order reversed every other round) and measures it once, the busy-neighbour run in the last round only. This
+host's read rate moves up to ~1.4x from one few-minute window to the next, and a one-stream run, bound by it,
+moves with it: a server measured in a fast window against one in a slow window compares the windows.
 
 With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, as a system of its own after
 --systems: a flag's effect beside the named configurations and the peers, in one run.
@@ -29,7 +35,7 @@ the same KV bytes: vLLM's --kv-cache-memory-bytes, sgl_lite's --max-total-tokens
 --llama-no-repack starts llama-server with its weights as the GGUF stores them (start.sh --no-repack):
 on some CPUs with AMX its kernels for repacked quantized weights crash at the first forward.
 Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,llama_q4_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w4a8,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
-       [--rounds 2] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
+       [--rounds 2] [--interleave] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
        [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
        [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
 """
@@ -64,6 +70,10 @@ from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, LoaderError, r
 
 PEERS = ROOT / "scripts" / "peers"
 SGL_PORT = 30190
+# Workload seeds: each run its own prompts (the same ones for every system), so that no server finds a run's
+# prompts cached by the warm-up or an earlier run; llama-server has no endpoint to flush its cache.
+WARMUP_SEED = 1000
+RUN_SEEDS = {"8": 1, "1": 101, "8_neighbour": 201}  # + the round
 NEIGHBOURS = {  # --neighbour -> the process that shares the box during the third measurement
     "spin": "while 1: pass",
     "bursts": "import time\nwhile 1:\n    t = time.time()\n    while time.time() - t < 0.3: pass\n    time.sleep(1.2)",
@@ -231,12 +241,13 @@ def group_cpu_seconds(pgid: int) -> float:
     return sum(procs[pid][2] for pid in counted) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message", model_path: str | None = None) -> dict:
+def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str = "one-message", model_path: str | None = None,
+          seed: int = 1) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     cpu_before = group_cpu_seconds(pgid)
     # --model-path: the served model's tokenizer, which turns the workload's token ids into chat text
     subprocess.run([sys.executable, "-m", "sgl_lite", "bench", "--workload", "multiturn-agent", "--agent-num-sessions",
-                    str(sessions), "--url", url, "--backend", "openai-chat", "--chat-history", chat_history, "--systems", "sgl_lite", "--no-plots",
+                    str(sessions), "--seed", str(seed), "--url", url, "--backend", "openai-chat", "--chat-history", chat_history, "--systems", "sgl_lite", "--no-plots",
                     "--no-progress", "--output-dir", str(out), "--model-path", model_path or DEFAULT_MODEL], check=True, capture_output=True)
     cpu = group_cpu_seconds(pgid) - cpu_before  # includes the client's start-up time, when the server idles
     report = json.loads(next(out.glob("*.json")).read_text())["systems"][0]
@@ -245,31 +256,50 @@ def bench(url: str, sessions: int, workdir: Path, pgid: int, chat_history: str =
             "server_cpu_ms_per_token": 1000 * cpu / max(1, report["completion_tokens"])}
 
 
-def measure(name: str, rounds: int, neighbour: str | None, workdir: Path, served: Served) -> dict | None:
+def measure(name: str, rounds: int, neighbour: str | None, workdir: Path, served: Served, first_round: int = 0) -> dict | None:
+    """Rounds first_round .. first_round + rounds - 1 of one system, a server of its own."""
     proc, url = start(name, workdir / f"{name}.log", served)
     if proc is None:
         return None
     pgid = proc.pid  # every server here is started as the leader of its own session
 
-    def run(sessions: int) -> dict:
-        return bench(url, sessions, workdir, pgid, served.chat_history, served.model_path)
+    def run(sessions: int, seed: int) -> dict:
+        return bench(url, sessions, workdir, pgid, served.chat_history, served.model_path, seed)
 
     try:
-        run(1)  # warm-up: first requests pay one-time costs (compilation, page faults)
+        run(1, WARMUP_SEED)  # warm-up: first requests pay one-time costs (compilation, page faults)
         runs: dict[str, list[dict]] = {"8": [], "1": [], "8_neighbour": []}
-        for _ in range(rounds):
-            runs["8"].append(run(8))
-            runs["1"].append(run(1))
+        for r in range(first_round, first_round + rounds):
+            runs["8"].append(run(8, RUN_SEEDS["8"] + r))
+            runs["1"].append(run(1, RUN_SEEDS["1"] + r))
         if neighbour is not None:
             busy = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[neighbour]])
             try:
-                runs["8_neighbour"].append(run(8))
+                runs["8_neighbour"].append(run(8, RUN_SEEDS["8_neighbour"]))
             finally:
                 busy.kill()
         return {"system": name, "label": label(name, served), "runs": runs, "load_after": os.getloadavg()[0]}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def measure_interleaved(names: list[str], rounds: int, neighbours: dict[str, str | None], workdir: Path,
+                        served: Served) -> list[dict]:
+    """Each round every system in turn, once (the order reversed every other round), its runs added to its
+    result; the busy-neighbour run in the last round only. Systems that did not start are left out."""
+    results: dict[str, dict] = {}
+    for r in range(rounds):
+        for name in tqdm(names if r % 2 == 0 else names[::-1], desc=f"round {r + 1} of {rounds}"):
+            result = measure(name, 1, neighbours[name] if r == rounds - 1 else None, workdir, served, first_round=r)
+            if result is None:
+                continue
+            if name not in results:
+                results[name] = result
+            else:
+                for kind, runs in result["runs"].items():
+                    results[name]["runs"][kind].extend(runs)
+    return [results[name] for name in names if name in results]
 
 
 def best(result: dict, kind: str) -> float | None:
@@ -281,6 +311,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--interleave", action="store_true",
+                        help="rounds across the systems: every system once a round, a fresh server each time")
     parser.add_argument("--serve-args", action="append", default=[],
                         help="also measure `sgl-lite serve` with these flags (repeatable; write --serve-args=\"...\")")
     parser.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="spin",
@@ -302,6 +334,8 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds takes 1 or more, not {args.rounds}")
     if args.kv_cache_gib is not None and not 0 <= args.kv_cache_gib <= 99:
         parser.error(f"--kv-cache-gib takes 0 to 99 GiB, not {args.kv_cache_gib}")
     if "llama" in names and args.model_path not in (None, DEFAULT_MODEL):
@@ -315,16 +349,17 @@ def main() -> None:
         LABELS[name] = "sgl_lite serve " + " ".join(flags)
         names.append(name)
     skip_neighbour = set(args.no_neighbour_for.split(","))
+    neighbours = {name: None if name in skip_neighbour else args.neighbour for name in names}
     workdir = Path(tempfile.mkdtemp(prefix="bench_peers-"))
-    results = []
-    for name in tqdm(names, desc="systems"):
-        result = measure(name, args.rounds, None if name in skip_neighbour else args.neighbour, workdir, served)
-        if result is not None:
-            results.append(result)
+    if args.interleave:
+        results = measure_interleaved(names, args.rounds, neighbours, workdir, served)
+    else:
+        results = [r for r in (measure(name, args.rounds, neighbours[name], workdir, served)
+                               for name in tqdm(names, desc="systems")) if r is not None]
     base = next((r for r in results if r["system"] == "vllm"), None)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, {args.model_path or DEFAULT_MODEL}; multi-turn agent, OpenAI chat streamed over loopback "
           f"(history as {'one user message' if args.chat_history == 'one-message' else 'user and assistant messages'}); "
-          f"output tok/s, best of {args.rounds} (all rounds in parentheses)\n")
+          f"output tok/s, best of {args.rounds}{' interleaved' if args.interleave else ''} (all rounds in parentheses)\n")
     busy = "one core busy" if args.neighbour == "spin" else "a neighbour in bursts"
     print(f"| server | 8 sessions | 1 session | 8 sessions, {busy} | 8 sessions vs vLLM | 1 session vs vLLM "
           "| server CPU ms per output token, 8 / 1 sessions |")

@@ -94,11 +94,55 @@ def test_labels_name_the_model_the_kv_bytes_and_the_gguf_type(peers) -> None:
     (["--systems", "llama", "--model-path", "random-1.7b"], "system llama serves the default model's own Q4_1 GGUF"),
     (["--kv-cache-gib", "100"], "--kv-cache-gib takes 0 to 99 GiB, not 100"),
     (["--systems", "vllm,llama_q2_k"], "unknown systems ['llama_q2_k']"),
+    (["--rounds", "0", "--interleave"], "--rounds takes 1 or more, not 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv: list[str], said: str) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert said in done.stderr
+
+
+def test_interleaved_rounds_alternate_the_order_and_gather_each_systems_runs(peers, monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    calls: list[tuple[str, int, str | None]] = []
+    first_rounds: list[int] = []
+
+    def one_round(name: str, rounds: int, neighbour: str | None, workdir: Path, served, first_round: int) -> dict | None:
+        calls.append((name, rounds, neighbour))
+        first_rounds.append(first_round)
+        if name == "llama_bf16":
+            return None  # a peer that is not installed
+        tok_s = 10.0 * len(calls)
+        return {"system": name, "label": name, "runs": {"8": [{"output_tok_s": tok_s}], "1": [{"output_tok_s": tok_s + 1}],
+                                                         "8_neighbour": [{"output_tok_s": 1.0}] if neighbour else []}}
+
+    monkeypatch.setattr(peers, "measure", one_round)
+    names = ["vllm", "llama_bf16", "sgl_lite"]
+    neighbours = {"vllm": "spin", "llama_bf16": None, "sgl_lite": "spin"}
+    results = peers.measure_interleaved(names, 3, neighbours, tmp_path, peers.Served(None, None, "one-message", False))
+    assert [c[0] for c in calls] == names + names[::-1] + names  # each round every system once, every other reversed
+    assert all(rounds == 1 for _, rounds, _ in calls) and first_rounds == [0] * 3 + [1] * 3 + [2] * 3  # each round its seeds
+    assert [c[2] for c in calls] == [None] * 6 + ["spin", None, "spin"]  # the busy neighbour in the last round only
+    assert [r["system"] for r in results] == ["vllm", "sgl_lite"]
+    vllm, sgl = results
+    assert [x["output_tok_s"] for x in vllm["runs"]["8"]] == [10.0, 60.0, 70.0]
+    assert [x["output_tok_s"] for x in sgl["runs"]["1"]] == [31.0, 41.0, 91.0]
+    assert len(sgl["runs"]["8_neighbour"]) == 1 and peers.best(sgl, "8") == 90.0
+
+
+def test_every_run_of_a_system_gets_prompts_of_its_own_seed(peers, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # llama-server cannot flush its prefix cache: a run repeating the warm-up's or an earlier run's prompts
+    # would find them cached there and not on the servers that flush.
+    seeds: list[tuple[int, int]] = []
+    monkeypatch.setattr(peers, "start", lambda name, log, served: (subprocess.Popen(["sleep", "30"], start_new_session=True), "url"))
+    monkeypatch.setattr(peers, "bench", lambda url, sessions, workdir, pgid, history, model, seed: seeds.append((sessions, seed)) or {})
+    served = peers.Served(None, None, "one-message", False)
+    peers.measure("sgl_lite", 2, "spin", tmp_path, served)
+    peers.measure("sgl_lite", 1, None, tmp_path, served, first_round=2)
+    assert len({seed for _, seed in seeds}) == len(seeds) - 1  # the warm-up's seed is the only one used twice
+    assert seeds[0] == seeds[6] == (1, peers.WARMUP_SEED)
+    assert [s for s in seeds[1:6]] == [(8, 1), (1, 101), (8, 2), (1, 102), (8, 201)]
+    assert seeds[7:] == [(8, 3), (1, 103)]
 
 
 def test_gguf_is_converted_once_into_the_cache_through_a_temporary_name(peers, model: Path, tree: Path, tmp_path: Path) -> None:
