@@ -240,11 +240,20 @@ def test_access_lines_in_process(live: Live, caplog: pytest.LogCaptureFixture) -
     assert ok.headers["x-request-id"] == "abc-1"
     refused = httpx2.post(live.http.url + "/generate", json={"text": "hi"}, timeout=30)  # no key: 401
     forged = live.post("/generate", {"text": "hi", "colour": 1}, **{"X-Request-Id": "bad\tid"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "sgl_lite.http.access"]
-    assert any(line.startswith("POST /generate 200 ") and line.endswith("request_id=abc-1") for line in lines), lines
-    assert any(line.startswith("POST /generate 401 ") for line in lines) and refused.status_code == 401
     new_id = forged.headers["x-request-id"]
-    assert new_id != "bad\tid" and any(line.startswith("POST /generate 400 ") and new_id in line for line in lines)
+    wanted = [lambda line: line.startswith("POST /generate 200 ") and line.endswith("request_id=abc-1"),
+              lambda line: line.startswith("POST /generate 401 "),
+              lambda line: line.startswith("POST /generate 400 ") and new_id in line]
+    # A line is written once the response's last byte is sent: the client may read the response first.
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "sgl_lite.http.access"]
+        if all(any(found(line) for line in lines) for found in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert any(wanted[0](line) for line in lines), lines
+    assert any(wanted[1](line) for line in lines) and refused.status_code == 401
+    assert new_id != "bad\tid" and any(wanted[2](line) for line in lines), lines
 
 
 def test_access_lines_with_bodies_in_serves_log(live: Live) -> None:
