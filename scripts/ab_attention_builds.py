@@ -25,6 +25,7 @@ Usage: python scripts/ab_attention_builds.py [--base HEAD] [--shape 135m|1.7b] [
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -81,16 +82,16 @@ def main() -> None:
     shape = SHAPES[args.shape]
     hq, hkv, dim, layers = shape
     agent = [330, 380, 420, 450, 480, 520, 540, 560]
-    dtype = DTYPES[args.dtype]
+    case_of = functools.partial(make_case, g=g, shape=shape, dtype=DTYPES[args.dtype])
     cases = {
-        "b8 agent: 330-560 tokens, 280 shared": make_case(agent, 280, layers, g, shape=shape, dtype=dtype),
-        "b8 agent, each verifying 4 drafts": make_case(agent, 280, layers, g, queries=5, shape=shape, dtype=dtype),
-        "b32 agent: 330-560 tokens, 280 shared": make_case(agent * 4, 280, layers, g, shape=shape, dtype=dtype),
-        "b8 x 500": make_case([500] * 8, 0, layers, g, shape=shape, dtype=dtype),
-        "b32 x 500": make_case([500] * 32, 0, layers, g, shape=shape, dtype=dtype),
-        "b1 x 500": make_case([500], 0, layers, g, shape=shape, dtype=dtype),
-        "b1 x 4000": make_case([4000], 0, layers, g, shape=shape, dtype=dtype),
-        "b8 x 460 from cache": make_case([460] * 8, 0, 1, g, shape=shape, dtype=dtype),
+        "b8 agent: 330-560 tokens, 280 shared": case_of(agent, 280, layers),
+        "b8 agent, each verifying 4 drafts": case_of(agent, 280, layers, queries=5),
+        "b32 agent: 330-560 tokens, 280 shared": case_of(agent * 4, 280, layers),
+        "b8 x 500": case_of([500] * 8, 0, layers),
+        "b32 x 500": case_of([500] * 32, 0, layers),
+        "b1 x 500": case_of([500], 0, layers),
+        "b1 x 4000": case_of([4000], 0, layers),
+        "b8 x 460 from cache": case_of([460] * 8, 0, 1),
     }
     scale = dim ** -0.5
     for case, (q, k, v, indptr, indices, qo) in cases.items():
