@@ -10,6 +10,7 @@ from typing import Callable
 
 import pytest
 import zmq
+from waiting import wait_until
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
@@ -174,15 +175,11 @@ def test_close_aborts_in_flight_requests():
 
         t = threading.Thread(target=waiter)
         t.start()
-        deadline = time.monotonic() + 5
-        while not any(isinstance(m, protocol.GenerateReq) for m in server.received) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: any(isinstance(m, protocol.GenerateReq) for m in server.received), "the request to reach the server", 5, poll_s=0.01)
         client.close()
         t.join(5)
         assert isinstance(errors[0], RuntimeRequestError) and errors[0].code == "closed"
-        deadline = time.monotonic() + 5
-        while not any(isinstance(m, protocol.AbortReq) for m in server.received) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: any(isinstance(m, protocol.AbortReq) for m in server.received), "the abort to reach the server", 5, poll_s=0.01)
         assert [m.rid for m in server.received if isinstance(m, protocol.AbortReq)] == ["rid-1"]
     finally:
         server.close()
@@ -200,9 +197,7 @@ def test_closing_a_stream_early_aborts_it():
             stream = client.generate_stream("x", rid="s1")
             assert next(stream).text == "first"
             stream.close()
-            deadline = time.monotonic() + 5
-            while not any(isinstance(m, protocol.AbortReq) for m in server.received) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: any(isinstance(m, protocol.AbortReq) for m in server.received), "the abort to reach the server", 5, poll_s=0.01)
         assert [m.rid for m in server.received if isinstance(m, protocol.AbortReq)] == ["s1"]
     finally:
         server.close()
@@ -243,9 +238,7 @@ def test_generate_all_raises_the_first_failure_at_once_and_aborts_the_rest():
             with pytest.raises(RuntimeRequestError, match="temperature"):
                 client.generate_all([{"text": "hang", "rid": "h1"}, {"text": "fail"}, {"text": "hang", "rid": "h2"}])
             assert time.monotonic() - start < 10  # not after the first request's timeout
-            deadline = time.monotonic() + 5
-            while len([m for m in server.received if isinstance(m, protocol.AbortReq)]) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: len([m for m in server.received if isinstance(m, protocol.AbortReq)]) >= 2, "both aborts to reach the server", 5, poll_s=0.01)
         assert sorted(m.rid for m in server.received if isinstance(m, protocol.AbortReq)) == ["h1", "h2"]
     finally:
         server.close()
@@ -279,9 +272,7 @@ def test_a_request_is_aborted_once_however_often_it_is_asked():
             assert client.abort_in_flight("r1") is True
             assert client.abort_in_flight("r1") is False
             assert client.abort_in_flight("never-sent") is False
-            deadline = time.monotonic() + 5
-            while not any(isinstance(m, protocol.AbortReq) for m in server.received) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: any(isinstance(m, protocol.AbortReq) for m in server.received), "the abort to reach the server", 5, poll_s=0.01)
             time.sleep(0.2)
             assert [m.rid for m in server.received if isinstance(m, protocol.AbortReq)] == ["r1"]
     finally:

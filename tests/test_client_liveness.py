@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from waiting import wait_until
 
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime import protocol
@@ -35,13 +36,6 @@ pytestmark = pytest.mark.timeout(180)
 HEALTH = dict(health_interval=0.1, health_timeout=0.5)
 STEP_S = 1.5  # each forward pass of the slow runtime: three times the health timeout
 SERVER_ARGS = dict(dtype="float32", device="cpu", context_length=512, max_total_tokens=4096, log_level="warning")
-
-
-def wait_for(condition, what: str, wait_s: float = 30.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class SilentRouter:
@@ -193,7 +187,7 @@ def test_a_stopped_process_counts_as_dead_and_gets_the_abort_when_it_resumes(mut
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        wait_for(lambda: "GenerateReq frozen-1" in lines, "the request to reach the peer")
+        wait_until(lambda: "GenerateReq frozen-1" in lines, "the request to reach the peer")
         os.kill(proc.pid, signal.SIGSTOP)
         waiter.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], RuntimeUnavailableError), outcome
@@ -201,7 +195,7 @@ def test_a_stopped_process_counts_as_dead_and_gets_the_abort_when_it_resumes(mut
         assert "AbortReq frozen-1" not in lines
         os.kill(proc.pid, signal.SIGCONT)
         # The client reconnects to the resumed process and delivers the abort it queued.
-        wait_for(lambda: "AbortReq frozen-1" in lines, "the abort to reach the resumed peer")
+        wait_until(lambda: "AbortReq frozen-1" in lines, "the abort to reach the resumed peer")
 
 
 # ---------------------------------------------------------------------------- a real runtime, slow steps
@@ -256,7 +250,7 @@ def test_a_stopped_runtime_fails_its_waiters_and_frees_their_kv_when_resumed(slo
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        wait_for(lambda: observer.server_info()["num_running"] == 1, "the request to run")
+        wait_until(lambda: observer.server_info()["num_running"] == 1, "the request to run")
         os.kill(slow_runtime.pid, signal.SIGSTOP)
         try:
             waiter.join(30)
@@ -290,7 +284,7 @@ def test_a_killed_runtime_fails_every_waiting_client_well_before_the_health_time
         threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(clients))]
         for t in threads:
             t.start()
-        wait_for(lambda: rt.client.server_info()["num_running"] == len(clients), "every request to run")
+        wait_until(lambda: rt.client.server_info()["num_running"] == len(clients), "every request to run")
         os.kill(rt.pid, signal.SIGKILL)  # most likely inside a STEP_S-long forward pass
         killed_at = time.monotonic()
         for t in threads:

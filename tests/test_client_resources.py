@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import zmq
+from waiting import wait_until
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError, RuntimeUnavailableError
@@ -27,13 +27,6 @@ IO_THREAD = "sgl-lite-client-io"
 
 def io_threads() -> int:
     return sum(t.name == IO_THREAD for t in threading.enumerate())
-
-
-def wait_for(condition, what: str, wait_s: float = 10.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class Router:
@@ -127,7 +120,7 @@ def test_a_client_dropped_without_close_ends_its_thread_and_sockets(tmp_path: Pa
     assert io_threads() == before + 1
     del client
     gc.collect()
-    wait_for(lambda: io_threads() == before, "the dropped client's I/O thread to end")
+    wait_until(lambda: io_threads() == before, "the dropped client's I/O thread to end", 10)
     assert transport.closed and transport._context.closed
 
 

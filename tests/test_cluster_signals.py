@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 pytest.importorskip("sglang_router")
+
+from waiting import wait_until
 
 from sgl_lite.cluster import READY_PREFIX, cpu_sets, free_port  # noqa: E402
 
@@ -54,10 +55,8 @@ def cluster_processes(cluster: subprocess.Popen) -> set[int]:
 
 
 def wait_all_gone(pids: set[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
-        time.sleep(0.1)
+    wait_until(lambda: not any(alive(pid) for pid in pids),
+               lambda: f"every process to exit; alive: {[pid for pid in pids if alive(pid)]}", timeout, poll_s=0.1)
 
 
 def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:

@@ -4,13 +4,14 @@ all seven processes (router, 2 replicas with their HTTP fronts, 2 TP ranks). Loo
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 pytest.importorskip("sglang_router")
+
+from waiting import wait_until
 
 from sgl_lite.cluster import Cluster, free_port  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
@@ -82,7 +83,5 @@ def test_dp2_tp2_serves_like_one_process_and_stops_every_rank(tiny_llama_dir: Pa
         started = [c.process.pid for c in cluster.replicas] + fronts_of({c.process.pid for c in cluster.replicas})
         cluster.stop()
     # A replica stops its rank before it exits; a rank whose replica died anyway follows within a second.
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in [*started, *ranks]):
-        assert time.monotonic() < deadline, [pid for pid in [*started, *ranks] if alive(pid)]
-        time.sleep(0.1)
+    wait_until(lambda: not any(alive(pid) for pid in [*started, *ranks]),
+               lambda: f"every process to exit; alive: {[pid for pid in [*started, *ranks] if alive(pid)]}", 10, poll_s=0.1)

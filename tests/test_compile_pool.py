@@ -8,8 +8,9 @@ import multiprocessing
 import signal
 import subprocess
 import threading
-import time
 from multiprocessing.connection import Connection
+
+from waiting import wait_until
 
 from sgl_lite.runtime.sampling.compile_pool import CompilePool
 from sgl_lite.runtime.sampling.compile_process import CompileCancelled, CompileProcess
@@ -44,15 +45,6 @@ def job(name: str, started: list[str], release: dict[str, threading.Event]):
     return run
 
 
-def wait_for(condition, seconds: float = 10.0) -> None:
-    done = threading.Event()
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        done.wait(0.01)
-    raise AssertionError("condition not met")
-
-
 def test_a_free_worker_goes_to_the_client_with_the_fewest_compiles_running() -> None:
     pool = CompilePool(2, BlockingRunner)
     started: list[str] = []
@@ -60,13 +52,13 @@ def test_a_free_worker_goes_to_the_client_with_the_fewest_compiles_running() -> 
     try:
         a1 = pool.submit(10, job("a1", started, release), owner="A")
         a2 = pool.submit(10, job("a2", started, release), owner="A")
-        wait_for(lambda: len(started) == 2)  # alone, client A may use both workers
+        wait_until(lambda: len(started) == 2, "two jobs to start", 10, poll_s=0.01)  # alone, client A may use both workers
         a3 = pool.submit(1, job("a3", started, release), owner="A")  # smaller, but A already runs two
         b1 = pool.submit(10, job("b1", started, release), owner="B")
         assert pool.running_per_owner() == {"A": 2}
         release["a1"].set()
         assert a1.result(10) == "a1"
-        wait_for(lambda: len(started) == 3)
+        wait_until(lambda: len(started) == 3, "a third job to start", 10, poll_s=0.01)
         assert started[2] == "b1"  # B ran nothing: its job goes before A's third
         for name in ("a2", "b1", "a3"):
             release[name].set()
@@ -83,13 +75,13 @@ def test_within_one_client_the_smallest_job_goes_first_and_a_running_job_nobody_
     release: dict[str, threading.Event] = {}
     try:
         big = pool.submit(100, job("big", started, release))
-        wait_for(lambda: started == ["big"])
+        wait_until(lambda: started == ["big"], "the big job to start", 10, poll_s=0.01)
         queued_big = pool.submit(50, job("queued", started, release))
         small = pool.submit(1, job("small", started, release))
         pool.write_off(queued_big)  # queued: cancelled, never run
         assert queued_big.cancelled()
         pool.write_off(big)  # running: its runner is killed, and the worker takes the next job
-        wait_for(lambda: started == ["big", "small"])
+        wait_until(lambda: started == ["big", "small"], "the small job to start next", 10, poll_s=0.01)
         assert "killed" in str(big.exception(10))
         release["small"].set()
         assert small.result(10) == "small" and not pool.busy()
@@ -149,10 +141,7 @@ def test_a_kill_while_the_worker_is_still_starting_ends_that_worker() -> None:
     server.go.set()  # the next job starts a worker of its own, and is not cancelled by the old kill
     second = threading.Thread(target=compile_one)
     second.start()
-    deadline = time.monotonic() + 10
-    while len(server.workers) < 2 or process.pid is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: len(server.workers) >= 2 and process.pid is not None, "the second worker", 10)
     process.kill()
     server.ends[1].close()  # what the killed worker's end of the pipe does as it dies
     second.join(10)

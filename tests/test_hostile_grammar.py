@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from test_hostile_wire import SERVER_ARGS, ServerThread, still_serving
+from waiting import wait_until
 
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
@@ -80,10 +81,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def wait_until_gone(pid: int, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while cpu_seconds(pid) is not None:
-        assert time.monotonic() < deadline, f"worker {pid} still runs"
-        time.sleep(0.05)
+    wait_until(lambda: cpu_seconds(pid) is None, f"worker {pid} to exit", seconds, poll_s=0.05)
 
 
 # The issue's runaway regex: 24 KB, under every size limit, and its compile runs for minutes.
@@ -226,10 +224,8 @@ def test_a_slow_compile_blocks_neither_the_scheduler_nor_a_trivial_regex_and_is_
             client.abort("slow")  # nobody waits for its compile any more: its worker process is killed
             ended = list(slow)  # with no output: it never ran
             assert [c.output_ids for c in ended] == [[]] and ended[0].meta_info["finish_reason"]["type"] == "abort"
-            deadline = time.monotonic() + 10
-            while engine.core.scheduler.stats()["num_grammar_pending"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: not engine.core.scheduler.stats()["num_grammar_pending"], "no grammar pending", 10,
+                       poll_s=0.05)
             wait_until_gone(slow_worker)
             assert compile_threads() == threads_before  # the pool keeps its width: its threads start new workers
             regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
@@ -288,10 +284,9 @@ def test_runaway_compiles_queued_behind_busy_workers_are_refused_as_bad_requests
             assert all(isinstance(e, RuntimeRequestError) and e.code == "bad_request"
                        and "--grammar-compile-timeout 1 s" in e.message for e in errors), errors
         still_serving(server.address)
-        deadline = time.monotonic() + 30
-        while compiling_pids(engine):  # the refused compiles' workers are killed: none is left for the next test
-            assert time.monotonic() < deadline, compiling_pids(engine)
-            time.sleep(0.05)
+        # the refused compiles' workers are killed: none is left for the next test
+        wait_until(lambda: not compiling_pids(engine), lambda: f"no compile running, not {compiling_pids(engine)}",
+                   poll_s=0.05)
     finally:
         server.stop()
 
@@ -305,10 +300,7 @@ def test_a_refused_runaway_compile_stops_using_cpu_and_the_runtime_keeps_serving
             refused: list[BaseException] = []
             waiter = threading.Thread(target=lambda: _expect_error(client, RUNAWAY_REGEX, refused))
             waiter.start()
-            deadline = time.monotonic() + 10
-            while not compiling_pids(engine):
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: compiling_pids(engine), "the runaway compile's worker", 10)
             [worker] = compiling_pids(engine)
             spent = cpu_seconds(worker)
             waiter.join(60)
@@ -318,10 +310,8 @@ def test_a_refused_runaway_compile_stops_using_cpu_and_the_runtime_keeps_serving
             assert spent is not None
             # The pool lets go of the compile once its worker thread sees the kill (the runner restarting its
             # process meanwhile), not at the instant the process dies.
-            deadline = time.monotonic() + 30
-            while compiling_pids(engine):
-                assert time.monotonic() < deadline, compiling_pids(engine)
-                time.sleep(0.05)
+            wait_until(lambda: not compiling_pids(engine), lambda: f"no compile running, not {compiling_pids(engine)}",
+                       poll_s=0.05)
             regex = client.generate("Answer:", sampling_params={"max_new_tokens": 4, "regex": "(yes|no)"})
             assert regex.text in ("yes", "no")
         still_serving(server.address)
@@ -357,10 +347,7 @@ def test_sigterm_exits_promptly_while_a_grammar_compiles(tiny_model):
     with Runtime(model_path=tiny_model, startup_timeout=180, client_timeout=60, **args) as rt:
         stream = rt.client.generate_stream("hi", sampling_params={"max_new_tokens": 4,
                                                                   "json_schema": json.dumps(nested_schema(SLOW_LEVELS + 2))})
-        deadline = time.monotonic() + 30
-        while rt.client.server_info()["num_grammar_pending"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: rt.client.server_info()["num_grammar_pending"], "a grammar pending", poll_s=0.05)
         time.sleep(0.5)
         start = time.monotonic()
         rt.process.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ import httpx2
 import pytest
 from test_hostile_grammar import SELF_REFERENCE, raise_caps
 from test_hostile_wire import SERVER_ARGS, ServerThread
+from waiting import wait_until
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.chat_template import ChatTemplate
@@ -170,10 +171,7 @@ def _send_and_hang_up(front: Front, path: str, body: dict, until) -> None:
     with socket.create_connection((front.http.host, front.http.port)) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        deadline = time.monotonic() + 30
-        while not until():
-            assert time.monotonic() < deadline, "the request never got going"
-            time.sleep(0.02)
+        wait_until(until, "the request to get going")
 
 
 @pytest.mark.parametrize("path, body", [

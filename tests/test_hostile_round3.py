@@ -17,7 +17,6 @@ import json
 import os
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,6 +26,7 @@ import pytest
 from test_client import FakeRouter
 from test_http_failures import scripted_runtime
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.guards.prompt_budget import PromptWork
@@ -189,10 +189,7 @@ def _generate_in_background(live: Live, rid: str, results: dict[str, Any]) -> th
     body = {"text": "Count forever:", "rid": rid, "sampling_params": LONG_RUN}
     thread = threading.Thread(target=lambda: results.__setitem__(rid, live.post("/generate", body)))
     thread.start()
-    deadline = time.monotonic() + 60
-    while live.runtime.client.server_info()["num_running"] < 1:
-        assert time.monotonic() < deadline, "the generation did not start"
-        time.sleep(0.02)
+    wait_until(lambda: live.runtime.client.server_info()["num_running"] >= 1, "the generation to start", 60)
     return thread
 
 

@@ -6,12 +6,12 @@ outputs come from the server itself, sent the concatenated ids without a session
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx2
 import pytest
 from test_http import API_KEY, Live, live  # noqa: F401  (live: the fixture)
+from waiting import wait_until
 
 from sgl_lite.runtime.client import RuntimeRequestError
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
@@ -195,7 +195,6 @@ def test_the_python_client_opens_continues_and_closes_a_session(live: Live) -> N
     with pytest.raises(RuntimeRequestError, match="capacity_of_str_len"):
         runtime.open_session(0)
     assert_idle_without_leaks(runtime.client)
-    deadline = time.monotonic() + 10  # closed: unpinned (the front sends that without waiting for it)
-    while runtime.client.server_info()["num_session_pins"] != pins:
-        assert time.monotonic() < deadline, "the closed session's prefix is still pinned"
-        time.sleep(0.05)
+    # closed: unpinned (the front sends that without waiting for it)
+    wait_until(lambda: runtime.client.server_info()["num_session_pins"] == pins, "the closed session's prefix to be "
+               "unpinned", 10, poll_s=0.05)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
 from test_reliability import ScriptedRunner, make_core, serve, tokenizer  # noqa: F401 - serve, tokenizer are fixtures
+from waiting import wait_until
 
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.client import RuntimeClient, RuntimeRequestError
@@ -107,10 +107,7 @@ def _send_while_tokenizing(client, gated: _GatedTokenizer, text: str, params: di
 
     sender = threading.Thread(target=send)
     sender.start()
-    deadline = time.monotonic() + 10
-    while not gated.threads and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert gated.threads, "the long text was never tokenized"
+    wait_until(lambda: gated.threads, "the long text to be tokenized", 10)
     return sender, outcome
 
 

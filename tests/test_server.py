@@ -20,6 +20,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from waiting import wait_until
 
 from sgl_lite.lang.launcher import Runtime, _child_env
 from sgl_lite.runtime import protocol
@@ -70,10 +71,7 @@ def server_stats(client: RuntimeClient) -> dict:
 
 def wait_until_running(client: RuntimeClient, wait_s: float = 30.0) -> None:
     """Until the runtime is generating (mid-request), without relying on when text gets streamed."""
-    deadline = time.monotonic() + wait_s
-    while server_stats(client)["num_running"] == 0:
-        assert time.monotonic() < deadline, "request never started running"
-        time.sleep(0.02)
+    wait_until(lambda: server_stats(client)["num_running"], "a request to start running", wait_s)
 
 
 class RawPeer:
@@ -336,10 +334,8 @@ def test_ipc_socket_is_private_and_removed_at_shutdown(secure_server):
     with RuntimeClient(secure_server.address, api_key="s3cret", timeout=30) as c:
         check_still_serving(c)
     secure_server.request_shutdown()
-    deadline = time.monotonic() + 30
-    while os.path.exists(path):  # ZeroMQ itself leaves the file behind
-        assert time.monotonic() < deadline, "the ipc socket file outlived its server"
-        time.sleep(0.05)
+    # ZeroMQ itself leaves the file behind
+    wait_until(lambda: not os.path.exists(path), "the ipc socket file to go with its server", poll_s=0.05)
 
 
 @pytest.mark.parametrize("key", [None, "wrong", "s3cre"])

@@ -6,11 +6,11 @@ lost its; once the session closes its prefix goes like any other; a pin never ke
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from waiting import wait_until
 
 from sgl_lite.lang.launcher import Runtime
 from sgl_lite.testing.kv_accounting import assert_idle_without_leaks
@@ -43,10 +43,8 @@ def _fill(runtime: Runtime, round_: int) -> None:
 
 def _pins(runtime: Runtime, expected: int) -> None:
     """Wait until the runtime holds `expected` session pins (an unpin is sent without waiting for it)."""
-    deadline = time.monotonic() + 10
-    while (pins := runtime.client.server_info()["num_session_pins"]) != expected:
-        assert time.monotonic() < deadline, f"{pins} session pins, expected {expected}"
-        time.sleep(0.05)
+    wait_until(lambda: runtime.client.server_info()["num_session_pins"] == expected,
+               lambda: f"{expected} session pins, not {runtime.client.server_info()['num_session_pins']}", 10, poll_s=0.05)
 
 
 def test_an_open_sessions_prefix_outlives_one_off_requests_and_goes_once_closed(runtime: Runtime) -> None:
