@@ -13,7 +13,8 @@ import torch
 
 from sgl_lite.runtime.layers.layernorm import RMSNorm
 from sgl_lite.runtime.layers.rotary_embedding import apply_rope
-from sgl_lite.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from sgl_lite.runtime.models.llama import LlamaForCausalLM
+from sgl_lite.runtime.models.llama_layer import LlamaDecoderLayer
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -47,9 +46,9 @@ import zmq
 from sgl_lite.runtime import protocol
 from sgl_lite.runtime.managers.request import ABORTED_BY_CLIENT, FinishKind, FinishReason, Req
 from sgl_lite.runtime.managers.validation import QueueFullError
-from sgl_lite.runtime.server.detokenizer import IncrementalDetokenizer, chunk_due
 from sgl_lite.runtime.server.envelope import DECODE_ERRORS, describe_invalid, echoable_rid, read_envelope
 from sgl_lite.runtime.server.pending_prompts import PendingPrompts
+from sgl_lite.runtime.server.replies import InFlight, final_replies, replies_for
 from sgl_lite.runtime.server.router_socket import RouterSocket, bind_router
 from sgl_lite.runtime.server_args import ServerArgs
 
@@ -64,16 +63,6 @@ GRAMMAR_POLL_MS = 5
 MAX_MESSAGES_PER_STEP = 256  # so a flood of requests cannot starve running ones of steps
 KEEPALIVE_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
-
-
-@dataclass
-class _InFlight:
-    identity: bytes
-    rid: str  # the client's rid (the scheduler's is identity-prefixed)
-    stream_state: IncrementalDetokenizer | None  # None for non-streaming requests
-    streamed_tokens: int = 0  # output tokens when its last chunk was sent
-    abort_message: str | None = None  # why we aborted it (a failed step, a disconnect)
-    client_gone: bool = False  # replies cannot be delivered any more
 
 
 def _wire_value(obj: Any) -> Any:
@@ -91,7 +80,7 @@ class RuntimeServer:
         self._context = context or zmq.Context()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_wire_value)
         self._router: RouterSocket | None = None  # while bound
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._pending = PendingPrompts()  # long texts being tokenized off this thread
         self._stop_requested = False
         self._last_keepalive = time.monotonic()
@@ -251,7 +240,7 @@ class RuntimeServer:
                 reason = FinishReason(FinishKind.ABORT, message=ABORTED_BY_CLIENT, error_code=None)
                 meta_info = {"id": msg.rid, "prompt_tokens": len(pending.msg.input_ids or ()), "completion_tokens": 0,
                              "cached_tokens": 0, "finish_reason": reason.to_json()}
-                for reply in self._final_replies(msg.rid, "", [], meta_info, ("", []) if pending.msg.stream else None):
+                for reply in final_replies(msg.rid, "", [], meta_info, ("", []) if pending.msg.stream else None):
                     self._send(identity, reply)
             elif flight is None:  # in flight but finished (its report due next step): its final answers it
                 self._send(identity, protocol.ErrorReply(msg.rid, f"unknown request id {msg.rid!r} (never started or already finished)"))
@@ -310,7 +299,7 @@ class RuntimeServer:
             self._send(identity, protocol.ErrorReply(msg.rid, str(e)))
             return
         stream_state = self._core.stream_state(req) if msg.stream else None
-        self._inflight[req.rid] = _InFlight(identity, msg.rid, stream_state)
+        self._inflight[req.rid] = InFlight(identity, msg.rid, stream_state)
 
     @staticmethod
     def _key(identity: bytes, rid: str) -> str:  # the scheduler's rid: the client's, prefixed by its identity
@@ -323,7 +312,7 @@ class RuntimeServer:
         if flight is None:
             return
         try:
-            replies = self._replies(req, flight)
+            replies = replies_for(req, flight, self._core, self._args.stream_interval)
             done = req.finished
         except Exception as e:  # a bug (e.g. in detokenizing) must cost this request, not the server
             logger.exception("could not build the reply for %s", req.rid)
@@ -336,38 +325,6 @@ class RuntimeServer:
         if not flight.client_gone:
             for reply in replies:
                 self._send(flight.identity, reply)
-
-    def _replies(self, req: Req, flight: _InFlight) -> list[protocol.Reply]:
-        """What to send for a request that changed in the last step (maybe nothing)."""
-        if flight.client_gone:
-            return []
-        reason = req.finished_reason
-        if reason is not None and reason.kind == FinishKind.ABORT and reason.error_code is not None:
-            message = flight.abort_message or reason.message or "request aborted"
-            return [protocol.ErrorReply(flight.rid, message, reason.error_code)]
-        if reason is not None:  # finished, or aborted by its client: the output so far
-            text = self._core.output_text(req)
-            meta_info = {**self._core.meta_info(req), "id": flight.rid}  # the client's rid, not ours
-            stream = flight.stream_state
-            last_delta = None if stream is None else (stream.finish(text), stream.new_ids(req.output_ids))
-            return self._final_replies(flight.rid, text, list(req.output_ids), meta_info, last_delta)
-        interval = req.sampling_params.stream_interval or self._args.stream_interval  # the request's, else the flag
-        if flight.stream_state is not None and chunk_due(len(req.output_ids), flight.streamed_tokens, interval):
-            delta = flight.stream_state.update(req.output_ids)
-            if delta:
-                flight.streamed_tokens = len(req.output_ids)
-                ids = flight.stream_state.new_ids(req.output_ids)
-                progress = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids)}
-                return [protocol.TokenChunk(flight.rid, delta, ids, progress)]
-        return []
-
-    @staticmethod
-    def _final_replies(rid: str, text: str, output_ids: list[int], meta_info: dict[str, Any],
-                       last_delta: tuple[str, list[int]] | None) -> list[protocol.Reply]:
-        """Finished, after a stream's last TokenChunk (`last_delta`: the text and ids not streamed yet; None when
-        not streaming), which carries the finish_reason."""
-        final = protocol.Finished(rid, text, output_ids, meta_info)
-        return [final] if last_delta is None else [protocol.TokenChunk(rid, last_delta[0], last_delta[1], meta_info), final]
 
     def _keepalive(self) -> None:
         now = time.monotonic()
