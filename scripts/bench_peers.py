@@ -366,5 +366,6 @@ def main() -> None:
     print(f"\nwrote {out}")
     report.plot(results, busy, out)
 
+
 if __name__ == "__main__":
     main()
