@@ -14,7 +14,7 @@ import requests
 
 pytest.importorskip("sglang_router")
 
-from waiting import wait_until
+from waiting import wait_until_exited
 
 from sgl_lite.cluster import READY_PREFIX, cpu_sets, free_port  # noqa: E402
 
@@ -37,14 +37,6 @@ def children_of(pid: int) -> set[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def cluster_processes(cluster: subprocess.Popen) -> set[int]:
     """The router, the replicas and each replica's HTTP front of a running 2-replica cluster."""
     started = children_of(cluster.pid)
@@ -52,11 +44,6 @@ def cluster_processes(cluster: subprocess.Popen) -> set[int]:
     started |= {front for pid in started for front in children_of(pid)}
     assert len(started) == 5
     return started
-
-
-def wait_all_gone(pids: set[int], timeout: float) -> None:
-    wait_until(lambda: not any(alive(pid) for pid in pids),
-               lambda: f"every process to exit; alive: {[pid for pid in pids if alive(pid)]}", timeout, poll_s=0.1)
 
 
 def test_cpu_sets_are_disjoint_and_cover_the_cpus() -> None:
@@ -91,7 +78,7 @@ def test_sigterm_stops_router_fronts_and_replicas(tiny_llama_dir: Path) -> None:
         started = cluster_processes(cluster)
         cluster.send_signal(signal.SIGTERM)
         assert cluster.wait(30) == 0
-        wait_all_gone(started, 10)
+        wait_until_exited(started, 10)
         with pytest.raises(requests.ConnectionError):
             requests.get(url + "/health", timeout=5)
     finally:
@@ -113,7 +100,7 @@ def test_a_killed_cluster_leaves_nothing_running_and_port_0_picks_one(tiny_llama
         started = cluster_processes(cluster)
         cluster.kill()
         cluster.wait()
-        wait_all_gone(started, 20)
+        wait_until_exited(started, 20)
     finally:
         if cluster.poll() is None:
             cluster.kill()
@@ -133,7 +120,7 @@ def test_a_terminal_ctrl_c_stops_the_cluster_quietly(tiny_llama_dir: Path) -> No
         assert cluster.wait(30) == 0
         stderr = cluster.stderr.read()
         assert "exited" not in stderr and "Traceback" not in stderr, stderr
-        wait_all_gone(started, 10)
+        wait_until_exited(started, 10)
     finally:
         if cluster.poll() is None:
             os.killpg(cluster.pid, signal.SIGKILL)

@@ -11,7 +11,7 @@ import requests
 
 pytest.importorskip("sglang_router")
 
-from waiting import wait_until
+from waiting import wait_until_exited
 
 from sgl_lite.cluster import Cluster, free_port  # noqa: E402
 from sgl_lite.runtime.server.engine import Engine  # noqa: E402
@@ -55,11 +55,6 @@ def children_running(parents: set[int], module: bytes) -> set[int]:
     return ranks
 
 
-def alive(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state[0] != "Z"
-
-
 def test_dp2_tp2_serves_like_one_process_and_stops_every_rank(tiny_llama_dir: Path) -> None:
     with Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=1024) as reference:
         expected = [reference.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
@@ -83,5 +78,4 @@ def test_dp2_tp2_serves_like_one_process_and_stops_every_rank(tiny_llama_dir: Pa
         started = [c.process.pid for c in cluster.replicas] + fronts_of({c.process.pid for c in cluster.replicas})
         cluster.stop()
     # A replica stops its rank before it exits; a rank whose replica died anyway follows within a second.
-    wait_until(lambda: not any(alive(pid) for pid in [*started, *ranks]),
-               lambda: f"every process to exit; alive: {[pid for pid in [*started, *ranks] if alive(pid)]}", 10, poll_s=0.1)
+    wait_until_exited([*started, *ranks], 10)

@@ -18,6 +18,7 @@ import httpx2
 import pytest
 from test_request_fields import THINKING_TEMPLATE
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from sgl_lite.http.app import create_app
 from sgl_lite.http.guards.access_log import LOGGED_BODY_CHARS
@@ -244,13 +245,13 @@ def test_access_lines_in_process(live: Live, caplog: pytest.LogCaptureFixture) -
     wanted = [lambda line: line.startswith("POST /generate 200 ") and line.endswith("request_id=abc-1"),
               lambda line: line.startswith("POST /generate 401 "),
               lambda line: line.startswith("POST /generate 400 ") and new_id in line]
+    def access_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "sgl_lite.http.access"]
+
     # A line is written once the response's last byte is sent: the client may read the response first.
-    deadline = time.monotonic() + 10
-    while True:
-        lines = [r.getMessage() for r in caplog.records if r.name == "sgl_lite.http.access"]
-        if all(any(found(line) for line in lines) for found in wanted) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: all(any(found(line) for line in access_lines()) for found in wanted),
+               lambda: f"the three access lines, among {access_lines()}", 10, poll_s=0.05)
+    lines = access_lines()
     assert any(wanted[0](line) for line in lines), lines
     assert any(wanted[1](line) for line in lines) and refused.status_code == 401
     assert new_id != "bad\tid" and any(wanted[2](line) for line in lines), lines

@@ -22,6 +22,7 @@ import requests
 sglang_router = pytest.importorskip("sglang_router")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 from sgl_lite.cluster import Cluster, free_port, router_command  # noqa: E402
 from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
@@ -185,10 +186,9 @@ def test_cache_aware_beats_round_robin(cluster: Cluster) -> None:
     router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not _router_has_workers(url, len(cluster.worker_urls)):
-            assert router.poll() is None and time.monotonic() < deadline, "round_robin router did not start"
-            time.sleep(0.1)
+        wait_until(lambda: router.poll() is not None or _router_has_workers(url, len(cluster.worker_urls)),
+                   "the round_robin router to list its workers", 30, poll_s=0.1)
+        assert router.poll() is None, "round_robin router did not start"
         round_robin = hit_rate(run_multi_turn(url, "compare"))
     finally:
         router.terminate()
@@ -232,11 +232,9 @@ def test_replica_killed_mid_run_loses_no_request(cluster: Cluster) -> None:
     # The survivor served requests during the run, and the router no longer lists the dead one as healthy.
     served_after = requests.get(cluster.worker_urls[0] + "/server_info", timeout=10).json()["prompt_tokens_total"]
     assert served_after > served_before[0]
-    deadline = time.monotonic() + 10
-    while True:
-        workers = {w["url"]: w["is_healthy"] for w in requests.get(cluster.url + "/workers", timeout=5).json()["workers"]}
-        if workers.get(cluster.worker_urls[1]) is not True:
-            break
-        assert time.monotonic() < deadline, workers
-        time.sleep(0.2)
+    def health() -> dict[str, bool]:
+        return {w["url"]: w["is_healthy"] for w in requests.get(cluster.url + "/workers", timeout=5).json()["workers"]}
+
+    wait_until(lambda: health().get(cluster.worker_urls[1]) is not True,
+               lambda: f"the dead replica listed unhealthy, not {health()}", 10, poll_s=0.2)
     assert generate(cluster.url, "after the failover")["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]

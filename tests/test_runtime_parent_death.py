@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import process_alive
 
 from sgl_lite.lang.launcher import _child_env
 
@@ -29,18 +30,6 @@ time.sleep(600)
 EXIT_WITHIN_S = 15.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purpose (its parent, init, reaps it).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_runtime_exits_when_its_parent_is_killed(tiny_llama_dir: Path, signum: int) -> None:
@@ -51,18 +40,18 @@ def test_runtime_exits_when_its_parent_is_killed(tiny_llama_dir: Path, signum: i
         line = parent.stdout.readline()
         assert line, f"parent exited with {parent.wait()} before its runtime was ready"
         server_pid, front_pid = (int(x) for x in line.split())
-        assert _alive(server_pid) and _alive(front_pid)
+        assert process_alive(server_pid) and process_alive(front_pid)
         parent.send_signal(signum)
         parent.wait(10)
         deadline = time.monotonic() + EXIT_WITHIN_S
-        while (_alive(server_pid) or _alive(front_pid)) and time.monotonic() < deadline:
+        while (process_alive(server_pid) or process_alive(front_pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(server_pid), f"the runtime outlived its parent by {EXIT_WITHIN_S} s"
-        assert not _alive(front_pid), f"the HTTP front outlived its parent by {EXIT_WITHIN_S} s"
+        assert not process_alive(server_pid), f"the runtime outlived its parent by {EXIT_WITHIN_S} s"
+        assert not process_alive(front_pid), f"the HTTP front outlived its parent by {EXIT_WITHIN_S} s"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
         for pid in (server_pid, front_pid):
-            if pid is not None and _alive(pid):
+            if pid is not None and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
