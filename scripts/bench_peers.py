@@ -19,9 +19,9 @@ With --chat-history messages each turn's history goes as an agent framework send
 assistant messages, which a server can serve from its cache) instead of as one user message.
 
 With --interleave the rounds go across the systems instead: each round starts every system in turn (the
-order reversed every other round) and measures it once, the busy-neighbour run in the last round only. This
-host's read rate moves up to ~1.4x from one few-minute window to the next, and a one-stream run, bound by it,
-moves with it: a server measured in a fast window against one in a slow window compares the windows.
+order reversed every other round) and measures it once, the busy-neighbour run in the last round only. A
+shared host's read rate moves from one few-minute window to the next (docs/journal.md), and a one-stream run,
+bound by it, moves with it: a server measured in a fast window against one in a slow window compares the windows.
 
 With --serve-args="FLAGS" (repeatable) `sgl-lite serve FLAGS` is measured too, as a system of its own after
 --systems: a flag's effect beside the named configurations and the peers, in one run.
