@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.6.6}
 PACKAGES=(msgspec pyzmq xgrammar apache-tvm-ffi fastapi starlette uvicorn pydantic pydantic-core typing-inspection
-          annotated-types h11 gguf jsonschema jsonschema-specifications referencing rpds-py)
+          annotated-types h11 gguf jsonschema jsonschema-specifications referencing rpds-py opentelemetry-api)
 mkdir -p .gpu/wheels .gpu/tokenizer
 rm -f .gpu/wheels/*.whl
 pinned() {  # NAME==VERSION as installed here, or NAME when it is not

@@ -144,7 +144,7 @@ def _open_backend(name: str, config: BenchConfig) -> GenerationBackend:
         from sgl_lite.runtime.model_executor.loader import resolve_model_path
 
         return HFBackend(NaiveHFServer(resolve_model_path(config.model_path), batch_size=config.naive_batch_size,
-                                       dtype=config.server_args.get("dtype", "auto")))
+                                       dtype=config.server_args.get("dtype", "auto"), device=config.server_args.get("device", "auto")))
     raise ValueError(f"unknown system {name!r}")
 
 

@@ -65,12 +65,16 @@ class _StepStamper(BaseStreamer):
 
 
 class NaiveHFServer:
-    def __init__(self, model_dir: str | Path, *, batch_size: int = 8, dtype: str = "auto") -> None:
+    def __init__(self, model_dir: str | Path, *, batch_size: int = 8, dtype: str = "auto", device: str = "cpu") -> None:
+        """`device`: the runtime's --device (auto: CUDA when torch sees one), so both systems run on the same one."""
         if batch_size < 1:
             raise ValueError(f"--naive-batch-size must be positive; got {batch_size}")
         self.batch_size = batch_size
-        self.dtype = choose_dtype(dtype, torch.device("cpu"), own_kernels=False)  # transformers: torch's kernels
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).eval()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = choose_dtype(dtype, self.device, own_kernels=False)  # transformers: torch's kernels
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device).eval()
         # generate() merges the model's generation config into any it is given, so ignore_eos needs
         # the model's own EOS unset; greedy needs sampling off.
         self.model.generation_config.eos_token_id = None
@@ -122,7 +126,7 @@ class NaiveHFServer:
             input_ids[row, width - len(job.input_ids):] = torch.tensor(job.input_ids, dtype=torch.long)
             attention_mask[row, width - len(job.input_ids):] = 1
         max_new = max(j.max_new_tokens for j in batch)
-        self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new,
+        self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), max_new_tokens=max_new,
                             do_sample=False, pad_token_id=self.pad_token_id, streamer=_StepStamper(batch))
         done = time.perf_counter()
         for job in batch:

@@ -43,6 +43,8 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto picks bfloat16 on CUDA, where the CPU has native bf16 matmuls (amx_bf16 or avx512_bf16 in /proc/cpuinfo) or where sgl_lite's AVX2 kernels serve bf16 (AVX2 + FMA and the C++ ops built), else float32.", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto (cuda when available).", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native (plain torch, any device), cpu_kernel (sgl_lite: a C++ paged decode kernel, built on first use; falls back to torch_native if it cannot be built) or flashinfer (CUDA); auto picks flashinfer on CUDA, cpu_kernel on CPU.", "choices": ATTENTION_BACKENDS})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "CUDA: decode batches of up to this many requests replay CUDA graphs captured at start-up, one per batch-size bucket (1, 2, 4, 8, then every 8), padded to their bucket; larger ones run eagerly (default: --max-running-requests, at most 256)."})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "CUDA: run every decode step eagerly instead of replaying the CUDA graphs captured at start-up."})
     quantization: str | None = field(default=None, metadata={"help": "Quantization on CPU. Weight-only, for steps with few rows (decode at small batch; larger steps keep the dense weights): w8a16_int8 (per-row int8) or w4a16_int4 (groups of 32; a GGUF model's own Q4_0/Q4_1 blocks where it has them). w8a8_int8 (SGLang's): int8 weights per output channel and int8 activations per token, integer products on AVX512-VNNI (torch._int_mm elsewhere), every step (prefill too); the LM head in int8 with 16-bit activations. w4a8_int4: w4a16_int4's 4-bit weights by int8 activations per token for steps of up to 4 rows (AVX512-VNNI; torch's int4 kernel, up to 2, elsewhere), and those values in int8 with w8a8_int8's kernels for larger steps (prefill too), w8a8_int8's LM head, no dense copy (~1.6 bytes a weight). None: dense.", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Max tokens per request (prompt + output); defaults to the model's."})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model's heads and MLP over this many processes (gloo on CPU, NCCL on CUDA).", "aliases": ("--tp",)})
@@ -179,7 +181,7 @@ class ServerArgs:
         positive = ("decode_log_interval", "context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                     "max_prefill_tokens", "prefill_max_requests", "max_prefill_tokens_per_request", "lpm_fallback_threshold", "max_message_bytes",
                     "max_queued_replies_per_client", "max_grammar_chars", "max_json_schema_depth",
-                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout")
+                    "grammar_compile_workers", "max_request_body_bytes", "max_chat_messages", "max_request_fanout", "cuda_graph_max_bs")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:

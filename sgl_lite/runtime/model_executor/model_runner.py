@@ -22,6 +22,7 @@ from sgl_lite.runtime.managers.request import Req
 from sgl_lite.runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from sgl_lite.runtime.model_executor.cpu_host.huge_pages import advise_huge_pages, tensors_of
 from sgl_lite.runtime.model_executor.cpu_host.thread_governor import ThreadGovernor
+from sgl_lite.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from sgl_lite.runtime.model_executor.forward_batch import ForwardBatch, ForwardOutput, ModelRunnerBase
 from sgl_lite.runtime.model_executor.kv_budget import available_memory_bytes, kv_budget
 from sgl_lite.runtime.model_executor.tp import TensorParallel
@@ -163,6 +164,7 @@ class ModelRunner(ModelRunnerBase):
         self.attn = create_backend(args.attention_backend, self.device, self.model.num_heads, self.model.num_kv_heads,
                                    self.model.head_dim, deterministic=args.enable_deterministic_inference)
         self.sampler = self._make_sampler(eos_token_ids)
+        self.graph_runner = CudaGraphRunner.for_model_runner(self)
         # One thread or all, chosen per batch size by measurement (thread_governor.py); not under TP (each
         # rank's share is fixed), nor with deterministic inference (a matmul may split work by thread count).
         adaptive = self.device.type == "cpu" and self.tp is None and not (args.disable_adaptive_threads or args.enable_deterministic_inference)
@@ -257,8 +259,12 @@ class ModelRunner(ModelRunnerBase):
         positions = self._positions(meta)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, positions, meta)  # the other ranks run this step in lockstep
-        self.attn.prepare(meta)
-        hidden = self.model(input_ids, positions, self.attn, self.kv_pool, after_layer, meta.has_prefill_rows)
+        graph_logits = hidden = None
+        if self.graph_runner is not None and meta.is_decode and not any(drafts) and self.graph_runner.bucket_for(num_reqs):
+            graph_logits = self.graph_runner.replay(input_ids, positions, meta)  # every row's logits
+        else:
+            self.attn.prepare(meta)
+            hidden = self.model(input_ids, positions, self.attn, self.kv_pool, after_layer, meta.has_prefill_rows)
 
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.
@@ -277,7 +283,8 @@ class ModelRunner(ModelRunnerBase):
         accepted: list[list[int] | None] = [None] * num_reqs
         if not rows:
             return ForwardOutput(next_token_ids=next_ids, accepted_ids=accepted)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        logits = graph_logits[row_index] if graph_logits is not None else self.model.compute_logits(hidden[row_index])
         num_sample = len(sample_idx)
         self._score_inputs(batch, score_ranges, logits[num_sample:num_scored])
         if spec_idx:

@@ -102,7 +102,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [N] -> final-normed hidden states [N, hidden]. `after_layer`, when given, is
         called after every decoder layer (the thread governor's look at a forward in progress); `prefill`:
         some rows are a prompt's (AttentionMetadata.has_prefill_rows), not decode or verification rows."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        # Checked here on CPU only: on a GPU reading the max back would stall every step and cannot be
+        # captured in a CUDA graph; ModelRunner's AttentionMetadata.build bounds every sequence by the context
+        # length, which is this cache's size.
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond the RoPE cache ({self.cos_cache.shape[0]} positions)")
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = self.cos_cache[positions].unsqueeze(1)
