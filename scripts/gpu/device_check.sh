@@ -68,13 +68,18 @@ echo "pytest rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOGS/engin
 if [[ -z "${SKIP_BENCH:-}" ]]; then
     step "decode benchmark"
     wait $model_17b; echo "1.7b model rc=$?"
-    timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/gpu/bench_gpu.py --tokenizer-dir .gpu/tokenizer --models-dir $MODELS \
+    timeout "${BENCH_TIMEOUT_S:-140}" python3 scripts/gpu/bench_gpu.py --tokenizer-dir .gpu/tokenizer --models-dir $MODELS \
         --shapes "${BENCH_SHAPES:-135m,1.7b}" --out "$OUT/bench_gpu.json" > "$LOGS/bench_gpu.log" 2>&1
     echo "bench rc=$?"; grep -v "it/s\]" "$LOGS/bench_gpu.log" | tail -12
 fi
 
+step "where a batch-1 decode step's time goes (host ops against the GPU's kernel time)"
+timeout 45 python3 scripts/profile_step.py decode --device cuda --model "$model" --batch 1 --prefix 512 --decode-steps 20 \
+    --rows 20 --out "$LOGS/profile_decode.json" > "$LOGS/profile_decode.log" 2>&1
+echo "profile rc=$?"; grep -E "per step" "$LOGS/profile_decode.log"
+
 step "agent workload: sgl_lite against transformers generate, both on the GPU"
-timeout "${SERVING_TIMEOUT_S:-80}" python3 scripts/bench_serving.py --model-path "$model" --device cuda --dtype bfloat16 \
+timeout "${SERVING_TIMEOUT_S:-70}" python3 scripts/bench_serving.py --model-path "$model" --device cuda --dtype bfloat16 \
     --workload multiturn-agent --agent-num-sessions 8 --agent-num-turns 4 --systems sgl_lite,hf --no-plots \
     --output-dir "$LOGS/serving" > "$LOGS/serving.log" 2>&1
 echo "serving rc=$?"; grep -v "it/s\]" "$LOGS/serving.log" | tail -12

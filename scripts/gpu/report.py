@@ -48,6 +48,15 @@ def bench_section(out: Path) -> list[str]:
     return lines
 
 
+def profile_section(out: Path) -> list[str]:
+    log = out / "work" / "profile_decode.log"
+    text = log.read_text() if log.exists() else ""
+    start = text.find("decode:")
+    if start < 0:
+        return ["Decode step profile: no result (see work/profile_decode.log in logs.tgz)."]
+    return ["Decode step profile (scripts/profile_step.py decode --device cuda --batch 1):", "", text[start:].split("\nwrote ")[0].strip()]
+
+
 def serving_section(out: Path) -> list[str]:
     path = out / "serving.json"
     if not path.exists():
@@ -62,7 +71,8 @@ def main() -> None:
     env = (out / "env.txt").read_text() if (out / "env.txt").exists() else "(no env.txt)"
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print("\n".join([f"# GPU device check, {when}", "", "```", env.strip(), "```", "", *tests_section(out, "kernel_tests"), "",
-                      *tests_section(out, "engine_tests"), "", *bench_section(out), "", *serving_section(out), ""]))
+                      *tests_section(out, "engine_tests"), "", *bench_section(out), "",
+                      *profile_section(out), "", *serving_section(out), ""]))
 
 
 if __name__ == "__main__":
