@@ -1,8 +1,9 @@
 """The CUDA path, run where a GPU is (scripts/gpu/device_check.sh on a lent H100/H200; skipped elsewhere).
 
 FlashInfer against torch_native on random paged batches (decode, ragged extend over cached prefixes, GQA,
-several batch sizes, bf16 and fp8 pools); the Engine on CUDA: greedy tokens of the default model against
-the CPU float32 path, cache hits that change nothing, retraction with a pool too small for the batch, an
+several batch sizes, bf16 and fp8 pools); decode steps replayed from CUDA graphs against eager ones; the
+Engine on CUDA: greedy tokens of the default model against the CPU float32 path, cache hits that change
+nothing, seeded sampling, a regex grammar's bitmask, retraction with a pool too small for the batch, an
 abort mid-decode, and the KV accounting invariant after each.
 """
 
@@ -129,6 +130,31 @@ def test_retraction_on_cuda_loses_no_request(cuda_model_dir) -> None:
         outs = engine.generate([p * 3 for p in PROMPTS[:12]], {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
         assert [len(o["output_ids"]) for o in outs] == [48] * 12
         _idle_without_leaks(engine)
+
+
+def test_seeded_sampling_repeats_on_cuda(cuda_engine) -> None:
+    """Sampling draws from each request's own generator on the GPU: the same seed gives the same tokens. Each run
+    starts from an empty cache: a cached prefix's extend rounds differently from a whole prefill in bf16, and on a
+    random model's near-flat distribution that moves an inverse-CDF pick."""
+    params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.95, "ignore_eos": True}
+
+    def sampled(seed: int) -> list[dict]:
+        cuda_engine.flush_cache()
+        return cuda_engine.generate(PROMPTS[:4], dict(params, sampling_seed=seed))
+
+    first, again, other = sampled(7), sampled(7), sampled(8)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert [o["output_ids"] for o in first] != [o["output_ids"] for o in other]
+    _idle_without_leaks(cuda_engine)
+
+
+def test_a_grammar_constrains_decoding_on_cuda(cuda_engine) -> None:
+    """The grammar's token bitmask is applied to logits on the GPU: the output is exactly what the regex allows."""
+    outs = cuda_engine.generate(PROMPTS[:3], {"temperature": 0, "max_new_tokens": 10, "regex": "[0-9]{3}"})
+    for out in outs:
+        assert len(out["text"]) == 3 and out["text"].isdigit(), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    _idle_without_leaks(cuda_engine)
 
 
 def test_an_abort_mid_decode_frees_its_kv_on_cuda(cuda_engine) -> None:
