@@ -8,6 +8,7 @@ that asked for logprobs, and sample through the Sampler.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -269,7 +270,7 @@ class ModelRunner(ModelRunnerBase):
         # Rows whose logits are needed: the last row of each sampling request, and the rows that
         # score the next prompt token for requests with input logprobs.
         # Rows that verify a draft need logits at every position of their draft (the last ones).
-        qo = meta.qo_indptr.tolist()
+        qo = [0, *itertools.accumulate(batch.extend_lens)]  # meta.qo_indptr, without a device read that waits for the forward
         spec_idx = [i for i in range(num_reqs) if batch.sample[i] and drafts[i]]
         sample_idx = [i for i in range(num_reqs) if batch.sample[i] and not drafts[i]]
         score_ranges = self._input_logprob_ranges(batch)
