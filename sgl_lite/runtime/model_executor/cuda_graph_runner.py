@@ -93,7 +93,9 @@ class CudaGraphRunner:
                                                       kv_indices, dtype, kv_pool.dtype, workspace)
                           for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # Every graph leaves its logits here, so what one step allocates inside a graph is freed with the capture
+        # and the graphs' shared memory pool holds one step's scratch, not one vocabulary-wide output per bucket.
+        self.logits = torch.empty(self.sizes[-1], model.vocab_size, dtype=torch.float32, device=device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool's blocks
@@ -116,9 +118,9 @@ class CudaGraphRunner:
         return bucket_for(batch_size, self.sizes)
 
     @torch.inference_mode()
-    def _step(self, size: int) -> torch.Tensor:
+    def _step(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.attention[size], self.kv_pool)
-        return self.model.compute_logits(hidden)
+        self.logits[:size].copy_(self.model.compute_logits(hidden))
 
     def _capture(self, size: int, pool) -> None:
         device = self.input_ids.device
@@ -138,7 +140,7 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.logits[size] = self._step(size)
+            self._step(size)
         self.graphs[size] = graph
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -153,4 +155,4 @@ class CudaGraphRunner:
         self.positions[n:size].zero_()
         self.attention[size].prepare(padded_decode_metadata(meta, size))
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        return self.logits[:n]
