@@ -15,10 +15,15 @@ runtime, nothing changes when this script is not running). Baseline measured in 
 same decode batch driven directly (model + LM head + argmax on tensors built once), i.e. the step
 time if scheduling and preparation were free.
 
+With --device cuda (scripts/gpu/device_check.sh runs it) each timed phase ends with a device synchronisation,
+so the GPU's work counts in the phase that queued it, and "scheduler" + "runner prep" are the host's gap between
+forwards; a decode step replayed from a CUDA graph counts as "model" (its LM head inside the graph), and the
+baseline replays the same graph.
+
 Prints a markdown table, writes JSON and a PNG (stacked bars) when matplotlib is installed.
 `--profile-batch B` also runs torch.profiler over a few steps at batch B and prints its top ops
 (a cross-check of the timers: the scheduler's Python shows up as time outside any torch op).
-Usage: python scripts/bench_step.py [--batch-sizes 32,8,1] [--steps 32] [--prompt-len 128] [--out artifacts/bench_step.json]
+Usage: python scripts/bench_step.py [--batch-sizes 32,8,1] [--steps 32] [--prompt-len 128] [--out artifacts/bench_step.json] [--device cuda]
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ PHASES = ("scheduler", "runner prep", "model", "LM head", "sampling")
 class PhaseTimer:
     """Accumulates wall time per named phase; `wrap` times one bound method of one object."""
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: Callable[[], None] | None = None) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+        self.synchronize = synchronize  # CUDA: the phase's queued GPU work finishes inside the phase
 
     def wrap(self, obj: Any, method: str, phase: str) -> None:
         inner: Callable = getattr(obj, method)
@@ -62,7 +68,10 @@ class PhaseTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
+                if self.synchronize is not None:
+                    self.synchronize()
+                return out
             finally:
                 self.totals[phase] += time.perf_counter() - start
 
@@ -73,9 +82,10 @@ class PhaseTimer:
         return out
 
 
-def build_core(model: str, dtype: str, pool_tokens: int, max_running: int, quantization: str | None = None) -> RuntimeCore:
+def build_core(model: str, dtype: str, pool_tokens: int, max_running: int, quantization: str | None = None,
+               device: str = "cpu") -> RuntimeCore:
     folder = loader.resolve_model_path(model)
-    args = ServerArgs(model_path=model, dtype=dtype, device="cpu", max_total_tokens=pool_tokens,
+    args = ServerArgs(model_path=model, dtype=dtype, device=device, max_total_tokens=pool_tokens,
                       max_running_requests=max_running, quantization=quantization)
     tokenizer = loader.load_tokenizer(folder)
     runner = ModelRunner(args, folder)
@@ -123,14 +133,18 @@ def measure_baseline(runner: ModelRunner, batch: int, prompt_len: int, steps: in
         runner.req_to_token.table[row, : kv_len + 1] = slots[i * (kv_len + 1) : (i + 1) * (kv_len + 1)]
     out_loc = runner.req_to_token.table[rows, kv_len].clone()
     meta = AttentionMetadata.build(rows, [kv_len] * batch, [1] * batch, out_loc, runner.req_to_token)
-    input_ids = torch.randint(3, runner.vocab_size, (batch,))
-    positions = torch.full((batch,), kv_len, dtype=torch.int64)
+    input_ids = torch.randint(3, runner.vocab_size, (batch,), device=runner.device)
+    positions = torch.full((batch,), kv_len, dtype=torch.int64, device=runner.device)
+    graphs = runner.graph_runner if runner.graph_runner is not None and runner.graph_runner.bucket_for(batch) else None
     runner.attn.prepare(meta)
     times = []
     for _ in range(steps + 2):
         start = time.perf_counter()
-        hidden = runner.model(input_ids, positions, runner.attn, runner.kv_pool)
-        runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        if graphs is not None:
+            logits = graphs.replay(input_ids, positions, meta)
+        else:
+            logits = runner.model.compute_logits(runner.model(input_ids, positions, runner.attn, runner.kv_pool))
+        logits.argmax(dim=-1).tolist()
         times.append(time.perf_counter() - start)
     for row in rows:
         runner.req_to_token.free(row)
@@ -161,6 +175,7 @@ def profile_steps(core: RuntimeCore, batch: int, prompt_len: int, steps: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="32,8,1")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -176,11 +191,13 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     biggest = max(batch_sizes + [args.profile_batch or 0])
     pool = biggest * (args.prompt_len + args.steps + 16) * 2 + 64
-    core = build_core(args.model, args.dtype, pool, biggest + 1, args.quantization)
+    core = build_core(args.model, args.dtype, pool, biggest + 1, args.quantization, args.device)
     runner = core.runner
-    timer = PhaseTimer()
+    timer = PhaseTimer(torch.cuda.synchronize if args.device == "cuda" else None)
     timer.wrap(runner, "forward", "forward")
     timer.wrap(runner.model, "forward", "model")  # nn.Module.__call__ looks up self.forward: the wrapper runs
+    if runner.graph_runner is not None:
+        timer.wrap(runner.graph_runner, "replay", "model")
     timer.wrap(runner.model, "compute_logits", "LM head")
     timer.wrap(runner.sampler, "sample", "sampling")
 

@@ -7,12 +7,8 @@ top of the prefix (with --draft K, speculative steps: each request verifies K dr
 CPU time is printed: what share the matmuls (`mkldnn::_linear_pointwise`: oneDNN; `sgl_lite::bf16_gemv`,
 `w8a8_gemm`: the C++ kernels), attention (`sgl_lite::extend_attention`, `paged_decode_attention`) and
 the rest take. A diagnostic, not a benchmark: no baseline, and the shares move with the host's load.
-With --device cuda (scripts/gpu/device_check.sh runs it) the host's ops are what the table shows, and a line
-adds the GPU's own kernel time per step: a step much longer than that is bound by the host's work around the
-kernels (the CUDA graph replays a decode step's model; the metadata, FlashInfer's plan and sampling stay outside).
 Usage: python scripts/profile_step.py [extend|decode] [--batch 8] [--prefix 450] [--new 90] [--draft 8]
        [--quantization w8a8_int8] [--kv-cache-dtype fp8_e4m3] [--dtype bf16] [--rows 12] [--out artifacts/profile_step.json]
-       [--device cuda] [--model FOLDER]
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ from sgl_lite.runtime.server_args import ServerArgs  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("phase", choices=["extend", "decode"], nargs="?", default="extend")
-    parser.add_argument("--model", default="smollm2-135m", help="alias or model folder")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", choices=sorted(DTYPE_FLAGS), default="bf16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
@@ -56,7 +51,7 @@ def main() -> None:
 
     model_dir = resolve_model_path(args.model)
     context = args.prefix + max(args.new, args.decode_steps) + 1 + args.draft
-    runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device=args.device,
+    runner = ModelRunner(ServerArgs(model_path=str(model_dir), dtype=DTYPE_FLAGS[args.dtype], device="cpu",
                                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=args.batch * context + 64,
                                     max_running_requests=args.batch + 1), model_dir=model_dir)
     bench = RunnerBench(runner)
@@ -84,20 +79,16 @@ def main() -> None:
 
     run_once()  # warm-up: first touches of the pool, the thread governor's first verdicts
     best = min(run_once() for _ in range(args.repeats))
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    profiler = torch.profiler.profile(activities=activities)
+    profiler = torch.profiler.profile()
     run_once(profiler)
     events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
     steps = 1 if args.phase == "extend" else args.decode_steps
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1000 / steps if args.device == "cuda" else None
     what = f"{args.batch} x {args.new} new tokens" if args.phase == "extend" else f"{steps} decode steps of {args.batch}"
     if args.phase == "decode" and args.draft:
         what += f", each request verifying {args.draft} draft tokens a step"
     print(f"\n{args.phase}: {what} on {args.prefix} cached tokens each, {runner.dtype}, "
           f"quantization {args.quantization or 'none'}, KV cache {args.kv_cache_dtype}: best {1000 * best / steps:.2f} ms per step of {args.repeats}\n")
-    if gpu_ms is not None:
-        print(f"GPU kernel time: {gpu_ms:.3f} ms per step (under the profiler); the table: the host's own ops\n")
     print("| op | self CPU ms per step | share | calls per step |")
     print("|---|---:|---:|---:|")
     rows = []
@@ -108,7 +99,7 @@ def main() -> None:
     out = output_file(args.out)
     out.write_text(json.dumps({"phase": args.phase, "batch": args.batch, "prefix": args.prefix, "new": args.new, "draft": args.draft,
                                "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "dtype": str(runner.dtype),
-                               "best_ms_per_step": 1000 * best / steps, "gpu_ms_per_step": gpu_ms, "ops": rows}, indent=2))
+                               "best_ms_per_step": 1000 * best / steps, "ops": rows}, indent=2))
     print(f"\nwrote {out}")
 
 

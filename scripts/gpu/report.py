@@ -48,13 +48,15 @@ def bench_section(out: Path) -> list[str]:
     return lines
 
 
-def profile_section(out: Path) -> list[str]:
-    log = out / "work" / "profile_decode.log"
+def step_section(out: Path) -> list[str]:
+    log = out / "work" / "bench_step.log"
     text = log.read_text() if log.exists() else ""
-    start = text.find("decode:")
+    start = text.find("| batch |")
     if start < 0:
-        return ["Decode step profile: no result (see work/profile_decode.log in logs.tgz)."]
-    return ["Decode step profile (scripts/profile_step.py decode --device cuda --batch 1):", "", text[start:].split("\nwrote ")[0].strip()]
+        return ["Decode step split: no result (see work/bench_step.log in logs.tgz)."]
+    table = text[start:].split("\n\n")[0].strip()
+    return ["A served decode step split into the host's gap (scheduler, runner prep) and the device's work, ms "
+            "(scripts/bench_step.py --device cuda; its profile of batch 1 is in logs.tgz):", "", table]
 
 
 def serving_section(out: Path) -> list[str]:
@@ -72,7 +74,7 @@ def main() -> None:
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print("\n".join([f"# GPU device check, {when}", "", "```", env.strip(), "```", "", *tests_section(out, "kernel_tests"), "",
                       *tests_section(out, "engine_tests"), "", *bench_section(out), "",
-                      *profile_section(out), "", *serving_section(out), ""]))
+                      *step_section(out), "", *serving_section(out), ""]))
 
 
 if __name__ == "__main__":
