@@ -38,9 +38,11 @@ def _parsed(*argv: str) -> dict:
 def test_sglang_spellings_and_accepted_flags_parse():
     values = _parsed("--model", "/models/x", "--tp", "2", "--trust-remote-code", "--enable-metrics",
                      "--kv-cache-dtype", "auto", "--page-size", "1", "--grammar-backend", "xgrammar",
-                     "--stream-interval", "4", "--watchdog-timeout", "60")
+                     "--stream-interval", "4", "--watchdog-timeout", "60", "--disable-overlap-schedule",
+                     "--cuda-graph-max-bs", "64", "--disable-cuda-graph")
     assert values["model_path"] == "/models/x" and values["tp_size"] == 2
-    assert values["trust_remote_code"] and values["enable_metrics"]
+    assert values["trust_remote_code"] and values["enable_metrics"] and values["disable_overlap_schedule"]
+    assert values["cuda_graph_max_bs"] == 64 and values["disable_cuda_graph"]
     assert values["stream_interval"] == 4 and values["watchdog_timeout"] == 60.0
 
 

@@ -133,6 +133,7 @@ class ServerArgs:
     grammar_backend: str = field(default="xgrammar", metadata={"help": "Constrained decoding backend: xgrammar, the one sgl_lite has.", "choices": ("xgrammar",)})
     stream_interval: int = field(default=1, metadata={"help": "A stream sends its first token at once, then its new text whenever this many tokens are unsent (and at its end); a request's sampling_params.stream_interval wins."})
     watchdog_timeout: float = field(default=300.0, metadata={"help": "A scheduler step running longer than this many seconds ends the server process (so a supervisor can restart it) instead of hanging."})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: sgl_lite has no overlap scheduler yet (each step is scheduled, run and processed in turn), so there is nothing to turn off."})
     enable_metrics: bool = field(default=False, metadata={"help": "Accepted for SGLang compatibility: the HTTP front always serves Prometheus metrics on /metrics (SGLang's sglang:* names and ours)."})
 
     # Logs, metrics and reproducibility (SGLang's flags).
