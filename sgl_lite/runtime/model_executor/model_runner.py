@@ -319,6 +319,8 @@ class ModelRunner(ModelRunnerBase):
 
     def _positions(self, meta: AttentionMetadata) -> torch.Tensor:
         """Position of every new token: prefix_len + offset within its request (no per-token Python)."""
+        if meta.is_decode:  # one token per request, at its last position: one op (a GPU step launches each)
+            return meta.seq_lens - 1
         device = meta.out_cache_loc.device
         extend = torch.tensor(meta.extend_lens, dtype=torch.int64, device=device)
         starts = torch.tensor(meta.prefix_lens, dtype=torch.int64, device=device) - meta.qo_indptr[:-1].to(torch.int64)
