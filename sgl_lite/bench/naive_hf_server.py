@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from sgl_lite.bench.backends import GenerationBackend, StreamEvent
-from sgl_lite.runtime.model_executor.model_runner import choose_dtype
+from sgl_lite.runtime.model_executor.model_runner import choose_device, choose_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,7 @@ class NaiveHFServer:
         if batch_size < 1:
             raise ValueError(f"--naive-batch-size must be positive; got {batch_size}")
         self.batch_size = batch_size
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = choose_device(device)
         self.dtype = choose_dtype(dtype, self.device, own_kernels=False)  # transformers: torch's kernels
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device).eval()
         # generate() merges the model's generation config into any it is given, so ignore_eos needs
