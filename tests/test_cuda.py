@@ -24,8 +24,8 @@ CUDA = torch.device("cuda")
 # bf16 inputs, float64 reference within bf16 rounding of q, k, probabilities and output (test_attention.py's).
 BF16_ATOL = 3e-2
 # FlashInfer's prefill over an 8-bit pool multiplies the probabilities by V in that format (3 mantissa bits in
-# e4m3: up to 2^-4 relative per probability), so outputs of magnitude ~2-3 move by up to ~0.2 (0.125 seen on an
-# H200); a wrong index or mask moves them by the values' own size, ~1.
+# e4m3: up to 2^-4 relative per probability), so outputs of magnitude ~2-3 move by up to ~0.2 (docs/gpu.md); a
+# wrong index or mask moves them by the values' own size, ~1.
 FP8_PREFILL_ATOL = 0.25
 BATCHES = {
     "decode_gqa3": ([3, 60, 17, 1, 41, 8], [1, 1, 1, 1, 1, 1], 9, 3, 64),

@@ -66,8 +66,7 @@ class FlashInferBackend(AttentionBackend):
         flashinfer = _import_flashinfer()
         workspace = flashinfer_workspace(device)
         # fa2, not "auto" (which picks FA3 on Hopper for 16-bit KV): FA3's module takes minutes to JIT-compile
-        # (over 140 s on the device check's H200, docs/gpu.md), fa2 serves the 8-bit pools too, so one kind of
-        # module covers both.
+        # (docs/gpu.md), and fa2 serves the 8-bit pools too, so one kind of module covers both.
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self._wrapper = None
